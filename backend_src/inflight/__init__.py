@@ -1,0 +1,6 @@
+"""inflight: an iteration-level (continuous-batching) LLM engine for Triton's Python backend."""
+from .config import EngineConfig, SamplingParams
+from .engine import LLMEngine, QueueFullError
+from .request import RequestOutput, StepOutput
+
+__all__ = ["EngineConfig", "LLMEngine", "QueueFullError", "RequestOutput", "SamplingParams", "StepOutput"]

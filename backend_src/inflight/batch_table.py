@@ -1,0 +1,90 @@
+"""The running batch as arrays: one row per seat, holding each running request's token ids,
+progress (`num_computed`), stop conditions, sampling knobs and KV block table.
+
+Keeping this state in numpy rows instead of per-request Python objects makes a decode step's
+bookkeeping a handful of vector operations however many requests are running, and lets the
+runner pack a step's inputs by fancy indexing.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .request import Request
+
+
+class BatchTable:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int):
+        rows = max_num_seqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.token_ids = np.zeros((rows, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(rows, dtype=np.int32)        # prompt + output so far
+        self.num_computed = np.zeros(rows, dtype=np.int32)      # tokens whose KV is in the cache
+        self.num_prompt = np.zeros(rows, dtype=np.int32)
+        self.max_total = np.zeros(rows, dtype=np.int32)         # finish ("length") at this many tokens
+        self.min_total = np.zeros(rows, dtype=np.int32)         # stop tokens are banned below this
+        self.stop_ids = np.full((rows, 1), -1, dtype=np.int32)  # EOS (unless ignore_eos) + stop ids
+        self.block_table = np.zeros((rows, -(-max_model_len // block_size)), dtype=np.int32)
+        self.num_blocks = np.zeros(rows, dtype=np.int32)
+        self.temperature = np.zeros(rows, dtype=np.float32)
+        self.top_k = np.zeros(rows, dtype=np.int32)
+        self.top_p = np.ones(rows, dtype=np.float32)
+        self.want_logprobs = np.zeros(rows, dtype=bool)
+        self.has_bad_words = np.zeros(rows, dtype=bool)
+        self.request_ids = np.empty(rows, dtype=object)
+        self.requests: list[Request | None] = [None] * rows
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def add(self, req: Request, eos_token_ids: tuple[int, ...]) -> int:
+        """Give a request a row; its token ids move into the table until it leaves."""
+        row = self._free_rows.pop()
+        params = req.params
+        num_tokens = len(req.token_ids)
+        self.token_ids[row, :num_tokens] = req.token_ids
+        self.num_tokens[row] = num_tokens
+        self.num_computed[row] = 0
+        self.num_prompt[row] = req.num_prompt_tokens
+        self.max_total[row] = min(req.num_prompt_tokens + params.max_tokens, self.max_model_len)
+        self.min_total[row] = req.num_prompt_tokens + params.min_tokens
+        stops = params.stop_token_ids + (() if params.ignore_eos else eos_token_ids)
+        if len(stops) > self.stop_ids.shape[1]:
+            self.stop_ids = np.pad(self.stop_ids, ((0, 0), (0, len(stops) - self.stop_ids.shape[1])),
+                                   constant_values=-1)
+        self.stop_ids[row] = -1
+        self.stop_ids[row, :len(stops)] = stops
+        self.num_blocks[row] = 0
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.want_logprobs[row] = params.logprobs
+        self.has_bad_words[row] = bool(params.bad_words_ids)
+        self.request_ids[row] = req.request_id
+        self.requests[row] = req
+        req.row = row
+        return row
+
+    def remove(self, row: int) -> Request:
+        """Free a row, copying the request's tokens back to it (for output or recompute)."""
+        req = self.requests[row]
+        req.token_ids = self.token_ids[row, :self.num_tokens[row]].tolist()
+        req.row = -1
+        self.requests[row] = None
+        self.request_ids[row] = None
+        self.num_blocks[row] = 0
+        self._free_rows.append(row)
+        return req
+
+    def blocks(self, row: int) -> list[int]:
+        return self.block_table[row, :self.num_blocks[row]].tolist()
+
+    def append_blocks(self, row: int, blocks: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start:start + len(blocks)] = blocks
+        self.num_blocks[row] = start + len(blocks)
+
+    def output_ids(self, row: int) -> list[int]:
+        return self.token_ids[row, self.num_prompt[row]:self.num_tokens[row]].tolist()

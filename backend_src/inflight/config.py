@@ -1,0 +1,124 @@
+"""Engine and sampling configuration, validated with messages that name the offending field."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+POLICIES = ("continuous", "dynamic", "static")
+PRIORITIES = {"high": 0, "normal": 1, "low": 2}
+DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"'{name}' {message}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+def parse_priority(value: str | int) -> int:
+    """'high' | 'normal' | 'low' (or 0 | 1 | 2) -> 0 | 1 | 2; lower runs first."""
+    if isinstance(value, str) and value.lower() in PRIORITIES:
+        return PRIORITIES[value.lower()]
+    if _is_int(value) and value in PRIORITIES.values():
+        return value
+    raise ValueError(f"'priority' must be one of 'high', 'normal', 'low', got {value!r}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None          # explicit pool size; else derived from the memory budget
+    kv_cache_gb: float | None = None          # memory budget for the KV pool (CPU default 1 GiB)
+    gpu_memory_utilization: float = 0.9       # CUDA: share of device memory the engine may use in all
+    max_num_seqs: int = 64                    # seats in the running batch
+    max_num_batched_tokens: int = 2048        # token budget of one step
+    max_model_len: int | None = None          # prompt + output; default: the model's max positions
+    policy: str = "continuous"
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    static_batch_size: int | None = None      # static policy: requests per batch (default max_num_seqs)
+    batch_wait_timeout_s: float = 0.1         # static policy: start a short batch after this long
+    dynamic_length_window: int = 128          # dynamic policy: prompt-length spread within a group
+    max_queue_size: int | None = None         # waiting requests; beyond it add_request fails at once
+    max_queue_wait_s: float | None = None     # a request waiting longer than this fails
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    cpu_threads: int | None = None
+    seed: int = 0                             # for unseeded sampling
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "dynamic_length_window"):
+            _check(_is_int(getattr(self, name)) and getattr(self, name) > 0, name, "must be a positive integer")
+        for name in ("num_kv_blocks", "max_model_len", "static_batch_size", "max_queue_size", "cpu_threads"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and value > 0), name, "must be a positive integer or None")
+        for name in ("kv_cache_gb", "max_queue_wait_s"):
+            value = getattr(self, name)
+            _check(value is None or (_is_number(value) and value > 0), name, "must be a positive number or None")
+        _check(_is_number(self.batch_wait_timeout_s) and self.batch_wait_timeout_s >= 0,
+               "batch_wait_timeout_s", "must be >= 0")
+        _check(_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+               "gpu_memory_utilization", "must be in (0, 1]")
+        _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+               f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        _check(isinstance(self.device, str) and self.device.split(":")[0] in ("auto", "cpu", "cuda"),
+               "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _check(_is_int(self.seed), "seed", "must be an integer")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown engine config keys {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0                  # 0 means greedy
+    top_k: int = -1                           # -1 or 0: off
+    top_p: float = 1.0
+    seed: int | None = None                   # per-request generator: same tokens in any batch
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False                    # return the log-probability of each chosen token
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()   # token sequences that must not be generated
+    stop: tuple[str, ...] = field(default=())  # stop strings: applied by the detokenizing layer
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+               f"must be a finite number >= 0, got {self.temperature!r}")
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be an integer >= -1, got {self.top_k!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be a list of non-negative integers")
+        self.bad_words_ids = tuple(tuple(w) for w in self.bad_words_ids)
+        _check(all(w and all(_is_int(t) and t >= 0 for t in w) for w in self.bad_words_ids), "bad_words_ids",
+               "must be a list of non-empty lists of non-negative integers")
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be a list of non-empty strings")
+        for name in ("ignore_eos", "logprobs"):
+            _check(isinstance(getattr(self, name), bool), name, "must be a boolean")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

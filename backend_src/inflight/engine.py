@@ -1,0 +1,213 @@
+"""LLMEngine: requests in, one token per running request per step out.
+
+Single-threaded by design: one caller drives add_request / abort / step (the Triton adapter does
+so from its engine thread). Nothing here knows about Triton.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .config import EngineConfig, SamplingParams, parse_priority
+from .kv_cache import KVCacheManager
+from .request import Request, RequestOutput, Status, StepOutput
+from .runner import ModelRunner
+from .sampler import Sampler
+from .scheduler import Scheduler
+
+log = logging.getLogger("inflight")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at max_queue_size: the request is refused, not queued."""
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, config: EngineConfig, eos_token_ids: tuple[int, ...],
+                 model_key: bytes):
+        self.config = config
+        self.runner = runner
+        self.max_model_len = runner.max_model_len
+        self.vocab_size = runner.spec.vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.model_key = model_key
+        prefix_caching = config.enable_prefix_caching and config.policy == "continuous"
+        self.kv = KVCacheManager(runner.num_blocks, config.block_size, prefix_caching)
+        self.scheduler = Scheduler(config, self.max_model_len, self.kv, eos_token_ids)
+        self.sampler = Sampler(runner.device, config.seed)
+        self.requests: dict[str, Request] = {}       # unfinished requests by id
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+        self.last_step_s = 0.0
+        self.num_computed_tokens = 0                 # tokens run through the model (no padding)
+        self.num_padding_tokens = 0
+        self.num_generated_tokens = 0
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None) -> "LLMEngine":
+        """Load a local Hugging Face checkpoint directory (config.json + *.safetensors)."""
+        from transformers import AutoConfig, GenerationConfig
+
+        config = config or EngineConfig()
+        if not os.path.isdir(model_dir):
+            raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        eos = getattr(hf_config, "eos_token_id", None)
+        if os.path.exists(os.path.join(model_dir, "generation_config.json")):
+            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        runner = ModelRunner(model_dir, hf_config, config)
+        model_key = hashlib.blake2b(f"{os.path.realpath(model_dir)}|{runner.dtype}".encode(), digest_size=16).digest()
+        return cls(runner, config, eos_ids, model_key)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+                    priority: str | int = "normal", cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> Request:
+        """Queue a request; raises ValueError (naming the field) for anything that could never run,
+        QueueFullError when the waiting queue is full. Returns the request's (read-only) state."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError("'params' must be a SamplingParams")
+        if request_id in self.requests:
+            raise ValueError(f"'request_id' {request_id!r} is already in use")
+        prompt = self._check_prompt(prompt_token_ids)
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + 'max_tokens' ({params.max_tokens}) = {total} "
+                             f"exceeds max_model_len ({self.max_model_len})")
+        blocks = -(-total // self.config.block_size)
+        if blocks > self.kv.num_blocks:
+            raise ValueError(f"prompt + 'max_tokens' needs {blocks} KV blocks but the pool has only "
+                             f"{self.kv.num_blocks} (block_size {self.config.block_size})")
+        limit = self.config.max_queue_size
+        if limit is not None and self.scheduler.num_waiting >= limit:
+            raise QueueFullError(f"queue full: {limit} requests are already waiting (max_queue_size)")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(params.seed)
+        salt = (cache_salt or "").encode()
+        req = Request(request_id=request_id, token_ids=prompt, num_prompt_tokens=len(prompt), params=params,
+                      priority=parse_priority(priority), arrival_seq=next(self._arrivals),
+                      arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                      generator=generator,
+                      cache_key=hashlib.blake2b(self.model_key + b"|" + salt, digest_size=16).digest())
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def _check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("'prompt_token_ids' is empty")
+        ids = np.asarray(prompt)
+        if ids.dtype.kind not in "iu":
+            raise ValueError("'prompt_token_ids' must be integers")
+        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
+        if bad.size:
+            raise ValueError(f"'prompt_token_ids': token id {int(ids[bad[0]])} at position {int(bad[0])} "
+                             f"is outside the vocabulary [0, {self.vocab_size})")
+        return [int(t) for t in prompt]
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now (reported with finish reason 'abort' by the next step)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status == Status.FINISHED:
+            return False
+        self.scheduler.abort(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or self.scheduler.has_work()
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        """One iteration: schedule, forward, sample, update. Returns the new token of every request
+        that advanced and the requests that ended (finished, aborted, failed)."""
+        started = time.perf_counter()
+        errors = self._expire_waiting()
+        scheduler, table = self.scheduler, self.scheduler.table
+        out = scheduler.schedule()
+        request_ids, token_ids, logprobs = [], [], None
+        if len(out):
+            logits = self.runner.execute(out, table)
+            sample_rows = out.rows[out.sample_mask]
+            tokens, token_logprobs = self.sampler(logits, table, sample_rows)
+            request_ids = table.request_ids[sample_rows].tolist()
+            if token_logprobs is not None:
+                logprobs = token_logprobs.tolist()
+                for i in np.flatnonzero(table.want_logprobs[sample_rows]).tolist():
+                    table.requests[int(sample_rows[i])].logprobs.append(logprobs[i])
+            scheduler.update(out, tokens)
+            token_ids = tokens.tolist()
+            self.num_computed_tokens += out.num_tokens
+            self.num_padding_tokens += out.num_padding_tokens
+            self.num_generated_tokens += len(token_ids)
+            self.num_steps += 1
+        finished, scheduler.finished = scheduler.finished, {}
+        for request_id in finished:
+            self.requests.pop(request_id, None)
+        self.last_step_s = time.perf_counter() - started
+        return StepOutput(request_ids, token_ids, logprobs, finished, errors)
+
+    def _expire_waiting(self) -> dict[str, str]:
+        limit = self.config.max_queue_wait_s
+        if limit is None:
+            return {}
+        errors = {}
+        for req in self.scheduler.expire_waiting(limit):
+            req.error = errors[req.request_id] = f"timed out in queue after {limit:g} s (max_queue_wait_s)"
+        return errors
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Offline batch generation: run every prompt to completion; outputs in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompt_token_ids)
+        if len(params) != len(prompt_token_ids):
+            raise ValueError("'params' must be one SamplingParams or one per prompt")
+        base = next(self._arrivals)
+        reqs = [self.add_request(f"generate-{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompt_token_ids, params))]
+        while any(r.status != Status.FINISHED for r in reqs):
+            self.step()
+        return [to_output(r) for r in reqs]
+
+    # ---- observability -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        scheduler, table = self.scheduler, self.scheduler.table
+        rows = np.concatenate([scheduler.running, np.asarray(scheduler.held_rows, dtype=np.int64)])
+        allocated = int(table.num_blocks[rows].sum()) * self.config.block_size
+        live = int(np.minimum(table.num_tokens[rows], table.num_blocks[rows] * self.config.block_size).sum())
+        return {
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_used": self.kv.num_used_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_blocks_cached": self.kv.num_cached_blocks,
+            "kv_slot_utilization": live / allocated if allocated else 1.0,
+            "running": scheduler.num_running,
+            "waiting": scheduler.num_waiting,
+            "preemptions": scheduler.num_preemptions,
+            "steps": self.num_steps,
+            "last_step_s": self.last_step_s,
+            "computed_tokens": self.num_computed_tokens,
+            "padding_tokens": self.num_padding_tokens,
+            "generated_tokens": self.num_generated_tokens,
+            "prefix_cache_query_tokens": scheduler.prefix_query_tokens,
+            "prefix_cache_hit_tokens": scheduler.prefix_hit_tokens,
+        }
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
+
+
+def to_output(req: Request) -> RequestOutput:
+    return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids, req.finish_reason,
+                         list(req.logprobs) if req.params.logprobs else None, req.num_preemptions)

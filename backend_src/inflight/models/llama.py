@@ -1,0 +1,235 @@
+"""Llama-family decoder (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) over packed tokens.
+
+The numerics follow `transformers` op for op (RMSNorm in float32, RoPE tables computed in float32
+by transformers' own rope functions, SwiGLU), so greedy outputs match it exactly. Differences from
+the HF modules: q/k/v and gate/up projections are fused into one matmul each, a step's tokens are
+packed into one [num_tokens, hidden] batch, and attention reads and writes the paged KV cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionBackend, AttentionMetadata
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(slots=True, frozen=True)
+class ModelSpec:
+    """The few numbers and switches that distinguish one Llama-family checkpoint from another."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ModelSpec":
+        arch = (config.architectures or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is supported")
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        sliding_window = getattr(config, "sliding_window", None)
+        if is_qwen2 and not getattr(config, "use_sliding_window", False):
+            sliding_window = None
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            max_position_embeddings=config.max_position_embeddings,
+            sliding_window=sliding_window,
+        )
+
+
+def rope_tables(config, max_positions: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_positions, head_dim] for every position, computed exactly as transformers
+    does per forward (float32, then cast), using its rope-type functions for the frequencies."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    params = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    init = LlamaRotaryEmbedding.compute_default_rope_parameters if rope_type == "default" \
+        else ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, scaling = init(config)
+    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(device=device, dtype=dtype), (emb.sin() * scaling).to(device=device, dtype=dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.scale = spec.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache, backend: AttentionBackend):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rotate(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = rotate(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = torch.zeros_like(q)
+        real = meta.num_real_tokens     # padding rows (static/dynamic policies) skip attention
+        if real:
+            backend.write_kv(k[:real], v[:real], k_cache, v_cache, meta.slot_mapping)
+            backend.attention(q[:real], k_cache, v_cache, out[:real], meta.cu_seqlens_q, meta.seq_lens,
+                              meta.block_table, self.scale)
+        return self.o_proj(out.view(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, cos, sin, meta, k_cache, v_cache, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaModel(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend) -> torch.Tensor:
+        """input_ids [num_tokens], cos/sin [num_tokens, head_dim] -> hidden states [num_tokens, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, meta, k_cache, v_cache, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # ---- checkpoint loading ------------------------------------------------------------------
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def load_hf_weights(self, weights) -> None:
+        """Copy (name, tensor) pairs of a HF checkpoint into the fused modules; every parameter
+        must be covered exactly once."""
+        params = dict(self.named_parameters())
+        spec = self.spec
+        shard_sizes = {"qkv_proj": [spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim,
+                                    spec.num_kv_heads * spec.head_dim],
+                       "gate_up_proj": [spec.intermediate_size, spec.intermediate_size]}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and spec.tie_word_embeddings):
+                continue
+            parts = name.split(".")
+            target, shard = name, None
+            if len(parts) >= 2 and parts[-2] in self._FUSED:
+                fused, shard = self._FUSED[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[target]
+            if shard is None:
+                dest = param.data
+            else:
+                sizes = shard_sizes[target.split(".")[-2]]
+                dest = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if dest.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(name)
+        expected = self._expected_checkpoint_names()
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _expected_checkpoint_names(self) -> set[str]:
+        names = set()
+        for name, _ in self.named_parameters(remove_duplicate=False):
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] == "qkv_proj":
+                names.update(".".join(parts[:-2] + [p, parts[-1]]) for p in ("q_proj", "k_proj", "v_proj"))
+            elif len(parts) >= 2 and parts[-2] == "gate_up_proj":
+                names.update(".".join(parts[:-2] + [p, parts[-1]]) for p in ("gate_proj", "up_proj"))
+            else:
+                names.add(name)
+        return names

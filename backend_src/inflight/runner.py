@@ -1,0 +1,162 @@
+"""Model runner: loads a local HF checkpoint, owns the KV-cache tensors, packs a scheduled step
+into flat tensors and runs the forward pass, returning logits for the rows that sample."""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+import numpy as np
+import torch
+
+from .attention import AttentionMetadata, select_backend
+from .batch_table import BatchTable
+from .config import EngineConfig
+from .models import LlamaForCausalLM, ModelSpec, rope_tables
+from .scheduler import SchedulerOutput
+
+log = logging.getLogger("inflight")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float64": torch.float64}
+_CPU_DEFAULT_KV_GB = 1.0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("'device' is 'cuda' but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, hf_config) -> torch.dtype:
+    """fp32 on CPU; on CUDA the checkpoint's half type (bf16 if it was saved in fp32)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def iter_checkpoint(model_dir: str):
+    """(name, tensor) pairs of every *.safetensors shard in a HF checkpoint directory."""
+    from safetensors import safe_open
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir!r}")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, hf_config, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
+        if config.cpu_threads:
+            torch.set_num_threads(config.cpu_threads)
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.max_model_len = self._resolve_max_model_len(config.max_model_len)
+        self.block_size = config.block_size
+        self.backend = select_backend(config.attention_backend, self.device)
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(self.spec).to(self.dtype)
+        with torch.no_grad():
+            self.model.load_hf_weights((n, t.to(self.dtype)) for n, t in iter_checkpoint(model_dir))
+        self.model.eval()
+        self.cos, self.sin = rope_tables(hf_config, self.max_model_len, self.dtype, self.device)
+        self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.spec.num_layers)]
+        log.info("inflight runner: %s on %s/%s, attention=%s, %d KV blocks x %d tokens (%.2f GiB)",
+                 type(self.model).__name__, self.device, self.dtype, self.backend.name, self.num_blocks,
+                 self.block_size, self.num_blocks * self.kv_block_bytes / 2**30)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        s = self.spec
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+
+    def _resolve_max_model_len(self, requested: int | None) -> int:
+        limit = self.spec.max_position_embeddings
+        if self.spec.sliding_window:
+            # attention here is full attention: exact only while no sequence passes the window
+            limit = min(limit, self.spec.sliding_window)
+        if requested is not None and requested > limit:
+            raise ValueError(f"'max_model_len' {requested} exceeds what the model supports ({limit})")
+        return requested or limit
+
+    def _blocks_that_fit(self) -> int:
+        if self.device.type == "cpu":
+            budget = (self.config.kv_cache_gb or _CPU_DEFAULT_KV_GB) * 2**30
+        elif self.config.kv_cache_gb:
+            budget = self.config.kv_cache_gb * 2**30
+        else:
+            budget = self._cuda_kv_budget()
+        blocks = int(budget // self.kv_block_bytes)
+        if blocks < 1:
+            raise ValueError("the KV cache budget holds no block; raise 'kv_cache_gb' or "
+                             "'gpu_memory_utilization'")
+        return blocks
+
+    def _cuda_kv_budget(self) -> float:
+        """What gpu_memory_utilization leaves after weights and the activations of a full step
+        (measured by a forward pass of max_num_batched_tokens padding tokens)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.config.max_num_batched_tokens
+        empty = torch.zeros(0, dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(empty.long(), torch.zeros(1, dtype=torch.int32, device=self.device),
+                                 empty, empty.view(0, 0), 0)
+        with torch.no_grad():
+            hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), self.cos[:n], self.sin[:n],
+                                meta, [(None, None)] * self.spec.num_layers, self.backend)
+            self.model.compute_logits(hidden[:self.config.max_num_seqs])
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        return total * self.config.gpu_memory_utilization - used_by_others - peak
+
+    # ---- one step ------------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput, table: BatchTable):
+        """Pack the step: token ids, positions, slot mapping, block tables, query offsets, lengths."""
+        rows, n = out.rows, out.num_scheduled.astype(np.int64)
+        start = table.num_computed[rows].astype(np.int64)
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(n, out=cu[1:])
+        total = int(cu[-1])
+        seq = np.repeat(np.arange(len(rows)), n)
+        positions = np.arange(total) - cu[seq] + start[seq]
+        token_rows = rows[seq]
+        input_ids = table.token_ids[token_rows, positions]
+        bs = self.block_size
+        slots = table.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = start + n
+        max_blocks = int(-(-seq_lens.max() // bs)) if len(rows) else 0
+        block_table = table.block_table[rows, :max_blocks]
+        logits_index = cu[1:][out.sample_mask] - 1
+        if out.num_padding_tokens:
+            pad = out.num_padding_tokens
+            input_ids = np.concatenate([input_ids, np.zeros(pad, dtype=input_ids.dtype)])
+            positions = np.concatenate([positions, np.zeros(pad, dtype=positions.dtype)])
+        to = self._to_device
+        meta = AttentionMetadata(to(slots), to(cu.astype(np.int32)), to(seq_lens.astype(np.int32)),
+                                 to(block_table), total)
+        return to(input_ids.astype(np.int64)), to(positions), meta, to(logits_index)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+    @torch.no_grad()
+    def execute(self, out: SchedulerOutput, table: BatchTable) -> torch.Tensor:
+        """Forward one scheduled step; logits [num_sampling_rows, vocab] for the rows that sample."""
+        input_ids, positions, meta, logits_index = self.prepare(out, table)
+        hidden = self.model(input_ids, self.cos[positions], self.sin[positions], meta, self.kv_caches, self.backend)
+        return self.model.compute_logits(hidden[logits_index])

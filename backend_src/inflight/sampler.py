@@ -1,0 +1,87 @@
+"""Logits -> next tokens for a whole step, with torch ops over the batch.
+
+Greedy rows take the argmax. Sampled rows apply temperature, top-k and top-p, then draw with the
+exponential-race trick (argmax of p / E, E ~ Exp(1)), which needs exactly one noise vector per
+token: a seeded request draws it from its own generator, so its tokens do not depend on what else
+is in the batch. Log-probabilities are those of the model's own distribution.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .batch_table import BatchTable
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int):
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
+        """logits [len(rows), vocab] -> (token ids, log-probs or None if no row asked for them)."""
+        if logits.dtype != torch.float64:   # float64 stays: exactness tests compare argmaxes
+            logits = logits.float()
+        raw = logits
+        logits = self._apply_bans(logits, table, rows)
+        temperature = table.temperature[rows]
+        tokens = logits.argmax(dim=-1)
+        sampled = np.flatnonzero(temperature > 0)
+        if sampled.size:
+            index = torch.from_numpy(sampled).to(logits.device)
+            probs = self._probs(logits[index], temperature[sampled], table.top_k[rows[sampled]],
+                                table.top_p[rows[sampled]])
+            noise = self._noise(probs, table, rows[sampled])
+            tokens[index] = (probs / noise).argmax(dim=-1)
+        logprobs = None
+        if table.want_logprobs[rows].any():
+            logprobs = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1).float().cpu().numpy()
+        return tokens.cpu().numpy(), logprobs
+
+    def _apply_bans(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> torch.Tensor:
+        """-inf for stop tokens before min_tokens is reached, and for the last token of any bad
+        word whose other tokens were just generated."""
+        below_min = np.flatnonzero(table.num_tokens[rows] < table.min_total[rows])
+        with_bad_words = np.flatnonzero(table.has_bad_words[rows])
+        if not below_min.size and not with_bad_words.size:
+            return logits
+        logits = logits.clone()
+        if below_min.size:
+            stops = table.stop_ids[rows[below_min]]
+            i, j = np.nonzero(stops >= 0)
+            logits[torch.from_numpy(below_min[i]), torch.from_numpy(stops[i, j].astype(np.int64))] = -torch.inf
+        for i in with_bad_words.tolist():
+            row = int(rows[i])
+            length = int(table.num_tokens[row])
+            for word in table.requests[row].params.bad_words_ids:
+                prefix = word[:-1]
+                if len(prefix) <= length and tuple(table.token_ids[row, length - len(prefix):length]) == prefix:
+                    logits[i, word[-1]] = -torch.inf
+        return logits
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
+        device = logits.device
+        logits = logits / torch.from_numpy(temperature).to(device, logits.dtype)[:, None]
+        vocab = logits.shape[-1]
+        k = np.where(top_k > 0, np.minimum(top_k, vocab), vocab)
+        if (k < vocab).any() or (top_p < 1).any():
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=device)[None, :]
+            sorted_logits = sorted_logits.masked_fill(ranks >= torch.from_numpy(k).to(device)[:, None], -torch.inf)
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            top_p_t = torch.from_numpy(top_p).to(device, sorted_probs.dtype)[:, None]
+            sorted_logits = sorted_logits.masked_fill(mass_before > top_p_t, -torch.inf)
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        return logits.softmax(dim=-1)
+
+    def _noise(self, probs: torch.Tensor, table: BatchTable, rows: np.ndarray) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for i, row in enumerate(rows.tolist()):
+            generator = table.requests[row].generator
+            if generator is not None:
+                noise[i].exponential_(generator=generator)
+        return noise

@@ -1,0 +1,377 @@
+"""Iteration-level scheduling: which requests run in the next step, and with how many tokens.
+
+`continuous` (default) re-forms the batch every step under a token budget, vLLM-v1 style: one
+number per request, `num_computed`, makes prefill, chunked prefill, resumption after preemption and
+decode the same loop — a request simply gets `min(num_tokens - num_computed, budget left)` tokens.
+Running requests go first, in (priority, arrival) order; then waiting ones are admitted while seats,
+budget and KV blocks allow. When blocks run out, the lowest-priority newest running request is
+preempted (its blocks freed, recomputed later). `dynamic` and `static` are the request-level
+policies that continuous batching replaces, kept so benchmarks can compare scheduling alone.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from .batch_table import BatchTable
+from .config import EngineConfig
+from .kv_cache import KVCacheManager, hash_block
+from .request import Request, Status
+
+_PRIORITY_SHIFT = 40    # running order key: priority << shift | arrival_seq
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    rows: np.ndarray            # batch-table rows, in batch order
+    num_scheduled: np.ndarray   # tokens of each row computed this step
+    sample_mask: np.ndarray     # rows whose step ends at their last token: they sample one
+    num_padding_tokens: int = 0  # static/dynamic: padding computed and thrown away
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.num_scheduled.sum())
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, max_model_len: int, kv: KVCacheManager,
+                 eos_token_ids: tuple[int, ...]):
+        self.config = config
+        self.policy = config.policy
+        self.block_size = config.block_size
+        self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        self.table = BatchTable(config.max_num_seqs, max_model_len, config.block_size)
+        self.waiting: list[deque[Request]] = [deque(), deque(), deque()]   # one per priority class
+        self.running = np.empty(0, dtype=np.int64)       # rows, sorted by (priority, arrival)
+        self._running_keys = np.empty(0, dtype=np.int64)
+        self.held_rows: list[int] = []      # static policy: finished rows kept as padding
+        self.finished: dict[str, str] = {}  # reported with the next step's output
+        self.num_preemptions = 0
+        self.prefix_query_tokens = 0        # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0          # of which found cached
+
+    # ---- queues -------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return self.num_waiting > 0 or self.num_running > 0 or bool(self.held_rows)
+
+    def add(self, req: Request) -> None:
+        self.waiting[req.priority].append(req)
+
+    def _waiting_in_order(self) -> Iterator[Request]:
+        for queue in self.waiting:
+            yield from queue
+
+    def _peek_waiting(self) -> Request | None:
+        for queue in self.waiting:
+            if queue:
+                return queue[0]
+        return None
+
+    def _insert_running(self, req: Request) -> None:
+        key = (req.priority << _PRIORITY_SHIFT) | req.arrival_seq
+        pos = int(np.searchsorted(self._running_keys, key))
+        self.running = np.insert(self.running, pos, req.row)
+        self._running_keys = np.insert(self._running_keys, pos, key)
+
+    def _drop_running(self, rows: list[int]) -> None:
+        keep = ~np.isin(self.running, rows)
+        self.running = self.running[keep]
+        self._running_keys = self._running_keys[keep]
+
+    # ---- schedule -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        if self.policy == "continuous":
+            return self._schedule_continuous()
+        return self._schedule_group()
+
+    def _schedule_continuous(self) -> SchedulerOutput:
+        self._preempt_for_priority()
+        budget = self.config.max_num_batched_tokens
+        rows = self.running
+        table = self.table
+        n = table.num_tokens[rows] - table.num_computed[rows]
+        ends = np.cumsum(n)
+        if ends.size and ends[-1] > budget:
+            n = np.clip(budget - (ends - n), 0, n)
+        need = self._blocks_needed(rows, n)
+        if need.sum() <= self.kv.num_free_blocks:
+            self._allocate(rows, need)
+        else:
+            rows, n = self._schedule_under_pressure(rows, n)
+        new_rows, new_n = self._admit(budget - int(n.sum()))
+        if new_rows:
+            rows = np.concatenate([rows, np.asarray(new_rows, dtype=np.int64)])
+            n = np.concatenate([n, np.asarray(new_n, dtype=n.dtype)])
+        keep = n > 0
+        rows, n = rows[keep], n[keep]
+        return SchedulerOutput(rows, n, table.num_computed[rows] + n == table.num_tokens[rows])
+
+    def _blocks_needed(self, rows: np.ndarray, n: np.ndarray) -> np.ndarray:
+        table = self.table
+        return -(-(table.num_computed[rows] + n) // self.block_size) - table.num_blocks[rows]
+
+    def _allocate(self, rows: np.ndarray, need: np.ndarray) -> None:
+        for row, count in zip(rows[need > 0].tolist(), need[need > 0].tolist()):
+            self.table.append_blocks(row, self.kv.allocate(count))
+
+    def _schedule_under_pressure(self, rows: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Running pass when blocks are short: in order, each request takes the blocks it needs,
+        preempting from the back of the running order (lowest priority, newest) — itself last."""
+        kept_rows, kept_n = [], []
+        for row, count in zip(rows.tolist(), n.tolist()):
+            req = self.table.requests[row]
+            if count == 0 or req is None or req.status != Status.RUNNING:
+                continue
+            need = int(self._blocks_needed(np.array([row]), np.array([count]))[0])
+            while need > self.kv.num_free_blocks and req.status == Status.RUNNING:
+                self.preempt(self.table.requests[int(self.running[-1])])
+            if req.status == Status.RUNNING:
+                self.table.append_blocks(row, self.kv.allocate(need))
+                kept_rows.append(row)
+                kept_n.append(count)
+        return np.asarray(kept_rows, dtype=np.int64), np.asarray(kept_n, dtype=n.dtype)
+
+    def _preempt_for_priority(self) -> None:
+        """A waiting request that outranks running ones and cannot fit takes their room — only if
+        preempting requests of strictly lower priority is enough to make it fit."""
+        req = self._peek_waiting()
+        if req is None or not len(self.running) or self._fits(req, 0, 0):
+            return
+        victims, freed_blocks = [], 0
+        for row in self.running[::-1].tolist():
+            victim = self.table.requests[row]
+            if victim.priority <= req.priority:
+                break
+            victims.append(victim)
+            # blocks only this victim holds go back to the pool (shared ones stay)
+            freed_blocks += sum(1 for b in self.table.blocks(row) if self.kv.ref_counts[b] == 1)
+            if self._fits(req, len(victims), freed_blocks):
+                for v in victims:
+                    self.preempt(v)
+                return
+
+    def _fits(self, req: Request, freed_seats: int, freed_blocks: int) -> bool:
+        """Admission test. Besides a seat, the free pool must hold the request's whole remaining
+        prompt plus one block of headroom per other running request. The headroom is the thrash
+        guard: a just-admitted request cannot be the victim of the very next decode steps, and a
+        preempted request comes back only once its whole recompute fits."""
+        if self.table.num_free_rows + freed_seats == 0:
+            return False
+        hit, _ = self._prefix_hit(req)
+        need_total = -(-len(req.token_ids) // self.block_size) - len(hit)
+        headroom = len(self.running) - freed_seats
+        available = self.kv.num_free_blocks + freed_blocks - self.kv.count_free_among(hit)
+        return available >= need_total + headroom
+
+    def _prefix_hit(self, req: Request) -> tuple[list[int], int]:
+        """Cached blocks for the longest prefix of the request's tokens, and the tokens they
+        cover. The last token is always recomputed so the next token has logits."""
+        if not self.kv.enable_prefix_caching:
+            return [], 0
+        num_full = (len(req.token_ids) - 1) // self.block_size
+        self._hash_blocks(req, req.token_ids, num_full)
+        hit = self.kv.find_cached_prefix(req.block_hashes[:num_full])
+        return hit, len(hit) * self.block_size
+
+    def _hash_blocks(self, req: Request, token_ids, num_full: int) -> None:
+        bs = self.block_size
+        for i in range(len(req.block_hashes), num_full):
+            parent = req.block_hashes[i - 1] if i else None
+            req.block_hashes.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs], req.cache_key))
+
+    def _admit(self, budget: int) -> tuple[list[int], list[int]]:
+        rows, counts = [], []
+        table = self.table
+        while budget > 0 and table.num_free_rows:
+            req = self._peek_waiting()
+            if req is None or not self._fits(req, 0, 0):
+                break
+            hit, num_computed = self._prefix_hit(req)
+            remaining = len(req.token_ids) - num_computed
+            count = min(remaining, budget)
+            if count < remaining and not self.config.enable_chunked_prefill:
+                break
+            self.waiting[req.priority].popleft()
+            row = self._start_running(req, hit, num_computed)
+            need = -(-(num_computed + count) // self.block_size) - len(hit)
+            table.append_blocks(row, self.kv.allocate(need))
+            rows.append(row)
+            counts.append(count)
+            budget -= count
+        return rows, counts
+
+    def _start_running(self, req: Request, hit: list[int], num_computed: int) -> int:
+        row = self.table.add(req, self.eos_token_ids)
+        self.kv.acquire(hit)
+        self.table.append_blocks(row, hit)
+        self.table.num_computed[row] = num_computed
+        req.status = Status.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+            req.num_cached_tokens = num_computed
+            self.prefix_query_tokens += len(req.token_ids)
+            self.prefix_hit_tokens += num_computed
+        self._insert_running(req)
+        return row
+
+    # ---- static and dynamic batching ------------------------------------------------------
+    def _schedule_group(self) -> SchedulerOutput:
+        """Request-level batching. A group is formed only when the previous one is done; its
+        prompts are padded to the longest; it runs to completion with no joins. `static` also
+        keeps finished requests' seats as padding until the group's longest request finishes."""
+        table = self.table
+        if not len(self.running):
+            self._release_held()
+            self._form_group()
+        rows = self.running
+        n = table.num_tokens[rows] - table.num_computed[rows]
+        padding = len(self.held_rows)
+        if n.size and n.max() > 1:          # the group's prefill step
+            padding += int(n.max()) * len(n) - int(n.sum())
+        return SchedulerOutput(rows, n, np.ones(len(rows), dtype=bool), padding)
+
+    def _form_group(self) -> None:
+        head = self._peek_waiting()
+        if head is None:
+            return
+        if self.policy == "static":
+            size = self.config.static_batch_size or self.config.max_num_seqs
+            waited = time.monotonic() - head.arrival_time
+            if self.num_waiting < size and waited < self.config.batch_wait_timeout_s:
+                return
+            members = list(self._waiting_in_order())[:size]
+        else:
+            window = self.config.dynamic_length_window
+            head_len = len(head.token_ids)
+            near = [r for r in self._waiting_in_order() if abs(len(r.token_ids) - head_len) <= window]
+            near.sort(key=lambda r: abs(len(r.token_ids) - head_len))
+            members = near[:self.config.max_num_seqs]
+        for req in members:
+            # request-level batching reserves a request's whole KV up front, as contiguous
+            # allocation does: no request of the group can run out of memory mid-way
+            reserve = -(-min(req.num_prompt_tokens + req.params.max_tokens, self.table.max_model_len)
+                        // self.block_size)
+            if reserve > self.kv.num_free_blocks or not self.table.num_free_rows:
+                break
+            self.waiting[req.priority].remove(req)
+            row = self._start_running(req, [], 0)
+            self.table.append_blocks(row, self.kv.allocate(reserve))
+
+    def _release_held(self) -> None:
+        for row in self.held_rows:
+            self.kv.free(self.table.blocks(row))
+            self.table.remove(row)
+        self.held_rows.clear()
+
+    # ---- after the step ---------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: np.ndarray) -> np.ndarray:
+        """Advance the scheduled rows, append each sampled token, finish requests that stop.
+        Returns the rows that sampled (in order of `sampled`)."""
+        table = self.table
+        rows, n = out.rows, out.num_scheduled
+        start = table.num_computed[rows]
+        table.num_computed[rows] = start + n
+        if self.kv.enable_prefix_caching and self.policy == "continuous":
+            prefill = start < table.num_prompt[rows]
+            for row in rows[prefill].tolist():
+                self._cache_computed_blocks(row)
+        sample_rows = rows[out.sample_mask]
+        length = table.num_tokens[sample_rows]
+        table.token_ids[sample_rows, length] = sampled
+        length += 1
+        table.num_tokens[sample_rows] = length
+        stopped = (table.stop_ids[sample_rows] == sampled[:, None]).any(axis=1)
+        done = stopped | (length >= table.max_total[sample_rows])
+        if done.any():
+            done_rows = sample_rows[done].tolist()
+            for row, stop in zip(done_rows, stopped[done].tolist()):
+                self._finish(table.requests[row], "stop" if stop else "length")
+            self._drop_running(done_rows)
+        return sample_rows
+
+    def _cache_computed_blocks(self, row: int) -> None:
+        """Make the row's fully computed blocks findable by later requests with the same prefix."""
+        table = self.table
+        req = table.requests[row]
+        num_full = int(table.num_computed[row]) // self.block_size
+        if num_full > len(req.block_hashes):
+            self._hash_blocks(req, table.token_ids[row], num_full)
+        for i in range(num_full):
+            self.kv.cache_block(int(table.block_table[row, i]), req.block_hashes[i])
+
+    def _release(self, req: Request) -> None:
+        """Give back a running request's seat and blocks (keeping full blocks findable)."""
+        row = req.row
+        if self.kv.enable_prefix_caching and self.policy == "continuous":
+            self._cache_computed_blocks(row)
+        self.kv.free(self.table.blocks(row))
+        self.table.remove(row)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if self.policy == "static" and req.status == Status.RUNNING:
+            req.token_ids = self.table.token_ids[req.row, :self.table.num_tokens[req.row]].tolist()
+            self.held_rows.append(req.row)
+        elif req.status == Status.RUNNING:
+            self._release(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self.finished[req.request_id] = reason
+
+    def preempt(self, req: Request) -> None:
+        """Recompute preemption: free everything, back to the head of its priority class."""
+        row = req.row
+        self._release(req)
+        self._drop_running([row])
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting[req.priority].appendleft(req)
+
+    def abort(self, req: Request, reason: str = "abort") -> None:
+        if req.status == Status.WAITING:
+            self.waiting[req.priority].remove(req)
+        elif req.status == Status.RUNNING:
+            row = req.row
+            self._finish(req, reason)
+            self._drop_running([row])
+            return
+        self._finish(req, reason)
+
+    def expire_waiting(self, max_wait_s: float) -> list[Request]:
+        """Requests never admitted that waited longer than max_wait_s (queue timeout)."""
+        now = time.monotonic()
+        expired = [r for r in self._waiting_in_order()
+                   if r.first_scheduled_time is None and now - r.arrival_time > max_wait_s]
+        for req in expired:
+            self.abort(req, "error")
+        return expired
+
+    # ---- checks -------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        table = self.table
+        owners = [table.blocks(int(row)) for row in self.running] + [table.blocks(r) for r in self.held_rows]
+        self.kv.check_invariants(owners)
+        assert len(self.running) + len(self.held_rows) + table.num_free_rows == len(table.requests)
+        for row in self.running.tolist():
+            req = table.requests[row]
+            assert req.status == Status.RUNNING and req.row == row
+            assert table.num_computed[row] <= table.num_tokens[row]
+            assert table.num_blocks[row] * self.block_size >= table.num_computed[row]
+        keys = self._running_keys
+        assert np.all(keys[:-1] <= keys[1:]), "running order broken"

@@ -1,0 +1,28 @@
+"""Random HF checkpoints for tests and benchmarks (built with transformers itself, saved as
+safetensors, so they are exactly what a user's checkpoint directory looks like)."""
+from __future__ import annotations
+
+import torch
+
+_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+
+def make_random_checkpoint(path: str, arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32,
+                           **overrides) -> str:
+    """Save a randomly initialised `arch` model ('llama' | 'mistral' | 'qwen2') to `path`."""
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, name) for name in _CONFIGS[arch])
+    values = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                  initializer_range=0.1)
+    values.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**values))
+    model.to(dtype).save_pretrained(path, safe_serialization=True)
+    return path

@@ -1,0 +1,81 @@
+"""How `unified_attention` tiles a step and when it splits the KV range (flash-decoding).
+
+Tiling (see unified_attention.py):
+  * One program owns BLOCK_Q query tokens of one sequence x all GROUP query heads that share one KV
+    head, so its tile has BLOCK_M = BLOCK_Q * GROUP_PAD rows and the QK^T / PV products are real
+    matrix products for `tl.dot` even for a single decode token. BLOCK_M is at least 16 (the
+    smallest `tl.dot` operand).
+  * Keys are walked TILE_N at a time; each key position looks its cache block up in the block
+    table, so TILE_N and the cache block size are independent.
+
+Split-KV heuristic (decode-only steps): a decode step launches num_seqs * num_kv_heads programs.
+When that is less than the number of SMs, most of the GPU would idle while those few programs walk
+long contexts, so the key range is cut into `num_splits` pieces, each its own program, and a small
+reduction kernel merges the partial softmax results. Splits are chosen to give about two programs
+per SM, but never fewer than MIN_KEYS_PER_SPLIT keys per split (below that the partial results
+cost more to write and merge than the split saves), and at most MAX_SPLITS. Prefill-bearing
+steps are never split automatically: their query tiles already give enough parallelism.
+The numbers are sensible defaults, not tuned measurements (tune with perf/kernel_bench.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+MIN_TILE_M = 16           # tl.dot needs M, N, K >= 16
+PREFILL_TILE_M = 64       # query rows per program when the step carries prefill chunks
+TILE_N = 64               # keys per inner-loop iteration
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_q: int        # query tokens per program
+    group_pad: int      # query heads per KV head, padded to a power of two
+    tile_n: int         # keys per inner-loop iteration
+    num_splits: int     # programs per (query tile, KV head) along the key range; 1 = no split
+    num_warps: int
+    num_stages: int
+
+    @property
+    def block_m(self) -> int:
+        return self.block_q * self.group_pad
+
+
+def choose_config(*, num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
+                  device: torch.device, seq_lens: torch.Tensor, max_seq_len: int | None,
+                  num_splits: int | None = None, tile_n: int | None = None,
+                  block_q: int | None = None) -> AttentionConfig:
+    """Pick the launch shape; explicit num_splits / tile_n / block_q override the heuristics."""
+    group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    decode_only = num_tokens == num_seqs        # every sequence has at least one query token
+    if block_q is None:
+        target_m = MIN_TILE_M if decode_only else PREFILL_TILE_M
+        block_q = max(1, target_m // group_pad)
+    block_q = max(block_q, triton.cdiv(MIN_TILE_M, group_pad))   # keep BLOCK_M >= 16
+    if num_splits is None:
+        num_splits = _auto_splits(decode_only, num_seqs * num_kv_heads, device, seq_lens, max_seq_len)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    tile_n = TILE_N if tile_n is None else tile_n
+    if tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n}")
+    num_warps = 4 if block_q * group_pad <= 64 else 8
+    num_stages = 3 if decode_only else 2
+    return AttentionConfig(block_q, group_pad, tile_n, num_splits, num_warps, num_stages)
+
+
+def _auto_splits(decode_only: bool, programs: int, device: torch.device, seq_lens: torch.Tensor,
+                 max_seq_len: int | None) -> int:
+    if not decode_only or device.type != "cuda":
+        return 1
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= num_sms:
+        return 1                               # the GPU is already full without splitting
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())      # host sync: callers that know it should pass it
+    splits = min(triton.cdiv(2 * num_sms, programs), max_seq_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS)
+    return max(splits, 1)

@@ -1,0 +1,193 @@
+"""Benchmark of inflight.kernels.unified_attention on a CUDA GPU.
+
+Cases: decode steps at batch {1, 16, 64} x context {512, 2048, 8192} and one mixed prefill+decode
+step, with Llama-3-8B-like attention (32 query heads, 8 KV heads, head_dim 128, bf16, cache block
+size 16, shuffled block tables). For each it reports:
+  * the kernel time (median of triton.testing.do_bench),
+  * achieved bandwidth = bytes of K/V and Q read / time, and that as a % of the device peak
+    (--peak-tbps, default 4.8 TB/s = H200 HBM3e),
+  * the ratio to torch SDPA on the same data already gathered into contiguous tensors (SDPA timed
+    alone, without the gather): > 1 means the paged kernel is faster,
+  * the max abs difference between the two outputs as a sanity check.
+
+    python perf/kernel_bench.py [--peak-tbps 3.35] [--json perf/results/kernels.json]
+
+Without CUDA it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "backend_src"))
+
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+DECODE_BATCHES = (1, 16, 64)
+DECODE_CONTEXTS = (512, 2048, 8192)
+# Mixed step: (query tokens, seq_len) per sequence: 2 prefill chunks after some context, one fresh
+# prefill, and 32 decodes.
+MIXED_CASES = [(512, 1536), (512, 512), (256, 4096)] + [(1, 2048)] * 32
+
+
+def main() -> int:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        print("perf/kernel_bench.py needs a CUDA GPU (none found); nothing to measure.")
+        return 0
+    results = []
+    for batch in DECODE_BATCHES:
+        for context in DECODE_CONTEXTS:
+            results.append(bench_case(f"decode b={batch} ctx={context}", [(1, context)] * batch, args))
+    results.append(bench_case(f"mixed {len(MIXED_CASES)} seqs", MIXED_CASES, args))
+    print_table(results, args.peak_tbps)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        results = [{k: None if v != v else v for k, v in r.items()} for r in results]  # NaN -> null
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "peak_tbps": args.peak_tbps,
+                       "dtype": str(DTYPE), "q_heads": Q_HEADS, "kv_heads": KV_HEADS,
+                       "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "results": results}, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--peak-tbps", type=float, default=4.8, help="device peak memory bandwidth, TB/s")
+    p.add_argument("--json", metavar="PATH", help="also write the results here")
+    p.add_argument("--rep-ms", type=int, default=200, help="do_bench measuring time per case, ms")
+    return p.parse_args()
+
+
+def make_step(cases, seed=0):
+    """Packed q, a shuffled paged cache holding every sequence's keys, and the step metadata."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    blocks_per_seq = [-(-seq_len // BLOCK_SIZE) for _, seq_len in cases]
+    num_blocks = sum(blocks_per_seq)
+    pool = torch.randperm(num_blocks, device=DEVICE, generator=g).to(torch.int32)
+    block_table = torch.zeros(len(cases), max(blocks_per_seq), dtype=torch.int32, device=DEVICE)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_table[i, :n] = pool[used:used + n]
+        used += n
+    cache_shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    num_tokens = sum(n for n, _ in cases)
+    q_lens = torch.tensor([n for n, _ in cases], dtype=torch.int32)
+    return dict(
+        q=torch.randn(num_tokens, Q_HEADS, HEAD_DIM, device=DEVICE, generator=g, dtype=DTYPE),
+        k_cache=torch.randn(cache_shape, device=DEVICE, generator=g, dtype=DTYPE),
+        v_cache=torch.randn(cache_shape, device=DEVICE, generator=g, dtype=DTYPE),
+        out=torch.empty(num_tokens, Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE),
+        cu_seqlens_q=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).to(torch.int32)]).to(DEVICE),
+        seq_lens=torch.tensor([s for _, s in cases], dtype=torch.int32, device=DEVICE),
+        block_table=block_table, scale=HEAD_DIM ** -0.5)
+
+
+def sdpa_runner(step, cases):
+    """SDPA over contiguous copies of each sequence's K/V (gathered here, outside the timing).
+
+    Returns (run, output): `run` is what gets timed; `output` assembles the packed [T, H, D] result.
+    Decodes of equal length run as one batched call; every other sequence is its own call with a
+    bottom-right-aligned causal mask (its queries are its last positions).
+    """
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from inflight.attention import gather_kv
+
+    starts = step["cu_seqlens_q"].tolist()
+
+    def gathered(cache, i, length):                       # [KVH, length, D], contiguous
+        return gather_kv(cache, step["block_table"][i], length).transpose(0, 1).contiguous()
+
+    calls = []   # (packed rows, q [B, H, n, D], k, v [B, KVH, L, D], mask, batched decode?)
+    decode = [i for i, (n, _) in enumerate(cases) if n == 1]
+    if len({cases[i][1] for i in decode}) != 1:
+        decode = []                                       # only equal-length decodes are batched
+    if decode:
+        length = cases[decode[0]][1]
+        rows = torch.tensor([starts[i] for i in decode], device=DEVICE)
+        k = torch.stack([gathered(step["k_cache"], i, length) for i in decode])
+        v = torch.stack([gathered(step["v_cache"], i, length) for i in decode])
+        calls.append((rows, step["q"][rows].unsqueeze(2), k, v, None, True))
+    for i, (n, length) in enumerate(cases):
+        if i in decode:
+            continue
+        rows = torch.arange(starts[i], starts[i + 1], device=DEVICE)
+        q = step["q"][rows].transpose(0, 1).unsqueeze(0).contiguous()
+        mask = causal_lower_right(n, length) if n > 1 else None
+        calls.append((rows, q, gathered(step["k_cache"], i, length)[None],
+                      gathered(step["v_cache"], i, length)[None], mask, False))
+
+    def run():
+        return [sdpa(q, k, v, attn_mask=mask, scale=step["scale"], enable_gqa=True)
+                for _, q, k, v, mask, _ in calls]
+
+    def output():
+        out = torch.empty_like(step["out"])
+        for (rows, *_, batched), o in zip(calls, run()):
+            out[rows] = o.squeeze(2) if batched else o[0].transpose(0, 1)
+        return out
+    return run, output
+
+
+def bench_case(name, cases, args):
+    from triton.testing import do_bench
+
+    from inflight.kernels import unified_attention
+    from inflight.kernels.launch_config import choose_config
+
+    step = make_step(cases)
+    max_seq_len = max(s for _, s in cases)
+    cfg = choose_config(num_tokens=step["q"].shape[0], num_seqs=len(cases), num_q_heads=Q_HEADS,
+                        num_kv_heads=KV_HEADS, device=step["q"].device, seq_lens=step["seq_lens"],
+                        max_seq_len=max_seq_len)
+    kernel_ms = do_bench(lambda: unified_attention(**step, max_seq_len=max_seq_len),
+                         rep=args.rep_ms, return_mode="median")
+    try:
+        sdpa_run, sdpa_output = sdpa_runner(step, cases)
+        sdpa_ms = do_bench(sdpa_run, rep=args.rep_ms, return_mode="median")
+        max_err = (step["out"].float() - sdpa_output().float()).abs().max().item()
+        sdpa_error = None
+    except Exception as e:  # keep the kernel numbers even if this torch build's SDPA refuses a case
+        sdpa_ms, max_err, sdpa_error = float("nan"), float("nan"), f"{type(e).__name__}: {e}"
+        print(f"{name}: SDPA baseline failed: {sdpa_error}", file=sys.stderr)
+
+    elem = step["q"].element_size()
+    kv_bytes = 2 * sum(s for _, s in cases) * KV_HEADS * HEAD_DIM * elem
+    q_bytes = step["q"].numel() * elem
+    tbps = (kv_bytes + q_bytes) / (kernel_ms * 1e-3) / 1e12
+    del step
+    torch.cuda.empty_cache()
+    return dict(case=name, tokens=sum(n for n, _ in cases), seqs=len(cases), max_seq_len=max_seq_len,
+                num_splits=cfg.num_splits, block_m=cfg.block_m, kernel_us=kernel_ms * 1e3,
+                sdpa_us=sdpa_ms * 1e3, speedup_vs_sdpa=sdpa_ms / kernel_ms, read_mb=(kv_bytes + q_bytes) / 1e6,
+                achieved_tbps=tbps, pct_of_peak=100 * tbps / args.peak_tbps, max_abs_err=max_err,
+                sdpa_error=sdpa_error)
+
+
+def print_table(results, peak_tbps):
+    print(f"\nunified_attention on {torch.cuda.get_device_name()} (peak {peak_tbps} TB/s), "
+          f"{Q_HEADS}q/{KV_HEADS}kv heads, head_dim {HEAD_DIM}, {DTYPE}, block {BLOCK_SIZE}")
+    header = (f"{'case':<24}{'splits':>7}{'kernel us':>11}{'read MB':>10}{'TB/s':>7}{'% peak':>8}"
+              f"{'sdpa us':>10}{'sdpa/kern':>10}{'max err':>9}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(f"{r['case']:<24}{r['num_splits']:>7}{r['kernel_us']:>11.1f}{r['read_mb']:>10.1f}"
+              f"{r['achieved_tbps']:>7.2f}{r['pct_of_peak']:>8.1f}{r['sdpa_us']:>10.1f}"
+              f"{r['speedup_vs_sdpa']:>10.2f}{r['max_abs_err']:>9.4f}")
+    decode = [r["pct_of_peak"] for r in results if r["case"].startswith("decode")]
+    print(f"median decode bandwidth: {statistics.median(decode):.1f}% of peak")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

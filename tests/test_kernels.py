@@ -1,0 +1,209 @@
+"""The Triton kernels in `inflight.kernels` against the torch reference in `inflight.attention`.
+
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, which must be set
+before the kernel modules are imported: `triton.jit` picks interpreter or compiler when it decorates).
+The interpreter is slow per program and computes bf16 `tl.dot` wrongly, so CPU runs use small shapes
+and fp32 / fp16 only; bf16 and the >2^31-element offset case run on CUDA only.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from inflight import attention as ref  # noqa: E402
+from inflight.kernels import unified_attention, write_kv  # noqa: E402
+from inflight.kernels.launch_config import choose_config  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def _interpreter_problem() -> str | None:
+    """Why the kernels cannot run here, or None. Off CUDA, triton itself and the kernel modules
+    must both have been imported with TRITON_INTERPRET=1 already set (each decides at import)."""
+    if CUDA:
+        return None
+    import triton.language.standard as tl_standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from inflight.kernels.unified_attention import _unified_attention_kernel
+    if not isinstance(tl_standard.cdiv, InterpretedFunction):
+        return "triton was imported before TRITON_INTERPRET=1 was set"
+    if not isinstance(_unified_attention_kernel, InterpretedFunction):
+        return "inflight.kernels was imported before TRITON_INTERPRET=1 was set"
+    return None
+
+
+_problem = _interpreter_problem()
+if _problem:
+    pytest.skip(f"no CUDA and {_problem}; set it before the session starts (tests/conftest.py does)",
+                allow_module_level=True)
+
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+cuda_only = pytest.mark.skipif(not CUDA, reason="needs CUDA (the Triton interpreter has no bf16 dot / is too slow)")
+
+MIXED = [(1, 300), (5, 18), (40, 100), (1, 1)]       # (query tokens, seq_len) per sequence
+
+
+def make_step(cases, q_heads, kv_heads, head_dim, block_size, dtype, *, seed=0, strided=False):
+    """Random q and a shuffled paged cache for sequences `cases` = [(query_len, seq_len), ...].
+
+    strided=True hands the kernel non-contiguous views (q sliced out of a fused qkv tensor, K and V
+    interleaved in one allocation, out with padded rows) to prove the strides are honoured.
+    """
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in cases]
+    num_blocks = sum(blocks_per_seq) + 3                    # a few blocks nobody owns
+    pool = torch.randperm(num_blocks, generator=g)
+    block_table = torch.randint(0, num_blocks, (len(cases), max(blocks_per_seq) + 1), generator=g)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):                   # tail entries stay stale garbage ids
+        block_table[i, :n] = pool[used:used + n]
+        used += n
+    num_tokens = sum(n for n, _ in cases)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+    if strided:
+        kv = rand(num_blocks, 2, block_size, kv_heads, head_dim)
+        k_cache, v_cache = kv[:, 0], kv[:, 1]
+        q = rand(num_tokens, q_heads + 2 * kv_heads, head_dim)[:, :q_heads]
+        out = torch.zeros(num_tokens, q_heads, head_dim + 8, dtype=dtype, device=DEVICE)[..., :head_dim]
+    else:
+        k_cache = rand(num_blocks, block_size, kv_heads, head_dim)
+        v_cache = rand(num_blocks, block_size, kv_heads, head_dim)
+        q = rand(num_tokens, q_heads, head_dim)
+        out = torch.zeros(num_tokens, q_heads, head_dim, dtype=dtype, device=DEVICE)
+    cu = torch.tensor([0] + [n for n, _ in cases], dtype=torch.int32).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([s for _, s in cases], dtype=torch.int32)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, out=out, cu_seqlens_q=cu.to(DEVICE),
+                seq_lens=seq_lens.to(DEVICE), block_table=block_table.to(torch.int32).to(DEVICE),
+                scale=head_dim ** -0.5)
+
+
+def reference(step):
+    """paged_attention in fp32 on the same (possibly fp16) inputs."""
+    expected = torch.empty(step["q"].shape, dtype=torch.float32, device=DEVICE)
+    ref.paged_attention(step["q"].float(), step["k_cache"].float(), step["v_cache"].float(), expected,
+                        step["cu_seqlens_q"], step["seq_lens"], step["block_table"], step["scale"])
+    return expected
+
+
+def check(step, **kwargs):
+    out = unified_attention(**step, **kwargs)
+    assert out is step["out"]
+    expected = reference(step)
+    torch.testing.assert_close(out.float(), expected, atol=ATOL[out.dtype], rtol=0)
+
+
+# (cases, q heads, kv heads, head_dim, block_size, dtype, kwargs): a covering set, not a product.
+@pytest.mark.parametrize("cases,q_heads,kv_heads,head_dim,block_size,dtype,kwargs", [
+    (MIXED, 8, 2, 64, 16, torch.float32, {}),                             # tile spans 4 cache blocks
+    (MIXED[::-1], 6, 1, 80, 32, torch.float16, {"tile_n": 16}),           # 2 tiles per block, padded D
+    ([(20, 20)] + MIXED, 4, 4, 80, 32, torch.float32, {"block_q": 4}),    # full prefill, many q tiles
+    (MIXED, 8, 2, 64, 16, torch.float16, {"num_splits": 4}),              # split path on a mixed step
+    ([(3, 50), (1, 97)], 8, 2, 96, 48, torch.float32, {}),                # block size not a power of 2
+    ([(7, 40), (1, 20)], 2, 1, 128, 16, torch.float16, {"tile_n": 32}),
+], ids=["gqa4-fp32", "gqa6-fp16-d80", "mha-prefill-fp32", "split-mixed-fp16", "bs48-d96-fp32", "d128-fp16"])
+def test_mixed_step_matches_reference(cases, q_heads, kv_heads, head_dim, block_size, dtype, kwargs):
+    check(make_step(cases, q_heads, kv_heads, head_dim, block_size, dtype), **kwargs)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size,dtype,num_splits", [
+    (4, 4, 64, 16, torch.float32, None),
+    (8, 2, 80, 32, torch.float16, None),
+    (6, 1, 64, 32, torch.float32, 3),     # split-KV (flash-decoding) path, forced on CPU
+    (8, 2, 64, 16, torch.float16, 8),     # more splits than the short sequences have key tiles
+], ids=["mha-fp32", "gqa4-fp16-d80", "split3-fp32", "split8-fp16"])
+def test_decode_step_matches_reference(q_heads, kv_heads, head_dim, block_size, dtype, num_splits):
+    cases = [(1, 300), (1, 77), (1, 1), (1, 129)]
+    check(make_step(cases, q_heads, kv_heads, head_dim, block_size, dtype, seed=1), num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_non_contiguous_views(num_splits):
+    step = make_step(MIXED, 8, 2, 64, 16, torch.float16, seed=2, strided=True)
+    assert not step["q"].is_contiguous() and not step["k_cache"].is_contiguous()
+    check(step, num_splits=num_splits)
+
+
+def test_launch_heuristics():
+    seq_lens = torch.tensor([300, 18], dtype=torch.int32)
+    decode = choose_config(num_tokens=2, num_seqs=2, num_q_heads=32, num_kv_heads=8,
+                           device=torch.device("cpu"), seq_lens=seq_lens, max_seq_len=None)
+    assert decode.block_m == 16 and decode.group_pad == 4 and decode.num_splits == 1
+    mixed = choose_config(num_tokens=50, num_seqs=2, num_q_heads=6, num_kv_heads=1,
+                          device=torch.device("cpu"), seq_lens=seq_lens, max_seq_len=None)
+    assert mixed.block_m == 64 and mixed.group_pad == 8
+    with pytest.raises(ValueError):
+        choose_config(num_tokens=2, num_seqs=2, num_q_heads=8, num_kv_heads=8,
+                      device=torch.device("cpu"), seq_lens=seq_lens, max_seq_len=None, tile_n=24)
+
+
+def test_bad_shapes_rejected():
+    step = make_step([(1, 5)], 6, 4, 64, 16, torch.float32)    # 6 q heads over 4 kv heads
+    with pytest.raises(ValueError, match="multiple"):
+        unified_attention(**step)
+
+
+@pytest.mark.parametrize("dtype,strided", [(torch.float32, False), (torch.float16, True)])
+def test_write_kv_matches_reference(dtype, strided):
+    g = torch.Generator().manual_seed(3)
+    num_blocks, block_size, kv_heads, head_dim = 6, 16, 3, 80
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(k_cache.shape, generator=g).to(dtype).to(DEVICE)
+    qkv = torch.randn(7, 4 + 2 * kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    if strided:      # K and V sliced out of a fused qkv projection
+        key, value = qkv[:, 4:4 + kv_heads], qkv[:, 4 + kv_heads:]
+    else:
+        key, value = qkv[:, 4:4 + kv_heads].contiguous(), qkv[:, 4 + kv_heads:].contiguous()
+    slots = torch.tensor([5, -1, 17, 95, -1, 40, 0], device=DEVICE)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    ref.write_kv(key, value, k_expected, v_expected, slots)
+    write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+
+
+@cuda_only
+def test_bf16_mixed_step_and_auto_split():
+    check(make_step(MIXED, 8, 2, 128, 16, torch.bfloat16))
+    decode = make_step([(1, 4000), (1, 33)], 32, 8, 128, 16, torch.bfloat16, seed=4)
+    check(decode)                                   # few sequences x long context: auto split-KV
+    check(decode, max_seq_len=4000)
+
+
+@cuda_only
+def test_block_offsets_beyond_int32():
+    """Block id x block stride > 2^31 elements: the kernels must address with 64-bit offsets."""
+    block_size, kv_heads, head_dim = 16, 1, 64
+    block_stride = 2 * block_size * kv_heads * head_dim        # K and V interleaved per block
+    num_blocks = 2 ** 31 // block_stride + 64
+    if torch.cuda.mem_get_info()[0] < num_blocks * block_stride * 2 + (1 << 30):
+        pytest.skip("not enough free GPU memory for a > 2^31-element cache")
+    kv = torch.empty(num_blocks, 2, block_size, kv_heads, head_dim, dtype=torch.float16, device="cuda")
+    k_cache, v_cache = kv[:, 0], kv[:, 1]
+    seq_len, q_heads = 100, 4
+    blocks = torch.tensor([num_blocks - 1, 3, num_blocks - 7, num_blocks - 2, 0, num_blocks - 40, 9],
+                          dtype=torch.int32, device="cuda")
+    # Fill every slot of these blocks (the rest of the cache stays uninitialised and must not be read).
+    slots = (blocks.long()[:, None] * block_size + torch.arange(block_size, device="cuda")).flatten()
+    slots[5] = -1                                               # a skipped token keeps the old row
+    key = torch.randn(len(slots), kv_heads, head_dim, dtype=torch.float16, device="cuda")
+    value = torch.randn_like(key)
+    k_cache[blocks[0], 5] = key[5] = 0.25
+    v_cache[blocks[0], 5] = value[5] = -0.5
+    write_kv(key, value, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache[blocks.long()].flatten(0, 1), key, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache[blocks.long()].flatten(0, 1), value, atol=0, rtol=0)
+    q = torch.randn(11, q_heads, head_dim, dtype=torch.float16, device="cuda")
+    step = dict(q=q, k_cache=k_cache, v_cache=v_cache, out=torch.empty_like(q),
+                cu_seqlens_q=torch.tensor([0, 10, 11], dtype=torch.int32, device="cuda"),
+                seq_lens=torch.tensor([seq_len, 57], dtype=torch.int32, device="cuda"),
+                block_table=torch.stack([blocks, blocks.flip(0)]), scale=head_dim ** -0.5)
+    check(step)
+    check(step, num_splits=3)
