@@ -134,14 +134,14 @@ def test_non_contiguous_views(num_splits):
 
 def test_launch_heuristics():
     seq_lens = torch.tensor([300, 18], dtype=torch.int32)
-    decode = choose_config(num_tokens=2, num_seqs=2, num_q_heads=32, num_kv_heads=8,
+    decode = choose_config(num_tokens=2, num_seqs=2, num_q_heads=32, num_kv_heads=8, dtype=torch.float16,
                            device=torch.device("cpu"), seq_lens=seq_lens, max_seq_len=None)
     assert decode.block_m == 16 and decode.group_pad == 4 and decode.num_splits == 1
-    mixed = choose_config(num_tokens=50, num_seqs=2, num_q_heads=6, num_kv_heads=1,
+    mixed = choose_config(num_tokens=50, num_seqs=2, num_q_heads=6, num_kv_heads=1, dtype=torch.float16,
                           device=torch.device("cpu"), seq_lens=seq_lens, max_seq_len=None)
     assert mixed.block_m == 64 and mixed.group_pad == 8
     with pytest.raises(ValueError):
-        choose_config(num_tokens=2, num_seqs=2, num_q_heads=8, num_kv_heads=8,
+        choose_config(num_tokens=2, num_seqs=2, num_q_heads=8, num_kv_heads=8, dtype=torch.float16,
                       device=torch.device("cpu"), seq_lens=seq_lens, max_seq_len=None, tile_n=24)
 
 

@@ -93,6 +93,8 @@ class Scheduler:
         keep = ~np.isin(self.running, rows)
         self.running = self.running[keep]
         self._running_keys = self._running_keys[keep]
+        if not len(self.running) and self.held_rows:    # a static group ends with its last request
+            self._release_held()
 
     # ---- schedule -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -101,7 +103,6 @@ class Scheduler:
         return self._schedule_group()
 
     def _schedule_continuous(self) -> SchedulerOutput:
-        self._preempt_for_priority()
         budget = self.config.max_num_batched_tokens
         rows = self.running
         table = self.table
@@ -114,7 +115,10 @@ class Scheduler:
             self._allocate(rows, need)
         else:
             rows, n = self._schedule_under_pressure(rows, n)
-        new_rows, new_n = self._admit(budget - int(n.sum()))
+        new_rows, new_n, preempted = self._admit(budget - int(n.sum()), rows, n)
+        if preempted:
+            keep = ~np.isin(rows, preempted)
+            rows, n = rows[keep], n[keep]
         if new_rows:
             rows = np.concatenate([rows, np.asarray(new_rows, dtype=np.int64)])
             n = np.concatenate([n, np.asarray(new_n, dtype=n.dtype)])
@@ -147,12 +151,9 @@ class Scheduler:
                 kept_n.append(count)
         return np.asarray(kept_rows, dtype=np.int64), np.asarray(kept_n, dtype=n.dtype)
 
-    def _preempt_for_priority(self) -> None:
-        """A waiting request that outranks running ones and cannot fit takes their room — only if
-        preempting requests of strictly lower priority is enough to make it fit."""
-        req = self._peek_waiting()
-        if req is None or not len(self.running) or self._fits(req, 0, 0):
-            return
+    def _victims_for(self, req: Request) -> list[Request]:
+        """Running requests of strictly lower priority (lowest, then newest, first) whose
+        preemption would let `req` in; empty if even all of them would not be enough."""
         victims, freed_blocks = [], 0
         for row in self.running[::-1].tolist():
             victim = self.table.requests[row]
@@ -162,9 +163,8 @@ class Scheduler:
             # blocks only this victim holds go back to the pool (shared ones stay)
             freed_blocks += sum(1 for b in self.table.blocks(row) if self.kv.ref_counts[b] == 1)
             if self._fits(req, len(victims), freed_blocks):
-                for v in victims:
-                    self.preempt(v)
-                return
+                return victims
+        return []
 
     def _fits(self, req: Request, freed_seats: int, freed_blocks: int) -> bool:
         """Admission test. Besides a seat, the free pool must hold the request's whole remaining
@@ -195,13 +195,24 @@ class Scheduler:
             parent = req.block_hashes[i - 1] if i else None
             req.block_hashes.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs], req.cache_key))
 
-    def _admit(self, budget: int) -> tuple[list[int], list[int]]:
-        rows, counts = [], []
-        table = self.table
-        while budget > 0 and table.num_free_rows:
+    def _admit(self, budget: int, rows: np.ndarray, counts: np.ndarray) -> tuple[list[int], list[int], list[int]]:
+        """Admit waiting requests in (priority, arrival) order while budget, seats and blocks last.
+        A request that does not fit may preempt running requests of lower priority; those are
+        taken out of this step (`rows`/`counts`: the running pass) and their budget is returned."""
+        new_rows, new_counts, preempted = [], [], []
+        while budget > 0:
             req = self._peek_waiting()
-            if req is None or not self._fits(req, 0, 0):
+            if req is None:
                 break
+            if not self._fits(req, 0, 0):
+                victims = self._victims_for(req)
+                if not victims:
+                    break
+                for victim in victims:
+                    budget += int(counts[rows == victim.row].sum())
+                    preempted.append(victim.row)
+                    self.preempt(victim)
+                continue
             hit, num_computed = self._prefix_hit(req)
             remaining = len(req.token_ids) - num_computed
             count = min(remaining, budget)
@@ -210,11 +221,11 @@ class Scheduler:
             self.waiting[req.priority].popleft()
             row = self._start_running(req, hit, num_computed)
             need = -(-(num_computed + count) // self.block_size) - len(hit)
-            table.append_blocks(row, self.kv.allocate(need))
-            rows.append(row)
-            counts.append(count)
+            self.table.append_blocks(row, self.kv.allocate(need))
+            new_rows.append(row)
+            new_counts.append(count)
             budget -= count
-        return rows, counts
+        return new_rows, new_counts, preempted
 
     def _start_running(self, req: Request, hit: list[int], num_computed: int) -> int:
         row = self.table.add(req, self.eos_token_ids)
@@ -237,7 +248,6 @@ class Scheduler:
         keeps finished requests' seats as padding until the group's longest request finishes."""
         table = self.table
         if not len(self.running):
-            self._release_held()
             self._form_group()
         rows = self.running
         n = table.num_tokens[rows] - table.num_computed[rows]

@@ -1,0 +1,42 @@
+"""Shared fixtures. Sets TRITON_INTERPRET before anything imports triton, so the Triton-language
+kernels run (slowly, exactly) on machines without a GPU."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# two cores: one torch thread per test process leaves the other for the server under test
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 2) // 2)))
+
+import pytest  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = os.path.join(REPO, "model_repository", "llm", "1", "inflight-tiny")
+
+# small random configs covering every supported architecture and its switches
+ARCH_CONFIGS = {
+    "llama-mha-untied": ("llama", dict(num_attention_heads=4, num_key_value_heads=4)),
+    "llama-gqa2-tied-llama3rope": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                                 rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                               "original_max_position_embeddings": 128})),
+    "llama-gqa4-headdim24": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=24)),
+    "mistral-gqa4-tied": ("mistral", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                                          sliding_window=None)),
+    "qwen2-bias-gqa2": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+}
+
+
+@pytest.fixture(scope="session")
+def arch_checkpoints(tmp_path_factory):
+    """name -> directory of a random HF checkpoint, built once per session."""
+    from inflight.testing import make_random_checkpoint
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {name: make_random_checkpoint(str(root / name), arch, seed=i, **overrides)
+            for i, (name, (arch, overrides)) in enumerate(ARCH_CONFIGS.items())}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(arch_checkpoints):
+    return arch_checkpoints["llama-gqa2-tied-llama3rope"]
