@@ -1,0 +1,188 @@
+"""LLMEngine behaviour a user sees: sampling knobs, stop conditions, log-probs, aborts,
+rejections with messages that name the field, and step outputs that add up to the final output."""
+import random
+
+import pytest
+import torch
+
+from inflight import EngineConfig, LLMEngine, QueueFullError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float64", num_kv_blocks=512,
+                                                                   max_num_batched_tokens=256))
+
+
+def prompts(n, seed=0, low=3, high=512, max_len=60):
+    rng = random.Random(seed)
+    return [[rng.randrange(low, high) for _ in range(rng.randint(1, max_len))] for _ in range(n)]
+
+
+def greedy(engine, prompt, **params):
+    return engine.generate([prompt], SamplingParams(temperature=0, **params))[0]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(engine):
+    target = prompts(1, seed=1)[0]
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = engine.generate([target], params)[0].token_ids
+    others = prompts(31, seed=2)
+    mixed = [SamplingParams(max_tokens=random.Random(i).randint(1, 30), temperature=[0, 0.7, 1.3][i % 3],
+                            top_k=[-1, 5, 0][i % 3], seed=i if i % 2 else None, ignore_eos=True) for i in range(31)]
+    outs = engine.generate(others[:13] + [target] + others[13:], mixed[:13] + [params] + mixed[13:])
+    assert outs[13].token_ids == alone
+    again = engine.generate([target], params)[0].token_ids
+    assert again == alone
+    unseeded = engine.generate([target] * 4, SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True))
+    assert len({tuple(o.token_ids) for o in unseeded}) > 1, "unseeded sampling should vary"
+
+
+def test_top_k_one_is_greedy(engine):
+    p = prompts(1, seed=5)[0]
+    assert engine.generate([p], SamplingParams(max_tokens=10, temperature=1.0, top_k=1, ignore_eos=True))[0].token_ids \
+        == greedy(engine, p, max_tokens=10, ignore_eos=True).token_ids
+
+
+def test_stop_token_ids_and_min_tokens(engine):
+    p = prompts(1, seed=6)[0]
+    full = greedy(engine, p, max_tokens=30, ignore_eos=True).token_ids
+    stop_at = next(i for i in range(3, 30) if full[i] not in full[:i])
+    stopped = greedy(engine, p, max_tokens=30, stop_token_ids=[full[stop_at]], ignore_eos=True)
+    assert stopped.token_ids == full[:stop_at + 1] and stopped.finish_reason == "stop"
+    held = greedy(engine, p, max_tokens=30, stop_token_ids=[full[stop_at]], min_tokens=stop_at + 2, ignore_eos=True)
+    assert len(held.token_ids) >= stop_at + 2
+    assert full[stop_at] not in held.token_ids[:stop_at + 1]
+
+
+def test_eos_stops_unless_ignored(engine):
+    p = prompts(1, seed=9)[0]
+    full = greedy(engine, p, max_tokens=30, ignore_eos=True).token_ids
+    at = next(i for i in range(2, 30) if full[i] not in full[:i])
+    # the same weights with that token declared EOS (as generation_config.json would)
+    eos_engine = LLMEngine(engine.runner, engine.config, (full[at],), engine.model_key)
+    stopped = greedy(eos_engine, p, max_tokens=30)
+    assert stopped.token_ids == full[:at + 1] and stopped.finish_reason == "stop"
+    assert greedy(eos_engine, p, max_tokens=30, ignore_eos=True).token_ids == full
+
+
+def test_bad_words_are_never_generated(engine):
+    p = prompts(1, seed=11)[0]
+    full = greedy(engine, p, max_tokens=20, ignore_eos=True).token_ids
+    at = next(i for i in range(2, 20) if full[i] not in full[:i])
+    banned = full[at]
+    out = greedy(engine, p, max_tokens=20, ignore_eos=True, bad_words_ids=[[banned]]).token_ids
+    assert banned not in out and out[:at] == full[:at]
+    pair = [full[6], full[7]]
+    out = greedy(engine, p, max_tokens=20, ignore_eos=True, bad_words_ids=[pair]).token_ids
+    assert all(out[i:i + 2] != pair for i in range(len(out) - 1))
+
+
+def test_logprobs_are_the_models_own(engine, tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+    p = prompts(1, seed=12)[0]
+    out = engine.generate([p], SamplingParams(max_tokens=8, temperature=0, logprobs=True, ignore_eos=True))[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float64)
+    with torch.no_grad():
+        logits = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1]
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+    assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
+
+
+def test_step_outputs_add_up_to_the_final_output_and_aborts_free_everything(engine):
+    ps = prompts(6, seed=13)
+    reqs = [engine.add_request(f"s{i}", p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+            for i, p in enumerate(ps)]
+    streamed = {r.request_id: [] for r in reqs}
+    reasons = {}
+    engine.step()
+    engine.abort("s0")           # running
+    engine.abort("s5")           # possibly still waiting
+    while engine.has_unfinished():
+        out = engine.step()
+        for request_id, token, _, _ in out:
+            streamed[request_id].append(token)
+        reasons.update(out.finished)
+    assert reasons["s0"] == reasons["s5"] == "abort"
+    for r in reqs[1:5]:
+        assert reasons[r.request_id] == "length"
+        assert r.output_token_ids[-len(streamed[r.request_id]):] == streamed[r.request_id]
+        assert len(r.output_token_ids) == 20
+    engine.check_invariants()
+    assert engine.stats()["kv_blocks_used"] == 0
+    assert not engine.abort("s1"), "aborting a finished request is a no-op"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
+    (dict(max_tokens=0), "max_tokens"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(seed="x"), "seed"), (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(bad_words_ids=[[]]), "bad_words_ids"),
+])
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"'{field}'"):
+        SamplingParams(**kwargs)
+
+
+def test_requests_that_can_never_run_are_rejected_at_once(engine):
+    limit = engine.max_model_len
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("too-long", [5] * (limit - 3), SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="'prompt_token_ids' is empty"):
+        engine.add_request("empty", [])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("oov", [5, engine.vocab_size])
+    with pytest.raises(ValueError, match="'priority'"):
+        engine.add_request("prio", [5], priority="urgent")
+    engine.add_request("dup", [5], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [5])
+    engine.abort("dup")
+    engine.step()
+
+
+def test_a_request_larger_than_the_kv_pool_is_rejected(tiny_checkpoint):
+    small = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=4, block_size=16))
+    with pytest.raises(ValueError, match="KV blocks but the pool has only 4"):
+        small.add_request("big", [5] * 60, SamplingParams(max_tokens=10))
+
+
+def test_queue_limits_refuse_or_expire_requests(tiny_checkpoint):
+    eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(max_num_seqs=1, max_queue_size=2,
+                                                                  max_queue_wait_s=0.05, num_kv_blocks=64))
+    eng.add_request("a", [5, 6], SamplingParams(max_tokens=30, ignore_eos=True))
+    eng.step()
+    eng.add_request("b", [5, 6])
+    eng.add_request("c", [5, 6])
+    with pytest.raises(QueueFullError, match="max_queue_size"):
+        eng.add_request("d", [5, 6])
+    import time
+    time.sleep(0.1)
+    out = eng.step()
+    assert out.finished == {"b": "error", "c": "error"}
+    assert "timed out in queue" in out.errors["b"]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats()["kv_blocks_used"] == 0
+
+
+def test_static_and_dynamic_generate_padding_and_report_it(tiny_checkpoint):
+    for policy in ("static", "dynamic"):
+        eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(policy=policy, num_kv_blocks=256, max_num_seqs=4))
+        outs = eng.generate(prompts(6, seed=3), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        assert all(len(o.token_ids) == 5 for o in outs)
+        assert eng.stats()["padding_tokens"] > 0
+        assert all(r is None for r in eng.scheduler.table.requests)
+        assert eng.stats()["kv_blocks_used"] == 0
+
+
+def test_stats_report_the_pool_and_the_queues(engine):
+    engine.add_request("st", prompts(1, seed=14)[0], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()
+    stats = engine.stats()
+    assert stats["running"] == 1 and stats["kv_blocks_used"] > 0
+    assert 0 < stats["kv_slot_utilization"] <= 1
+    assert stats["kv_blocks_total"] == stats["kv_blocks_used"] + stats["kv_blocks_free"]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["running"] == 0 and engine.requests == {}
