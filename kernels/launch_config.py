@@ -7,6 +7,11 @@ Tiling (see unified_attention.py):
     smallest `tl.dot` operand).
   * Keys are walked TILE_N at a time; each key position looks its cache block up in the block
     table, so TILE_N and the cache block size are independent.
+  * Decode-only steps use BLOCK_M = 16 (one token's head group, padded), 4 warps and 3 pipeline
+    stages (they are bandwidth-bound: keep many K/V loads in flight); steps with prefill chunks use
+    BLOCK_M = 64 and 8 warps (4 warps spill registers on sm_80 at head_dim 128). fp32 and wide
+    heads (> 128) get smaller key tiles. These were checked for register spills and shared-memory
+    use by compiling with ptxas for sm_80 and sm_90, not by timing on a GPU.
 
 Split-KV heuristic (decode-only steps): a decode step launches num_seqs * num_kv_heads programs.
 When that is less than the number of SMs, most of the GPU would idle while those few programs walk
@@ -19,6 +24,7 @@ The numbers are sensible defaults, not tuned measurements (tune with perf/kernel
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +33,10 @@ import triton
 MIN_TILE_M = 16           # tl.dot needs M, N, K >= 16
 PREFILL_TILE_M = 64       # query rows per program when the step carries prefill chunks
 TILE_N = 64               # keys per inner-loop iteration
+# fp32 caches use exact ("ieee") dots, which run on CUDA cores and need far more registers than
+# tensor-core dots: smaller tiles and more warps keep them from spilling (checked with ptxas, sm_90).
+FP32_TILE_N = 32
+WIDE_HEAD_TILE_N = 32     # head_dim > 128: halve the key tile so K/V stages fit shared memory
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
@@ -46,25 +56,27 @@ class AttentionConfig:
 
 
 def choose_config(*, num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
-                  device: torch.device, seq_lens: torch.Tensor, max_seq_len: int | None,
-                  num_splits: int | None = None, tile_n: int | None = None,
+                  head_dim: int, dtype: torch.dtype, device: torch.device, seq_lens: torch.Tensor,
+                  max_seq_len: int | None, num_splits: int | None = None, tile_n: int | None = None,
                   block_q: int | None = None) -> AttentionConfig:
     """Pick the launch shape; explicit num_splits / tile_n / block_q override the heuristics."""
     group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
     decode_only = num_tokens == num_seqs        # every sequence has at least one query token
+    fp32 = dtype == torch.float32
     if block_q is None:
-        target_m = MIN_TILE_M if decode_only else PREFILL_TILE_M
+        target_m = MIN_TILE_M if decode_only or fp32 else PREFILL_TILE_M
         block_q = max(1, target_m // group_pad)
     block_q = max(block_q, triton.cdiv(MIN_TILE_M, group_pad))   # keep BLOCK_M >= 16
     if num_splits is None:
         num_splits = _auto_splits(decode_only, num_seqs * num_kv_heads, device, seq_lens, max_seq_len)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    tile_n = TILE_N if tile_n is None else tile_n
+    if tile_n is None:
+        tile_n = FP32_TILE_N if fp32 else WIDE_HEAD_TILE_N if head_dim > 128 else TILE_N
     if tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n}")
-    num_warps = 4 if block_q * group_pad <= 64 else 8
-    num_stages = 3 if decode_only else 2
+    num_warps = 8 if fp32 or block_q * group_pad >= 64 else 4
+    num_stages = 3 if decode_only and not fp32 else 2
     return AttentionConfig(block_q, group_pad, tile_n, num_splits, num_warps, num_stages)
 
 
@@ -72,10 +84,15 @@ def _auto_splits(decode_only: bool, programs: int, device: torch.device, seq_len
                  max_seq_len: int | None) -> int:
     if not decode_only or device.type != "cuda":
         return 1
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= num_sms:
         return 1                               # the GPU is already full without splitting
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())      # host sync: callers that know it should pass it
     splits = min(triton.cdiv(2 * num_sms, programs), max_seq_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS)
     return max(splits, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

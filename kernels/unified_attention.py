@@ -177,8 +177,9 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if num_tokens == 0 or num_seqs == 0:
         return out
     cfg = choose_config(num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=num_q_heads,
-                        num_kv_heads=num_kv_heads, device=q.device, seq_lens=seq_lens,
-                        max_seq_len=max_seq_len, num_splits=num_splits, tile_n=tile_n, block_q=block_q)
+                        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=q.dtype, device=q.device,
+                        seq_lens=seq_lens, max_seq_len=max_seq_len,
+                        num_splits=num_splits, tile_n=tile_n, block_q=block_q)
 
     if cfg.num_splits == 1:   # the kernel writes `out` directly; partial pointers are never read
         part_out, part_m, part_l = out, seq_lens, seq_lens

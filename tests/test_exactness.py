@@ -99,3 +99,24 @@ def test_request_level_policies_give_the_same_tokens(tiny_checkpoint, policy):
                                max_num_seqs=8)
     assert got == expected
     assert stats["padding_tokens"] > 0
+
+
+def _greedy_with_backend(model_dir, backend, prompts, lengths):
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(attention_backend=backend, num_kv_blocks=64,
+                                                               max_num_batched_tokens=32))
+    assert engine.runner.backend.name == backend
+    return [o.token_ids for o in engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0)
+                                                           for n in lengths])]
+
+
+@pytest.mark.parametrize("model", ["random", "default"])
+def test_triton_kernels_give_the_same_tokens_as_the_torch_backend(tiny_checkpoint, model):
+    """The whole engine through the Triton-language kernels (interpreted on CPU): mixed steps with
+    chunked prefills (budget 32) and decodes."""
+    if model == "default" and not os.path.exists(DEFAULT_MODEL):
+        pytest.skip("default model not built")
+    model_dir = tiny_checkpoint if model == "random" else DEFAULT_MODEL
+    prompts = [[5 + i for i in range(n)] for n in (1, 45, 20)]
+    lengths = [6, 4, 5]
+    assert _greedy_with_backend(model_dir, "triton", prompts, lengths) == \
+        _greedy_with_backend(model_dir, "torch", prompts, lengths)

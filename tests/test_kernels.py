@@ -94,10 +94,10 @@ def reference(step):
     return expected
 
 
-def check(step, **kwargs):
+def check(step, expected=None, **kwargs):
     out = unified_attention(**step, **kwargs)
     assert out is step["out"]
-    expected = reference(step)
+    expected = reference(step) if expected is None else expected
     torch.testing.assert_close(out.float(), expected, atol=ATOL[out.dtype], rtol=0)
 
 
@@ -109,7 +109,9 @@ def check(step, **kwargs):
     (MIXED, 8, 2, 64, 16, torch.float16, {"num_splits": 4}),              # split path on a mixed step
     ([(3, 50), (1, 97)], 8, 2, 96, 48, torch.float32, {}),                # block size not a power of 2
     ([(7, 40), (1, 20)], 2, 1, 128, 16, torch.float16, {"tile_n": 32}),
-], ids=["gqa4-fp32", "gqa6-fp16-d80", "mha-prefill-fp32", "split-mixed-fp16", "bs48-d96-fp32", "d128-fp16"])
+    ([(3, 10), (1, 25)], 8, 2, 24, 16, torch.float32, {}),                # tiny head padded to 32
+], ids=["gqa4-fp32", "gqa6-fp16-d80", "mha-prefill-fp32", "split-mixed-fp16", "bs48-d96-fp32", "d128-fp16",
+        "d24-fp32"])
 def test_mixed_step_matches_reference(cases, q_heads, kv_heads, head_dim, block_size, dtype, kwargs):
     check(make_step(cases, q_heads, kv_heads, head_dim, block_size, dtype), **kwargs)
 
@@ -125,6 +127,23 @@ def test_decode_step_matches_reference(q_heads, kv_heads, head_dim, block_size, 
     check(make_step(cases, q_heads, kv_heads, head_dim, block_size, dtype, seed=1), num_splits=num_splits)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_random_steps(seed):
+    """Random mixes of decodes, chunks with context and fresh prefills, under random tilings."""
+    rng = torch.Generator().manual_seed(100 + seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=rng))]
+
+    cases = []
+    for _ in range(int(torch.randint(1, 6, (1,), generator=rng))):
+        q_len = pick([1, 1, 2, 7, 16, 33])
+        cases.append((q_len, q_len + pick([0, 0, 5, 16, 70])))
+    q_heads, kv_heads = pick([(4, 4), (8, 2), (6, 1), (3, 1)])
+    step = make_step(cases, q_heads, kv_heads, pick([64, 80]), pick([16, 32]), torch.float32, seed=seed)
+    check(step, num_splits=pick([1, 2, 3]), tile_n=pick([16, 32, 64]), block_q=pick([None, 1, 2, 8]))
+
+
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_non_contiguous_views(num_splits):
     step = make_step(MIXED, 8, 2, 64, 16, torch.float16, seed=2, strided=True)
@@ -133,16 +152,20 @@ def test_non_contiguous_views(num_splits):
 
 
 def test_launch_heuristics():
-    seq_lens = torch.tensor([300, 18], dtype=torch.int32)
-    decode = choose_config(num_tokens=2, num_seqs=2, num_q_heads=32, num_kv_heads=8, dtype=torch.float16,
-                           device=torch.device("cpu"), seq_lens=seq_lens, max_seq_len=None)
-    assert decode.block_m == 16 and decode.group_pad == 4 and decode.num_splits == 1
-    mixed = choose_config(num_tokens=50, num_seqs=2, num_q_heads=6, num_kv_heads=1, dtype=torch.float16,
-                          device=torch.device("cpu"), seq_lens=seq_lens, max_seq_len=None)
-    assert mixed.block_m == 64 and mixed.group_pad == 8
+    def config(**overrides):
+        args = dict(num_tokens=2, num_seqs=2, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                    dtype=torch.float16, device=torch.device("cpu"),
+                    seq_lens=torch.tensor([300, 18], dtype=torch.int32), max_seq_len=None)
+        return choose_config(**{**args, **overrides})
+
+    decode = config()
+    assert (decode.block_m, decode.group_pad, decode.tile_n, decode.num_splits) == (16, 4, 64, 1)
+    mixed = config(num_tokens=50, num_q_heads=6, num_kv_heads=1)
+    assert (mixed.block_m, mixed.group_pad) == (64, 8)
+    assert config(head_dim=256).tile_n == 32 and config(dtype=torch.float32).tile_n == 32
+    assert config(num_splits=5).num_splits == 5
     with pytest.raises(ValueError):
-        choose_config(num_tokens=2, num_seqs=2, num_q_heads=8, num_kv_heads=8, dtype=torch.float16,
-                      device=torch.device("cpu"), seq_lens=seq_lens, max_seq_len=None, tile_n=24)
+        config(tile_n=24)
 
 
 def test_bad_shapes_rejected():
@@ -163,8 +186,10 @@ def test_write_kv_matches_reference(dtype, strided):
     else:
         key, value = qkv[:, 4:4 + kv_heads].contiguous(), qkv[:, 4 + kv_heads:].contiguous()
     slots = torch.tensor([5, -1, 17, 95, -1, 40, 0], device=DEVICE)
+    if strided:
+        slots = slots.to(torch.int32)
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
-    ref.write_kv(key, value, k_expected, v_expected, slots)
+    ref.write_kv(key, value, k_expected, v_expected, slots.long())
     write_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
 
@@ -192,18 +217,24 @@ def test_block_offsets_beyond_int32():
                           dtype=torch.int32, device="cuda")
     # Fill every slot of these blocks (the rest of the cache stays uninitialised and must not be read).
     slots = (blocks.long()[:, None] * block_size + torch.arange(block_size, device="cuda")).flatten()
-    slots[5] = -1                                               # a skipped token keeps the old row
     key = torch.randn(len(slots), kv_heads, head_dim, dtype=torch.float16, device="cuda")
     value = torch.randn_like(key)
-    k_cache[blocks[0], 5] = key[5] = 0.25
-    v_cache[blocks[0], 5] = value[5] = -0.5
+    slots[5] = -1                               # a skipped token: its slot must keep the old row
+    k_cache[blocks[0], 5] = key[5]
+    v_cache[blocks[0], 5] = value[5]
     write_kv(key, value, k_cache, v_cache, slots)
     torch.testing.assert_close(k_cache[blocks.long()].flatten(0, 1), key, atol=0, rtol=0)
     torch.testing.assert_close(v_cache[blocks.long()].flatten(0, 1), value, atol=0, rtol=0)
+
     q = torch.randn(11, q_heads, head_dim, dtype=torch.float16, device="cuda")
     step = dict(q=q, k_cache=k_cache, v_cache=v_cache, out=torch.empty_like(q),
                 cu_seqlens_q=torch.tensor([0, 10, 11], dtype=torch.int32, device="cuda"),
                 seq_lens=torch.tensor([seq_len, 57], dtype=torch.int32, device="cuda"),
                 block_table=torch.stack([blocks, blocks.flip(0)]), scale=head_dim ** -0.5)
-    check(step)
-    check(step, num_splits=3)
+    # Reference on a compact copy of the 7 used blocks (the full cache in fp32 would need 8 GiB more).
+    local = torch.arange(len(blocks), dtype=torch.int32, device="cuda")
+    compact = dict(step, k_cache=k_cache[blocks.long()], v_cache=v_cache[blocks.long()],
+                   block_table=torch.stack([local, local.flip(0)]))
+    expected = reference(compact)
+    check(step, expected)
+    check(step, expected, num_splits=3)

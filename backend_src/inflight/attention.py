@@ -25,10 +25,13 @@ class AttentionMetadata:
     seq_lens: torch.Tensor          # [num_seqs] int32
     block_table: torch.Tensor       # [num_seqs, max_blocks] int32
     num_real_tokens: int            # tokens after these are padding (static/dynamic policies)
+    max_seq_len: int                # known on the host, so kernels need not read seq_lens back
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionBackend:
+    """write_kv(key, value, k_cache, v_cache, slot_mapping) and
+    attention(q, k_cache, v_cache, out, meta, scale)."""
     name: str
     write_kv: Callable
     attention: Callable
@@ -40,9 +43,15 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return AttentionBackend("torch", write_kv, paged_attention)
+        def attention(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float):
+            return paged_attention(q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_table, scale)
+        return AttentionBackend("torch", write_kv, attention)
     from .kernels import unified_attention, write_kv as triton_write_kv
-    return AttentionBackend("triton", triton_write_kv, unified_attention)
+
+    def triton_attention(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float):
+        return unified_attention(q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_table,
+                                 scale, max_seq_len=meta.max_seq_len)
+    return AttentionBackend("triton", triton_write_kv, triton_attention)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -81,10 +81,14 @@ class BatchTable:
     def blocks(self, row: int) -> list[int]:
         return self.block_table[row, :self.num_blocks[row]].tolist()
 
-    def append_blocks(self, row: int, blocks: list[int]) -> None:
-        start = self.num_blocks[row]
-        self.block_table[row, start:start + len(blocks)] = blocks
-        self.num_blocks[row] = start + len(blocks)
+    def append_blocks(self, rows, counts, blocks) -> None:
+        """Append counts[i] blocks to rows[i]'s table, taking them in order from `blocks`."""
+        rows, counts = np.asarray(rows), np.asarray(counts)
+        start = self.num_blocks[rows]
+        first = np.cumsum(counts) - counts                 # where each row's share begins in `blocks`
+        cols = np.arange(len(blocks)) + np.repeat(start - first, counts)
+        self.block_table[np.repeat(rows, counts), cols] = blocks
+        self.num_blocks[rows] = start + counts
 
     def output_ids(self, row: int) -> list[int]:
         return self.token_ids[row, self.num_prompt[row]:self.num_tokens[row]].tolist()

@@ -139,7 +139,7 @@ class LLMEngine:
         request_ids, token_ids, logprobs = [], [], None
         if len(out):
             logits = self.runner.execute(out, table)
-            sample_rows = out.rows[out.sample_mask]
+            sample_rows = out.sample_rows
             tokens, token_logprobs = self.sampler(logits, table, sample_rows)
             request_ids = table.request_ids[sample_rows].tolist()
             if token_logprobs is not None:
@@ -182,10 +182,8 @@ class LLMEngine:
 
     # ---- observability -----------------------------------------------------------------------------
     def stats(self) -> dict:
-        scheduler, table = self.scheduler, self.scheduler.table
-        rows = np.concatenate([scheduler.running, np.asarray(scheduler.held_rows, dtype=np.int64)])
-        allocated = int(table.num_blocks[rows].sum()) * self.config.block_size
-        live = int(np.minimum(table.num_tokens[rows], table.num_blocks[rows] * self.config.block_size).sum())
+        scheduler = self.scheduler
+        live, allocated = scheduler.slot_usage()
         return {
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_used": self.kv.num_used_blocks,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -114,7 +115,7 @@ class ModelRunner:
         n = self.config.max_num_batched_tokens
         empty = torch.zeros(0, dtype=torch.int32, device=self.device)
         meta = AttentionMetadata(empty.long(), torch.zeros(1, dtype=torch.int32, device=self.device),
-                                 empty, empty.view(0, 0), 0)
+                                 empty, empty.view(0, 0), 0, 0)
         with torch.no_grad():
             hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), self.cos[:n], self.sin[:n],
                                 meta, [(None, None)] * self.spec.num_layers, self.backend)
@@ -126,30 +127,12 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput, table: BatchTable):
-        """Pack the step: token ids, positions, slot mapping, block tables, query offsets, lengths."""
-        rows, n = out.rows, out.num_scheduled.astype(np.int64)
-        start = table.num_computed[rows].astype(np.int64)
-        cu = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(n, out=cu[1:])
-        total = int(cu[-1])
-        seq = np.repeat(np.arange(len(rows)), n)
-        positions = np.arange(total) - cu[seq] + start[seq]
-        token_rows = rows[seq]
-        input_ids = table.token_ids[token_rows, positions]
-        bs = self.block_size
-        slots = table.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = start + n
-        max_blocks = int(-(-seq_lens.max() // bs)) if len(rows) else 0
-        block_table = table.block_table[rows, :max_blocks]
-        logits_index = cu[1:][out.sample_mask] - 1
-        if out.num_padding_tokens:
-            pad = out.num_padding_tokens
-            input_ids = np.concatenate([input_ids, np.zeros(pad, dtype=input_ids.dtype)])
-            positions = np.concatenate([positions, np.zeros(pad, dtype=positions.dtype)])
+        step = pack_step(out, table, self.block_size)
         to = self._to_device
-        meta = AttentionMetadata(to(slots), to(cu.astype(np.int32)), to(seq_lens.astype(np.int32)),
-                                 to(block_table), total)
-        return to(input_ids.astype(np.int64)), to(positions), meta, to(logits_index)
+        meta = AttentionMetadata(to(step.slot_mapping), to(step.cu_seqlens_q), to(step.seq_lens),
+                                 to(step.block_table), step.num_real_tokens,
+                                 int(step.seq_lens.max()) if len(step.seq_lens) else 0)
+        return to(step.input_ids), to(step.positions), meta, to(step.logits_index)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
@@ -160,3 +143,38 @@ class ModelRunner:
         input_ids, positions, meta, logits_index = self.prepare(out, table)
         hidden = self.model(input_ids, self.cos[positions], self.sin[positions], meta, self.kv_caches, self.backend)
         return self.model.compute_logits(hidden[logits_index])
+
+
+@dataclass(slots=True)
+class PackedStep:
+    input_ids: np.ndarray       # [num_tokens] int64, real tokens then padding
+    positions: np.ndarray       # [num_tokens] int64
+    slot_mapping: np.ndarray    # [num_real_tokens] int64
+    cu_seqlens_q: np.ndarray    # [num_seqs + 1] int32
+    seq_lens: np.ndarray        # [num_seqs] int32
+    block_table: np.ndarray     # [num_seqs, max_blocks] int32
+    logits_index: np.ndarray    # [num_sampling_rows] int64: each sampling row's last token
+    num_real_tokens: int
+
+
+def pack_step(out: SchedulerOutput, table: BatchTable, block_size: int) -> PackedStep:
+    """Flatten a scheduled step by fancy indexing into the batch table (no per-request loop)."""
+    rows, n = out.rows, out.num_scheduled.astype(np.int64)
+    start = out.start.astype(np.int64)
+    cu = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(n, out=cu[1:])
+    total = int(cu[-1])
+    seq = np.repeat(np.arange(len(rows)), n)
+    positions = np.arange(total) - cu[seq] + start[seq]
+    token_rows = rows[seq]
+    input_ids = table.token_ids[token_rows, positions].astype(np.int64)
+    slots = table.block_table[token_rows, positions // block_size].astype(np.int64) * block_size \
+        + positions % block_size
+    seq_lens = start + n
+    max_blocks = int(-(-seq_lens.max() // block_size)) if len(rows) else 0
+    pad = out.num_padding_tokens
+    if pad:
+        input_ids = np.concatenate([input_ids, np.zeros(pad, dtype=np.int64)])
+        positions = np.concatenate([positions, np.zeros(pad, dtype=np.int64)])
+    return PackedStep(input_ids, positions, slots, cu.astype(np.int32), seq_lens.astype(np.int32),
+                      table.block_table[rows, :max_blocks], cu[1:][out.sample_mask] - 1, total)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,8 +29,13 @@ _PRIORITY_SHIFT = 40    # running order key: priority << shift | arrival_seq
 class SchedulerOutput:
     rows: np.ndarray            # batch-table rows, in batch order
     num_scheduled: np.ndarray   # tokens of each row computed this step
+    start: np.ndarray           # each row's num_computed before the step (its first position)
     sample_mask: np.ndarray     # rows whose step ends at their last token: they sample one
     num_padding_tokens: int = 0  # static/dynamic: padding computed and thrown away
+    sample_rows: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sample_rows = self.rows[self.sample_mask]
 
     @property
     def num_tokens(self) -> int:
@@ -103,50 +108,52 @@ class Scheduler:
         return self._schedule_group()
 
     def _schedule_continuous(self) -> SchedulerOutput:
+        table = self.table
         budget = self.config.max_num_batched_tokens
         rows = self.running
-        table = self.table
-        n = table.num_tokens[rows] - table.num_computed[rows]
-        ends = np.cumsum(n)
-        if ends.size and ends[-1] > budget:
+        start = table.num_computed[rows]
+        remaining = table.num_tokens[rows] - start
+        n = remaining
+        if int(n.sum()) > budget:                       # running requests in order until it is spent
+            ends = np.cumsum(n)
             n = np.clip(budget - (ends - n), 0, n)
-        need = self._blocks_needed(rows, n)
-        if need.sum() <= self.kv.num_free_blocks:
+        need = (start + n + (self.block_size - 1)) // self.block_size - table.num_blocks[rows]
+        if int(need.sum()) <= self.kv.num_free_blocks:
             self._allocate(rows, need)
         else:
             rows, n = self._schedule_under_pressure(rows, n)
         new_rows, new_n, preempted = self._admit(budget - int(n.sum()), rows, n)
-        if preempted:
-            keep = ~np.isin(rows, preempted)
-            rows, n = rows[keep], n[keep]
-        if new_rows:
+        if preempted or new_rows or len(n) != len(remaining) or not n.all():
+            if preempted:
+                keep = ~np.isin(rows, preempted)
+                rows, n = rows[keep], n[keep]
             rows = np.concatenate([rows, np.asarray(new_rows, dtype=np.int64)])
             n = np.concatenate([n, np.asarray(new_n, dtype=n.dtype)])
-        keep = n > 0
-        rows, n = rows[keep], n[keep]
-        return SchedulerOutput(rows, n, table.num_computed[rows] + n == table.num_tokens[rows])
-
-    def _blocks_needed(self, rows: np.ndarray, n: np.ndarray) -> np.ndarray:
-        table = self.table
-        return -(-(table.num_computed[rows] + n) // self.block_size) - table.num_blocks[rows]
+            keep = n > 0
+            rows, n = rows[keep], n[keep]
+            start = table.num_computed[rows]
+            remaining = table.num_tokens[rows] - start
+        return SchedulerOutput(rows, n, start, n == remaining)
 
     def _allocate(self, rows: np.ndarray, need: np.ndarray) -> None:
-        for row, count in zip(rows[need > 0].tolist(), need[need > 0].tolist()):
-            self.table.append_blocks(row, self.kv.allocate(count))
+        grow = need > 0
+        if grow.any():
+            self.table.append_blocks(rows[grow], need[grow], self.kv.allocate(int(need[grow].sum())))
 
     def _schedule_under_pressure(self, rows: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Running pass when blocks are short: in order, each request takes the blocks it needs,
         preempting from the back of the running order (lowest priority, newest) — itself last."""
+        table = self.table
         kept_rows, kept_n = [], []
         for row, count in zip(rows.tolist(), n.tolist()):
-            req = self.table.requests[row]
+            req = table.requests[row]
             if count == 0 or req is None or req.status != Status.RUNNING:
                 continue
-            need = int(self._blocks_needed(np.array([row]), np.array([count]))[0])
+            need = -(-(int(table.num_computed[row]) + count) // self.block_size) - int(table.num_blocks[row])
             while need > self.kv.num_free_blocks and req.status == Status.RUNNING:
-                self.preempt(self.table.requests[int(self.running[-1])])
+                self.preempt(table.requests[int(self.running[-1])])
             if req.status == Status.RUNNING:
-                self.table.append_blocks(row, self.kv.allocate(need))
+                table.append_blocks([row], [need], self.kv.allocate(need))
                 kept_rows.append(row)
                 kept_n.append(count)
         return np.asarray(kept_rows, dtype=np.int64), np.asarray(kept_n, dtype=n.dtype)
@@ -221,7 +228,7 @@ class Scheduler:
             self.waiting[req.priority].popleft()
             row = self._start_running(req, hit, num_computed)
             need = -(-(num_computed + count) // self.block_size) - len(hit)
-            self.table.append_blocks(row, self.kv.allocate(need))
+            self.table.append_blocks([row], [need], self.kv.allocate(need))
             new_rows.append(row)
             new_counts.append(count)
             budget -= count
@@ -230,7 +237,7 @@ class Scheduler:
     def _start_running(self, req: Request, hit: list[int], num_computed: int) -> int:
         row = self.table.add(req, self.eos_token_ids)
         self.kv.acquire(hit)
-        self.table.append_blocks(row, hit)
+        self.table.append_blocks([row], [len(hit)], hit)
         self.table.num_computed[row] = num_computed
         req.status = Status.RUNNING
         if req.first_scheduled_time is None:
@@ -250,11 +257,12 @@ class Scheduler:
         if not len(self.running):
             self._form_group()
         rows = self.running
-        n = table.num_tokens[rows] - table.num_computed[rows]
+        start = table.num_computed[rows]
+        n = table.num_tokens[rows] - start
         padding = len(self.held_rows)
         if n.size and n.max() > 1:          # the group's prefill step
             padding += int(n.max()) * len(n) - int(n.sum())
-        return SchedulerOutput(rows, n, np.ones(len(rows), dtype=bool), padding)
+        return SchedulerOutput(rows, n, start, np.ones(len(rows), dtype=bool), padding)
 
     def _form_group(self) -> None:
         head = self._peek_waiting()
@@ -281,7 +289,7 @@ class Scheduler:
                 break
             self.waiting[req.priority].remove(req)
             row = self._start_running(req, [], 0)
-            self.table.append_blocks(row, self.kv.allocate(reserve))
+            self.table.append_blocks([row], [reserve], self.kv.allocate(reserve))
 
     def _release_held(self) -> None:
         for row in self.held_rows:
@@ -290,18 +298,16 @@ class Scheduler:
         self.held_rows.clear()
 
     # ---- after the step ---------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: np.ndarray) -> np.ndarray:
-        """Advance the scheduled rows, append each sampled token, finish requests that stop.
-        Returns the rows that sampled (in order of `sampled`)."""
+    def update(self, out: SchedulerOutput, sampled: np.ndarray) -> None:
+        """Advance the scheduled rows, append each sampling row's token (`sampled`, in the order
+        of out.sample_rows), and finish the requests that stop."""
         table = self.table
-        rows, n = out.rows, out.num_scheduled
-        start = table.num_computed[rows]
-        table.num_computed[rows] = start + n
+        rows = out.rows
+        table.num_computed[rows] = out.start + out.num_scheduled
         if self.kv.enable_prefix_caching and self.policy == "continuous":
-            prefill = start < table.num_prompt[rows]
-            for row in rows[prefill].tolist():
+            for row in rows[out.start < table.num_prompt[rows]].tolist():
                 self._cache_computed_blocks(row)
-        sample_rows = rows[out.sample_mask]
+        sample_rows = out.sample_rows
         length = table.num_tokens[sample_rows]
         table.token_ids[sample_rows, length] = sampled
         length += 1
@@ -313,7 +319,6 @@ class Scheduler:
             for row, stop in zip(done_rows, stopped[done].tolist()):
                 self._finish(table.requests[row], "stop" if stop else "length")
             self._drop_running(done_rows)
-        return sample_rows
 
     def _cache_computed_blocks(self, row: int) -> None:
         """Make the row's fully computed blocks findable by later requests with the same prefix."""
@@ -371,6 +376,14 @@ class Scheduler:
         for req in expired:
             self.abort(req, "error")
         return expired
+
+    def slot_usage(self) -> tuple[int, int]:
+        """(token slots holding live tokens, token slots allocated) over the requests holding
+        blocks: what a paged pool wastes is only the unfilled tail of each request's last block."""
+        table = self.table
+        rows = np.concatenate([self.running, np.asarray(self.held_rows, dtype=np.int64)])
+        allocated = table.num_blocks[rows].astype(np.int64) * self.block_size
+        return int(np.minimum(table.num_tokens[rows], allocated).sum()), int(allocated.sum())
 
     # ---- checks -------------------------------------------------------------------------------
     def check_invariants(self) -> None:

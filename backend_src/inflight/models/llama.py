@@ -122,8 +122,7 @@ class Attention(nn.Module):
         real = meta.num_real_tokens     # padding rows (static/dynamic policies) skip attention
         if real:
             backend.write_kv(k[:real], v[:real], k_cache, v_cache, meta.slot_mapping)
-            backend.attention(q[:real], k_cache, v_cache, out[:real], meta.cu_seqlens_q, meta.seq_lens,
-                              meta.block_table, self.scale)
+            backend.attention(q[:real], k_cache, v_cache, out[:real], meta, self.scale)
         return self.o_proj(out.view(-1, self.q_size))
 
 

@@ -1,0 +1,186 @@
+"""In-process engine benchmark (`make bench-engine`): everything measured side by side in one run.
+
+1. Scheduler overhead: µs per step of schedule() + update() with 256 running requests, the model
+   replaced by a no-op (fixed sampled tokens), in steady decode and with churn (requests finishing
+   and new ones admitted). Input packing (pack_step) is timed separately.
+2. KV slot utilisation on the mixed-length workload: token slots held by live tokens / slots
+   allocated, averaged over steps; beside it, what reserving each request's prompt + max_tokens
+   up front (contiguous allocation) would give.
+3. Offline generated tokens/s of continuous vs dynamic vs static batching: same engine, same
+   workload (prompts U(32,512), outputs U(16,256), ignore_eos, greedy), same max batch, a ~30M
+   parameter random Llama built here. Medians over --repeats runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(REPO, "backend_src"), REPO]
+
+from inflight import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from inflight.kv_cache import KVCacheManager  # noqa: E402
+from inflight.request import Request  # noqa: E402
+from inflight.runner import pack_step  # noqa: E402
+from inflight.scheduler import Scheduler  # noqa: E402
+from inflight.testing import make_random_checkpoint  # noqa: E402
+from perf import workloads  # noqa: E402
+
+BENCH_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                   tie_word_embeddings=True, initializer_range=0.02)
+
+
+def make_scheduler(max_seqs: int, num_blocks: int, budget: int = 8192) -> Scheduler:
+    config = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget)
+    return Scheduler(config, 4096, KVCacheManager(num_blocks, config.block_size), (2,))
+
+
+def add(s: Scheduler, i: int, item) -> None:
+    s.add(Request(f"r{i}", list(item.prompt_token_ids), len(item.prompt_token_ids),
+                  SamplingParams(max_tokens=item.max_tokens, ignore_eos=True), 1, i, 0.0, cache_key=b"bench"))
+
+
+def fake_step(s: Scheduler, token: np.ndarray):
+    out = s.schedule()
+    s.update(out, token[:int(out.sample_mask.sum())])
+    return out
+
+
+def scheduler_overhead(num_running: int = 256, steps: int = 2000) -> dict:
+    items = workloads.uniform(num_running * 4, 8192, seed=1)
+    token = np.full(num_running, 7, dtype=np.int64)
+    results = {}
+    for churn in (False, True):
+        s = make_scheduler(num_running, num_blocks=200_000)
+        for i, item in enumerate(items[:num_running]):
+            item.max_tokens = item.max_tokens if churn else steps + 100
+            add(s, i, item)
+        while s.num_waiting or (s.table.num_computed[s.running] < s.table.num_prompt[s.running]).any():
+            fake_step(s, token)
+        next_item = num_running
+        sched_times, pack_times = [], []
+        for _ in range(steps):
+            if churn:
+                while s.num_waiting < 8 and next_item < len(items):     # keep a backlog to admit
+                    add(s, next_item, items[next_item])
+                    next_item += 1
+            t0 = time.perf_counter()
+            out = s.schedule()
+            t1 = time.perf_counter()
+            pack_step(out, s.table, s.block_size)
+            t2 = time.perf_counter()
+            s.update(out, token[:int(out.sample_mask.sum())])
+            t3 = time.perf_counter()
+            sched_times.append((t1 - t0) + (t3 - t2))
+            pack_times.append(t2 - t1)
+        key = "churn" if churn else "steady"
+        results[key] = {"schedule_update_us": statistics.median(sched_times) * 1e6,
+                        "pack_us": statistics.median(pack_times) * 1e6, "running": s.num_running}
+    return results
+
+
+def kv_utilization(n: int, max_seqs: int) -> dict:
+    items = workloads.uniform(n, 8192, seed=2)
+    s = make_scheduler(max_seqs, num_blocks=n * 64, budget=2048)
+    for i, item in enumerate(items):
+        add(s, i, item)
+    token = np.full(max_seqs, 7, dtype=np.int64)
+    live_sum = alloc_sum = reserved_sum = 0
+    while s.has_work():
+        fake_step(s, token)
+        live, allocated = s.slot_usage()
+        rows = s.running
+        reserved = int((-(-(s.table.max_total[rows]) // s.block_size) * s.block_size).sum())
+        live_sum, alloc_sum, reserved_sum = live_sum + live, alloc_sum + allocated, reserved_sum + reserved
+    return {"paged": live_sum / alloc_sum, "reserve_prompt_plus_max_tokens": live_sum / reserved_sum}
+
+
+def build_bench_model() -> str:
+    path = os.path.join(REPO, "perf", "results", "bench-llama-30m")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_random_checkpoint(path, "llama", seed=0, **BENCH_MODEL)
+    return path
+
+
+def throughput(model_dir: str, n: int, max_seqs: int, repeats: int) -> dict:
+    items = workloads.uniform(n, BENCH_MODEL["vocab_size"], seed=3)
+    prompts = [it.prompt_token_ids for it in items]
+    params = [SamplingParams(max_tokens=it.max_tokens, temperature=0, ignore_eos=True) for it in items]
+    engines = {policy: LLMEngine.from_pretrained(model_dir, EngineConfig(
+        policy=policy, max_num_seqs=max_seqs, num_kv_blocks=n * 64, batch_wait_timeout_s=0))
+        for policy in ("continuous", "dynamic", "static")}
+    for engine in engines.values():
+        engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2))            # warm up
+    runs = {policy: [] for policy in engines}
+    for r in range(repeats):                      # interleaved, so drift hits every policy alike
+        for policy, engine in engines.items():
+            before = engine.stats()
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            elapsed = time.perf_counter() - t0
+            after = engine.stats()
+            generated = sum(len(o.token_ids) for o in outs)
+            runs[policy].append({"tokens_per_s": generated / elapsed, "seconds": elapsed,
+                                 "steps": after["steps"] - before["steps"],
+                                 "padding_tokens": after["padding_tokens"] - before["padding_tokens"],
+                                 "generated_tokens": generated})
+            print(f"  run {r + 1}/{repeats} {policy:10s} {generated / elapsed:8.1f} tok/s  {elapsed:6.1f} s  "
+                  f"{runs[policy][-1]['steps']} steps", flush=True)
+    return {policy: {"median_tokens_per_s": statistics.median(x["tokens_per_s"] for x in v), "runs": v}
+            for policy, v in runs.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--quick", action="store_true", help="small run to check the script works")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.repeats = 16, 1
+    torch.set_num_threads(args.threads)
+    print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, threads {args.threads}, "
+          f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
+
+    overhead = scheduler_overhead(steps=200 if args.quick else 2000)
+    print("\n1. scheduler overhead, 256 running requests, model forward replaced by a no-op (median per step)")
+    for key, r in overhead.items():
+        print(f"   {key:7s} schedule+update {r['schedule_update_us']:7.1f} µs   (input packing {r['pack_us']:6.1f} µs)")
+
+    util = kv_utilization(args.requests, args.max_num_seqs)
+    print(f"\n2. KV slot utilisation, {args.requests} requests prompts U(32,512) outputs U(16,256), "
+          f"block_size 16, averaged over steps")
+    print(f"   paged blocks                        {util['paged'] * 100:6.2f} %")
+    print(f"   reserving prompt+max_tokens upfront {util['reserve_prompt_plus_max_tokens'] * 100:6.2f} %")
+
+    model_dir = build_bench_model()
+    print(f"\n3. offline throughput, {args.requests} requests, max batch {args.max_num_seqs}, "
+          f"~30M-param random Llama ({model_dir})")
+    tp = throughput(model_dir, args.requests, args.max_num_seqs, args.repeats)
+    c, d, st = (tp[p]["median_tokens_per_s"] for p in ("continuous", "dynamic", "static"))
+    print("\n   policy       generated tok/s (median)")
+    for policy in ("continuous", "dynamic", "static"):
+        print(f"   {policy:12s} {tp[policy]['median_tokens_per_s']:10.1f}")
+    summary = {"scheduler_overhead": overhead, "kv_utilization": util, "throughput": tp,
+               "continuous_over_static": c / st, "continuous_over_dynamic": c / d}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    print(f"\ncontinuous/static = {c / st:.2f}x   continuous/dynamic = {c / d:.2f}x   "
+          f"scheduler {overhead['steady']['schedule_update_us']:.0f} µs/step @256   "
+          f"KV utilisation {util['paged'] * 100:.1f}%")
+
+
+if __name__ == "__main__":
+    main()
