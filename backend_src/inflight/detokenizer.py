@@ -1,0 +1,81 @@
+"""Incremental detokenization whose deltas add up exactly to the full decode, and stop strings.
+
+Decoding token by token loses the spaces that some tokenizers attach to the next piece and breaks
+multi-byte UTF-8 characters split across tokens. Here each delta is the difference between two
+decodes that start at the same token (`prefix_offset`, a little before the new tokens), and text
+is released only once it no longer ends in an incomplete character (U+FFFD). The final add releases
+whatever is left at the end, so ''.join(deltas) == decode(all tokens) always.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+REPLACEMENT = "\ufffd"
+
+
+def decode(tokenizer, token_ids: Sequence[int]) -> str:
+    """The one decode that both the full and the incremental paths use."""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def decode_delta(tokenizer, context_ids: Sequence[int], new_ids: Sequence[int]) -> str:
+    """The text that new_ids add after context_ids: what a delta's (context, new tokens) decode to."""
+    before = decode(tokenizer, context_ids)
+    return decode(tokenizer, list(context_ids) + list(new_ids))[len(before):]
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str
+    context_ids: list[int]     # the tokens decoded before the new ones (the decode window's start)
+    new_ids: list[int]         # the tokens this text covers
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0          # first token of the decode window
+        self.read_offset = 0            # tokens before this are already released
+
+    def add(self, token_ids: Sequence[int], final: bool = False) -> Delta | None:
+        """Add new tokens; the text they complete, or None while a character is incomplete.
+        With final=True (the request ended) everything not yet released comes out."""
+        self.token_ids.extend(token_ids)
+        return self._step(final)
+
+    def _step(self, final: bool) -> Delta | None:
+        ids = self.token_ids
+        context = ids[self.prefix_offset:self.read_offset]
+        new = ids[self.read_offset:]
+        if not new:
+            return None
+        text = decode_delta(self.tokenizer, context, new)
+        if not final and (not text or text.endswith(REPLACEMENT)):
+            return None
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return Delta(text, context, new)
+
+
+class StopStrings:
+    """Cuts streamed text before the earliest stop string. The last len(longest) - 1 characters
+    are held back until the request ends, so a stop string can only begin inside held text."""
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = tuple(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, text: str, final: bool = False) -> str:
+        if self.stopped:
+            return ""
+        pending = self.pending + text
+        hits = [i for i in (pending.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.pending, self.stopped = "", True
+            return pending[:min(hits)]
+        cut = len(pending) if final else max(len(pending) - self.hold, 0)
+        self.pending = pending[cut:]
+        return pending[:cut]

@@ -1,0 +1,216 @@
+"""Start a real `tritonserver` on this repository's model repository.
+
+Where `tritonserver` is on PATH (the NGC container) it is used as is. Elsewhere the server, the
+Python backend and the backend stub come from the `nvidia-pytriton` wheel: the stub matching the
+running Python is copied next to the backend library, the interpreter's shared-library directory
+goes first in LD_LIBRARY_PATH (the stub links libpython), and the virtual environment's `bin` goes
+first in PATH so model.py imports this environment's torch and transformers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+DEFAULT_REPOSITORY = os.path.join(REPO, "model_repository")
+
+# the production profile (README "Limits and failure behaviour"): no model control, restricted
+# admin APIs, no prompt text in logs at the default level
+PRODUCTION_FLAGS = [
+    "--model-control-mode=none",
+    "--strict-readiness=true",
+    "--exit-timeout-secs=30",
+    "--http-restricted-api=model-repository,shared-memory:admin-key=${INFLIGHT_ADMIN_KEY}",
+    "--grpc-restricted-protocol=model-repository,shared-memory:admin-key=${INFLIGHT_ADMIN_KEY}",
+    "--log-verbose=0",
+]
+
+
+@dataclass(slots=True)
+class Server:
+    binary: str
+    backend_dir: str | None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def locate_server(build_dir: str = os.path.join(REPO, "build", "tritonserver")) -> Server:
+    system = shutil.which("tritonserver")
+    if system:
+        return Server(system, None, _with_engine_on_path(dict(os.environ)))
+    try:
+        import pytriton
+    except ImportError as exc:
+        raise SystemExit("no tritonserver on PATH and the nvidia-pytriton wheel is not installed "
+                         "(run `make venv`)") from exc
+    root = os.path.join(os.path.dirname(pytriton.__file__), "tritonserver")
+    libs = os.path.join(os.path.dirname(os.path.dirname(pytriton.__file__)), "nvidia_pytriton.libs")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = os.path.join(root, "python_backend_stubs", version, "triton_python_backend_stub")
+    if not os.path.exists(stub):
+        raise SystemExit(f"the nvidia-pytriton wheel ships no Python backend stub for Python {version}")
+    backend_dir = os.path.join(build_dir, "backends")
+    python_backend = os.path.join(backend_dir, "python")
+    os.makedirs(python_backend, exist_ok=True)
+    for src in (os.path.join(root, "backends", "python", "libtriton_python.so"),
+                os.path.join(root, "backends", "python", "triton_python_backend_utils.py"), stub):
+        dst = os.path.join(python_backend, os.path.basename(src))
+        if not os.path.exists(dst) or os.path.getmtime(dst) < os.path.getmtime(src):
+            shutil.copy2(src, dst)
+    env = _with_engine_on_path(dict(os.environ))
+    lib_path = [sysconfig.get_config_var("LIBDIR"), libs, env.get("LD_LIBRARY_PATH", "")]
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in lib_path if p)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return Server(os.path.join(root, "bin", "tritonserver"), backend_dir, env)
+
+
+def _with_engine_on_path(env: dict[str, str]) -> dict[str, str]:
+    """model.py finds backend_src beside model_repository; a copied repository (tests, benchmarks)
+    finds it through INFLIGHT_BACKEND_SRC (the backend stub ignores PYTHONPATH)."""
+    src = os.path.join(REPO, "backend_src")
+    if os.path.isdir(src):
+        env.setdefault("INFLIGHT_BACKEND_SRC", src)
+    return env
+
+
+def server_command(server: Server, model_repository: str, http_port: int, grpc_port: int, metrics_port: int,
+                   extra: list[str] = ()) -> list[str]:
+    cmd = [server.binary, f"--model-repository={model_repository}", f"--http-port={http_port}",
+           f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}", "--allow-metrics=true",
+           "--allow-gpu-metrics=false", "--disable-auto-complete-config"]
+    if server.backend_dir:
+        cmd.append(f"--backend-directory={server.backend_dir}")
+    return cmd + list(extra)
+
+
+def make_repository(dest: str, model_dir: str | None = None, engine: dict | None = None,
+                    models=("llm", "preprocessing", "postprocessing", "ensemble")) -> str:
+    """A copy of model_repository/ whose llm serves `model_dir` (default: the shipped model) with
+    these EngineConfig overrides: how tests and benchmarks run variants side by side."""
+    settings_path = os.path.join(DEFAULT_REPOSITORY, "llm", "1", "model.json")
+    with open(settings_path) as f:
+        settings = json.load(f)
+    settings["model"] = os.path.abspath(model_dir or os.path.join(os.path.dirname(settings_path), settings["model"]))
+    settings["engine"] = {**settings["engine"], **(engine or {})}
+    for name in models:
+        src = os.path.join(DEFAULT_REPOSITORY, name)
+        shutil.copytree(src, os.path.join(dest, name), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("inflight-tiny", "__pycache__", "model.json"))
+    with open(os.path.join(dest, "llm", "1", "model.json"), "w") as f:
+        json.dump(settings, f, indent=2)
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A tritonserver child process on free local ports; `with ServerProcess(repo) as server:`."""
+
+    def __init__(self, model_repository: str, extra: list[str] = (), log_path: str | None = None,
+                 ready_timeout_s: float = 300.0):
+        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.model_repository = model_repository
+        self.extra = list(extra)
+        self.log_path = log_path or os.path.join(model_repository, "tritonserver.log")
+        self.ready_timeout_s = ready_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://localhost:{self.metrics_port}/metrics"
+
+    def start(self) -> "ServerProcess":
+        server = locate_server()
+        cmd = server_command(server, self.model_repository, self.http_port, self.grpc_port, self.metrics_port,
+                             self.extra)
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(cmd, env=server.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.process.returncode}; log: {self.log_path}\n"
+                                   + self.log_tail())
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"tritonserver not ready after {self.ready_timeout_s}s; log: {self.log_path}\n"
+                           + self.log_tail())
+
+    def log_tail(self, lines: int = 40) -> str:
+        with open(self.log_path, "rb") as f:
+            return b"\n".join(f.read().splitlines()[-lines:]).decode("utf-8", "replace")
+
+    def stop(self, timeout_s: float = 45.0) -> int | None:
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGINT)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.wait()
+        finally:
+            self._log.close()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-repository", default=DEFAULT_REPOSITORY)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--production", action="store_true", help="the production-profile flags (see README)")
+    args, extra = parser.parse_known_args()
+    server = locate_server()
+    if args.production:
+        if not os.environ.get("INFLIGHT_ADMIN_KEY"):
+            raise SystemExit("--production needs INFLIGHT_ADMIN_KEY (the header value for restricted APIs)")
+        extra = [os.path.expandvars(flag) for flag in PRODUCTION_FLAGS] + extra
+    cmd = server_command(server, args.model_repository, args.http_port, args.grpc_port, args.metrics_port, extra)
+    print(f"inflight: starting {' '.join(cmd)}", flush=True)
+    print(f"inflight: HTTP on :{args.http_port}, gRPC on :{args.grpc_port}, metrics on :{args.metrics_port}\n"
+          f"  try: curl -s localhost:{args.http_port}/v2/models/llm/generate "
+          "-d '{\"text_input\": \"The assert statement\", \"max_tokens\": 32, \"temperature\": 0}'", flush=True)
+    os.execvpe(cmd[0], cmd, server.env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Engine metrics through the Python backend's custom metrics API, served on Triton's metrics port
+next to Triton's own (all prefixed `inflight_`, labelled with the model name)."""
+from __future__ import annotations
+
+import threading
+import time
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+STEP_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+
+GAUGES = {
+    "kv_blocks_used": "KV-cache blocks held by requests",
+    "kv_blocks_total": "KV-cache blocks in the pool",
+    "kv_blocks_cached": "Free KV-cache blocks that still hold a reusable prefix",
+    "requests_running": "Requests in the running batch",
+    "requests_waiting": "Requests waiting for admission (including preempted ones)",
+}
+# engine stats counters -> metric name, description
+COUNTERS = {
+    "preemptions": ("preemptions_total", "Requests preempted (recompute) for lack of KV blocks or for priority"),
+    "computed_tokens": ("prompt_and_decode_tokens_total", "Tokens run through the model"),
+    "generated_tokens": ("generation_tokens_total", "Tokens generated"),
+    "prefix_cache_query_tokens": ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hit_tokens": ("prefix_cache_hits_total", "Prompt tokens found in the prefix cache"),
+}
+HISTOGRAMS = {
+    "time_to_first_token_seconds": ("Time from arrival to the first generated token", LATENCY_BUCKETS),
+    "time_per_output_token_seconds": ("Mean time between a request's generated tokens", STEP_BUCKETS),
+    "e2e_request_latency_seconds": ("Time from arrival to the final response", LATENCY_BUCKETS),
+    "scheduler_step_seconds": ("Duration of one engine step (schedule, forward, sample, update)", STEP_BUCKETS),
+}
+
+
+class EngineMetrics:
+    def __init__(self, pb_utils, model_name: str, min_interval_s: float = 0.05):
+        self._pb = pb_utils
+        self._labels = {"model": model_name}
+        self._families = []          # a MetricFamily must outlive its metrics
+        self._gauges = {key: self._metric(f"inflight_{key}", desc, "GAUGE") for key, desc in GAUGES.items()}
+        self._counters = {key: self._metric(f"inflight_{name}", desc, "COUNTER")
+                          for key, (name, desc) in COUNTERS.items()}
+        self._histograms = {key: self._metric(f"inflight_{key}", desc, "HISTOGRAM", buckets=buckets)
+                            for key, (desc, buckets) in HISTOGRAMS.items()}
+        self._requests = self._family("inflight_requests_total", "Requests ended, by how they ended", "COUNTER")
+        self._by_reason: dict[str, object] = {}
+        self._last_counts = dict.fromkeys(COUNTERS, 0)
+        self._last_update = 0.0
+        self._lock = threading.Lock()
+        self.min_interval_s = min_interval_s
+
+    def _family(self, name: str, description: str, kind: str):
+        family = self._pb.MetricFamily(name=name, description=description, kind=getattr(self._pb.MetricFamily, kind))
+        self._families.append(family)
+        return family
+
+    def _metric(self, name: str, description: str, kind: str, **extra):
+        return self._family(name, description, kind).Metric(labels=self._labels, **extra)
+
+    def after_step(self, engine, force: bool = False) -> None:
+        """Engine thread: the step's duration, and the gauges/counters at most every min_interval_s
+        (always when the engine has gone idle, so an idle server reads exact zeros)."""
+        if engine.num_steps:
+            self._histograms["scheduler_step_seconds"].observe(engine.last_step_s)
+        now = time.monotonic()
+        if not force and engine.has_unfinished() and now - self._last_update < self.min_interval_s:
+            return
+        self._last_update = now
+        stats = engine.stats()
+        self._gauges["kv_blocks_used"].set(stats["kv_blocks_used"])
+        self._gauges["kv_blocks_total"].set(stats["kv_blocks_total"])
+        self._gauges["kv_blocks_cached"].set(stats["kv_blocks_cached"])
+        self._gauges["requests_running"].set(stats["running"])
+        self._gauges["requests_waiting"].set(stats["waiting"])
+        for key, metric in self._counters.items():
+            delta = stats[key] - self._last_counts[key]
+            if delta:
+                metric.increment(delta)
+                self._last_counts[key] = stats[key]
+
+    def after_request(self, job, reason: str, now: float) -> None:
+        """Response thread: one request's latencies, and how it ended."""
+        with self._lock:
+            metric = self._by_reason.get(reason)
+            if metric is None:
+                metric = self._by_reason[reason] = self._requests.Metric(labels={**self._labels, "finish_reason": reason})
+        metric.increment(1)
+        self._histograms["e2e_request_latency_seconds"].observe(now - job.arrival)
+        if job.first_token_time is not None:
+            self._histograms["time_to_first_token_seconds"].observe(job.first_token_time - job.arrival)
+            if len(job.output_ids) > 1:
+                self._histograms["time_per_output_token_seconds"].observe(
+                    (now - job.first_token_time) / (len(job.output_ids) - 1))

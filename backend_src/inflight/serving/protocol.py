@@ -1,0 +1,202 @@
+"""Request parsing for the `llm` model, following the Triton vLLM backend's tensor conventions.
+
+Sampling knobs arrive as a `sampling_parameters` JSON object and/or as request parameters (the
+HTTP generate endpoint turns unknown JSON keys into parameters). Clients such as genai-perf send
+numbers as strings ({"max_tokens": "128"}), so numeric strings are accepted; anything else that
+does not fit raises RequestError with a message naming the field.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import PRIORITIES, SamplingParams
+
+
+class RequestError(ValueError):
+    """A malformed request: the message names the offending input or parameter."""
+
+
+BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
+               "return_num_output_tokens", "return_logprobs", "return_token_ids")
+
+# sampling knob -> the kind of value it takes
+KNOBS = {
+    "max_tokens": "int", "min_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
+    "seed": "int", "stop": "strings", "stop_token_ids": "ints", "ignore_eos": "bool", "logprobs": "bool",
+    "bad_words": "strings", "bad_words_ids": "int_lists",
+}
+# per-request settings that may also come through the same channels
+SETTINGS = {"priority": "str", "cache_salt": "str"}
+# request parameters Triton or its clients set on their own; never sampling knobs
+IGNORED_PARAMETERS = {"triton_enable_empty_final_response", "sequence_id", "sequence_start", "sequence_end",
+                      "priority_level", "timeout", "headers", "binary_data_output"}
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    prompt_text: str | None
+    prompt_ids: list[int] | None
+    params: SamplingParams
+    priority: str = "normal"
+    cache_salt: str | None = None
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    return_finish_reason: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    return_logprobs: bool = False
+    return_token_ids: bool = False
+    bad_words: tuple[str, ...] = ()
+
+
+def _one(name: str, array: np.ndarray):
+    if array.size != 1:
+        raise RequestError(f"input '{name}' must hold exactly one value, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _bool_input(name: str, array: np.ndarray) -> bool:
+    if array.dtype != np.bool_:
+        raise RequestError(f"input '{name}' must be BOOL, got {array.dtype}")
+    return bool(_one(name, array))
+
+
+def _string_input(name: str, array: np.ndarray) -> str:
+    value = _one(name, array)
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(f"input '{name}' is not valid UTF-8") from None
+    if isinstance(value, str):
+        return value
+    raise RequestError(f"input '{name}' must be a string (BYTES), got {array.dtype}")
+
+
+def _coerce(name: str, kind: str, value):
+    """One knob's value, from JSON (numbers possibly as strings)."""
+    def fail(expected: str):
+        raise RequestError(f"'{name}' must be {expected}, got {value!r}")
+
+    if kind == "int":
+        if isinstance(value, bool):
+            fail("an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                fail("an integer")
+        fail("an integer")
+    if kind == "float":
+        if isinstance(value, bool):
+            fail("a number")
+        if isinstance(value, (int, float)):
+            number = float(value)
+        elif isinstance(value, str):
+            try:
+                number = float(value.strip())
+            except ValueError:
+                fail("a number")
+        else:
+            fail("a number")
+        if not math.isfinite(number):
+            fail("a finite number")
+        return number
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+            return value.strip().lower() in ("true", "1")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        fail("a boolean")
+    if kind == "str":
+        if not isinstance(value, str):
+            fail("a string")
+        return value
+    if kind == "strings":
+        if isinstance(value, str):
+            return (value,)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        fail("a string or a list of strings")
+    if kind == "ints":
+        if isinstance(value, list):
+            return tuple(_coerce(name, "int", v) for v in value)
+        fail("a list of integers")
+    if kind == "int_lists":
+        if isinstance(value, list) and all(isinstance(v, list) for v in value):
+            return tuple(tuple(_coerce(name, "int", t) for t in v) for v in value)
+        fail("a list of lists of integers")
+    raise AssertionError(kind)
+
+
+def _knobs(sampling_parameters: str | None, parameters: dict) -> dict:
+    merged: dict = {}
+    if sampling_parameters is not None:
+        try:
+            values = json.loads(sampling_parameters) if sampling_parameters.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"'sampling_parameters' is not valid JSON: {exc.msg}") from None
+        if not isinstance(values, dict):
+            raise RequestError(f"'sampling_parameters' must be a JSON object, got {type(values).__name__}")
+        merged.update(values)
+    for key, value in parameters.items():
+        if key in IGNORED_PARAMETERS:
+            continue
+        if key in merged:
+            raise RequestError(f"'{key}' is given both in 'sampling_parameters' and as a request parameter")
+        merged[key] = value
+    unknown = sorted(set(merged) - set(KNOBS) - set(SETTINGS))
+    if unknown:
+        raise RequestError(f"unknown sampling parameter(s) {unknown}; known: {sorted(KNOBS) + sorted(SETTINGS)}")
+    return {key: _coerce(key, (KNOBS | SETTINGS)[key], value) for key, value in merged.items()}
+
+
+def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRequest:
+    """inputs: name -> numpy array of the tensors present; parameters: the request's parameters."""
+    text = inputs.get("text_input")
+    ids = inputs.get("input_ids")
+    if text is not None and ids is not None:
+        raise RequestError("give either 'text_input' or 'input_ids', not both")
+    if text is None and ids is None:
+        raise RequestError("one of 'text_input' or 'input_ids' is required")
+    prompt_text = prompt_ids = None
+    if text is not None:
+        prompt_text = _string_input("text_input", text)
+        if not prompt_text:
+            raise RequestError("input 'text_input' is empty")
+    else:
+        if ids.dtype.kind not in "iu":
+            raise RequestError(f"input 'input_ids' must be INT32, got {ids.dtype}")
+        prompt_ids = [int(t) for t in ids.reshape(-1)]
+        if not prompt_ids:
+            raise RequestError("input 'input_ids' is empty")
+    flags = {name: _bool_input(name, inputs[name]) for name in BOOL_INPUTS if name in inputs}
+    sampling = inputs.get("sampling_parameters")
+    knobs = _knobs(None if sampling is None else _string_input("sampling_parameters", sampling), parameters)
+    priority = knobs.pop("priority", None)
+    if "priority" in inputs:
+        if priority is not None:
+            raise RequestError("'priority' is given both as an input and as a parameter")
+        priority = _string_input("priority", inputs["priority"])
+    if priority is not None and priority.lower() not in PRIORITIES:
+        raise RequestError(f"'priority' must be one of 'high', 'normal', 'low', got {priority!r}")
+    cache_salt = knobs.pop("cache_salt", None)
+    if "cache_salt" in inputs:
+        cache_salt = _string_input("cache_salt", inputs["cache_salt"])
+    bad_words = knobs.pop("bad_words", ())
+    try:
+        params = SamplingParams(**knobs)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+    return GenerateRequest(prompt_text, prompt_ids, params, (priority or "normal").lower(), cache_salt,
+                           bad_words=bad_words, **flags)

@@ -1,0 +1,226 @@
+"""The Triton Python-backend models, written against the `pb_utils` module each model.py passes in
+(it only exists inside the backend stub). model.py files only pick one of these classes.
+
+llm            decoupled; one LLMEngine per instance, driven by an EngineLoop
+preprocessing  TensorRT-LLM-style knobs -> input_ids + sampling_parameters JSON for `llm`
+postprocessing (context_ids, token_ids) from `llm` -> exactly the text those tokens add
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import EngineConfig
+from ..detokenizer import decode_delta
+from .loop import EngineLoop
+from .metrics import EngineMetrics
+from .protocol import BOOL_INPUTS, RequestError, parse_request
+
+log = logging.getLogger("inflight")
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+LLM_INPUTS = ("text_input", "input_ids", "sampling_parameters", "priority", "cache_salt") + BOOL_INPUTS
+
+
+@dataclass(slots=True)
+class Settings:
+    """model.json beside the llm's model.py: the checkpoint and every EngineConfig field."""
+    model_dir: str
+    engine: EngineConfig
+
+    @classmethod
+    def load(cls, version_dir: str) -> "Settings":
+        path = os.path.join(version_dir, "model.json")
+        with open(path) as f:
+            raw = json.load(f)
+        unknown = sorted(set(raw) - {"model", "engine"})
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {unknown}; expected 'model' and 'engine'")
+        model_dir = os.path.normpath(os.path.join(version_dir, os.path.expanduser(raw["model"])))
+        return cls(model_dir, EngineConfig.from_dict(raw.get("engine", {})))
+
+
+def llm_settings(model_repository_dir: str) -> Settings:
+    """The llm's settings, found from any model's directory in the same repository."""
+    root = os.path.dirname(os.path.normpath(model_repository_dir))
+    return Settings.load(os.path.join(root, "llm", "1"))
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def read_inputs(pb_utils, request, names) -> dict[str, np.ndarray]:
+    inputs = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            inputs[name] = tensor.as_numpy()
+    return inputs
+
+
+def request_parameters(request) -> dict:
+    raw = request.parameters()
+    try:
+        values = json.loads(raw) if raw else {}
+    except json.JSONDecodeError:
+        raise RequestError("request parameters are not valid JSON") from None
+    return values if isinstance(values, dict) else {}
+
+
+class TritonSink:
+    """A request's Triton response sender behind the EngineLoop's ResponseSink interface."""
+
+    def __init__(self, pb_utils, request):
+        self.pb = pb_utils
+        self.sender = request.get_response_sender()
+
+    def send(self, outputs, final: bool, error: str | None = None) -> None:
+        flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        if error is not None:
+            self.sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(error)), flags=flags)
+        elif outputs is None:
+            self.sender.send(flags=flags)
+        else:
+            tensors = [self.pb.Tensor(name, value) for name, value in outputs.items()]
+            self.sender.send(self.pb.InferenceResponse(output_tensors=tensors), flags=flags)
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+
+class LLMModel:
+    def __init__(self, pb_utils):
+        self.pb = pb_utils
+        self.loop: EngineLoop | None = None
+
+    def initialize(self, args) -> None:
+        from ..engine import LLMEngine
+        version_dir = os.path.join(args["model_repository"], args["model_version"])
+        settings = Settings.load(version_dir)
+        log.info("inflight: loading %s with %s", settings.model_dir, settings.engine)
+        engine = LLMEngine.from_pretrained(settings.model_dir, settings.engine)
+        metrics = EngineMetrics(self.pb, args["model_name"])
+        self.loop = EngineLoop(engine, load_tokenizer(settings.model_dir), metrics).start()
+        metrics.after_step(engine, force=True)
+
+    def execute(self, requests):
+        for request in requests:
+            sink = TritonSink(self.pb, request)
+            try:
+                parsed = parse_request(read_inputs(self.pb, request, LLM_INPUTS), request_parameters(request))
+            except RequestError as exc:
+                sink.send(None, final=True, error=str(exc))
+                continue
+            self.loop.submit(parsed, sink)
+        return None
+
+    def finalize(self) -> None:
+        if self.loop is not None:
+            self.loop.shutdown()
+
+
+# ---- ensemble steps ---------------------------------------------------------------------------------
+# TensorRT-LLM inflight_batcher_llm knob -> (llm sampling parameter, value kind)
+TRTLLM_KNOBS = {
+    "max_tokens": ("max_tokens", int), "temperature": ("temperature", float), "top_k": ("top_k", int),
+    "top_p": ("top_p", float), "min_tokens": ("min_tokens", int), "min_length": ("min_tokens", int),
+    "seed": ("seed", int), "random_seed": ("seed", int),
+}
+
+
+class PreprocessingModel:
+    def __init__(self, pb_utils):
+        self.pb = pb_utils
+
+    def initialize(self, args) -> None:
+        self.tokenizer = load_tokenizer(llm_settings(args["model_repository"]).model_dir)
+
+    def execute(self, requests):
+        return [self._one(request) for request in requests]
+
+    def _one(self, request):
+        pb = self.pb
+        try:
+            inputs = read_inputs(pb, request, ("text_input", "stop_words", "bad_words", "end_id", "pad_id",
+                                               "return_log_probs", "priority", "cache_salt", *TRTLLM_KNOBS))
+            input_ids, sampling = self.translate(inputs)
+        except RequestError as exc:
+            return pb.InferenceResponse(error=pb.TritonError(str(exc)))
+        return pb.InferenceResponse(output_tensors=[
+            pb.Tensor("input_ids", np.asarray(input_ids, dtype=np.int32)),
+            pb.Tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=object)),
+            pb.Tensor("return_token_ids", np.array([True])),
+        ])
+
+    def translate(self, inputs: dict) -> tuple[list[int], dict]:
+        """Ensemble inputs -> (prompt token ids, llm sampling_parameters)."""
+        if "text_input" not in inputs:
+            raise RequestError("input 'text_input' is required")
+        text = inputs["text_input"].reshape(-1)
+        if text.size != 1 or not isinstance(text[0], bytes):
+            raise RequestError("input 'text_input' must hold exactly one string")
+        try:
+            prompt = text[0].decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError("input 'text_input' is not valid UTF-8") from None
+        if not prompt:
+            raise RequestError("input 'text_input' is empty")
+        sampling: dict = {}
+        for name, (knob, kind) in TRTLLM_KNOBS.items():
+            if name in inputs:
+                value = _scalar(name, inputs[name])
+                if knob in sampling:
+                    raise RequestError(f"'{name}' and another name for '{knob}' are both given")
+                sampling[knob] = kind(value)
+        for name, knob in (("stop_words", "stop"), ("bad_words", "bad_words")):
+            if name in inputs:
+                words = [w.decode("utf-8", "replace") if isinstance(w, bytes) else str(w)
+                         for w in inputs[name].reshape(-1)]
+                if any(not w for w in words):
+                    raise RequestError(f"input '{name}' holds an empty string")
+                sampling[knob] = words
+        if "return_log_probs" in inputs and bool(_scalar("return_log_probs", inputs["return_log_probs"])):
+            raise RequestError("'return_log_probs' is not available through the ensemble; "
+                               "ask the llm model with 'return_logprobs'")
+        if "end_id" in inputs:
+            sampling["stop_token_ids"] = [int(_scalar("end_id", inputs["end_id"]))]
+        for name in ("priority", "cache_salt"):
+            if name in inputs:
+                sampling[name] = _scalar(name, inputs[name]).decode("utf-8", "replace")
+        return self.tokenizer(prompt)["input_ids"], sampling
+
+
+def _scalar(name: str, array: np.ndarray):
+    flat = array.reshape(-1)
+    if flat.size != 1:
+        raise RequestError(f"input '{name}' must hold exactly one value, got shape {list(array.shape)}")
+    value = flat[0]
+    if isinstance(value, (float, np.floating)) and not np.isfinite(value):
+        raise RequestError(f"'{name}' must be a finite number, got {value}")
+    return value.item() if hasattr(value, "item") and not isinstance(value, bytes) else value
+
+
+class PostprocessingModel:
+    def __init__(self, pb_utils):
+        self.pb = pb_utils
+
+    def initialize(self, args) -> None:
+        self.tokenizer = load_tokenizer(llm_settings(args["model_repository"]).model_dir)
+
+    def execute(self, requests):
+        pb = self.pb
+        responses = []
+        for request in requests:
+            inputs = read_inputs(pb, request, ("token_ids", "context_ids"))
+            new = inputs.get("token_ids", np.zeros(0, dtype=np.int32)).reshape(-1).tolist()
+            context = inputs.get("context_ids", np.zeros(0, dtype=np.int32)).reshape(-1).tolist()
+            text = decode_delta(self.tokenizer, context, new)
+            responses.append(pb.InferenceResponse(output_tensors=[
+                pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object))]))
+        return responses
