@@ -12,7 +12,8 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 2) // 2)))
 import pytest  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_MODEL = os.path.join(REPO, "model_repository", "llm", "1", "inflight-tiny")
+# INFLIGHT_TEST_MODEL runs the suite against another local checkpoint (with a tokenizer)
+DEFAULT_MODEL = os.environ.get("INFLIGHT_TEST_MODEL") or os.path.join(REPO, "model_repository", "llm", "1", "inflight-tiny")
 
 # small random configs covering every supported architecture and its switches
 ARCH_CONFIGS = {
@@ -40,3 +41,30 @@ def arch_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(arch_checkpoints):
     return arch_checkpoints["llama-gqa2-tied-llama3rope"]
+
+# the test server runs the engine in float64, so token ids can be compared with transformers exactly
+TEST_ENGINE = {"dtype": "float64", "max_num_seqs": 64, "max_num_batched_tokens": 256, "num_kv_blocks": 2048}
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """A real tritonserver with this model repository (default model, TEST_ENGINE settings)."""
+    from inflight.serving.launch import ServerProcess, make_repository
+    if not os.path.exists(DEFAULT_MODEL):
+        pytest.fail(f"the default model is missing at {DEFAULT_MODEL}; run `make model`")
+    repo = make_repository(str(tmp_path_factory.mktemp("repository")), DEFAULT_MODEL, TEST_ENGINE)
+    with ServerProcess(repo) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def reference_engine():
+    """The in-process engine with the server's settings."""
+    from inflight import EngineConfig, LLMEngine
+    return LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(**TEST_ENGINE))

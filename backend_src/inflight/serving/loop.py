@@ -96,9 +96,9 @@ class EngineLoop:
         params = request.params
         if request.bad_words:
             words = tuple(tuple(self.tokenizer(w, add_special_tokens=False)["input_ids"]) for w in request.bad_words)
-            params = SamplingParams(**{**_fields(params), "bad_words_ids": params.bad_words_ids + words})
+            params = _replace(params, bad_words_ids=params.bad_words_ids + words)
         if request.return_logprobs and not params.logprobs:
-            params = SamplingParams(**{**_fields(params), "logprobs": True})
+            params = _replace(params, logprobs=True)
         with self._id_lock:
             self._ids += 1
             request_id = f"req-{self._ids}"
@@ -324,5 +324,9 @@ class EngineLoop:
             self.metrics.after_request(job, reason, time.monotonic())
 
 
-def _fields(params: SamplingParams) -> dict:
-    return {name: getattr(params, name) for name in params.__slots__}
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    values = {name: getattr(params, name) for name in params.__slots__}
+    try:
+        return SamplingParams(**{**values, **changes})
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None

@@ -194,6 +194,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
     if "cache_salt" in inputs:
         cache_salt = _string_input("cache_salt", inputs["cache_salt"])
     bad_words = knobs.pop("bad_words", ())
+    if any(not word for word in bad_words):
+        raise RequestError("'bad_words' must hold non-empty strings")
     try:
         params = SamplingParams(**knobs)
     except ValueError as exc:

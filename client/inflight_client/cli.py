@@ -1,0 +1,103 @@
+"""inflight-client: stream a completion from an inflight Triton server and print it as it arrives.
+
+  inflight-client "The assert statement"                         # gRPC stream from localhost:8001
+  inflight-client --protocol http --url localhost:8000 "A class"  # HTTP generate_stream
+  inflight-client --cancel-after 5 "..."                          # cancel after 5 responses
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from .streams import Completion, grpc_inputs, grpc_stream, http_generate, http_stream
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="inflight-client", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompt")
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--url", help="host:port (default localhost:8001 for gRPC, localhost:8000 for HTTP)")
+    parser.add_argument("--model", default="llm", help="llm (vLLM-style tensors) or ensemble")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--priority", choices=("high", "normal", "low"))
+    parser.add_argument("--no-stream", action="store_true", help="one response with the whole text")
+    parser.add_argument("--cancel-after", type=int, help="cancel the request after this many responses")
+    args = parser.parse_args(argv)
+
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    for key in ("top_p", "top_k", "seed", "priority"):
+        if getattr(args, key) is not None:
+            sampling[key] = getattr(args, key)
+    stream = not args.no_stream
+
+    def show(chunk: str) -> None:
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+
+    if args.protocol == "grpc":
+        out = asyncio.run(_grpc(args, sampling, stream, show))
+    elif stream:
+        out = http_stream(args.url or "localhost:8000", args.model, _http_payload(args.model, args.prompt, sampling, True),
+                          cancel_after=args.cancel_after, on_chunk=show)
+    else:
+        reply = http_generate(args.url or "localhost:8000", args.model, _http_payload(args.model, args.prompt, sampling, False))
+        out = Completion(text=reply.get("text_output", ""), error=reply.get("error"),
+                         finish_reason=reply.get("finish_reason"))
+        show(out.text)
+    sys.stdout.write("\n")
+    if out.error:
+        print(f"error: {out.error}", file=sys.stderr)
+        return 1
+    ttft = f"{out.ttft * 1000:.0f} ms" if out.ttft is not None else "-"
+    state = "cancelled" if out.cancelled else f"finish_reason={out.finish_reason}"
+    print(f"[{len(out.chunks)} responses, first after {ttft}, {state}]", file=sys.stderr)
+    return 0
+
+
+def _http_payload(model: str, prompt: str, sampling: dict, stream: bool) -> dict:
+    if model == "ensemble":     # TensorRT-LLM-style tensors
+        names = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                 "seed": "seed", "priority": "priority"}
+        return {"text_input": prompt, "stream": stream, **{names[k]: v for k, v in sampling.items()}}
+    return {"text_input": prompt, "stream": stream, "exclude_input_in_output": True,
+            "return_finish_reason": True, **sampling}
+
+
+async def _grpc(args, sampling: dict, stream: bool, show) -> Completion:
+    import tritonclient.grpc.aio as grpcclient
+    async with grpcclient.InferenceServerClient(args.url or "localhost:8001") as client:
+        if args.model == "ensemble":
+            inputs = _ensemble_inputs(args.prompt, sampling, stream)
+        else:
+            inputs = grpc_inputs(args.prompt, stream, sampling, exclude_input_in_output=True, return_finish_reason=True)
+        return await grpc_stream(client, args.model, inputs, cancel_after=args.cancel_after, on_chunk=show)
+
+
+def _ensemble_inputs(prompt: str, sampling: dict, stream: bool):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    kinds = {"max_tokens": ("INT32", np.int32), "temperature": ("FP32", np.float32), "top_p": ("FP32", np.float32),
+             "top_k": ("INT32", np.int32), "seed": ("UINT64", np.uint64)}
+    values = {"text_input": ("BYTES", np.array([prompt.encode()], dtype=object)), "stream": ("BOOL", np.array([stream]))}
+    for key, value in sampling.items():
+        if key in kinds:
+            dtype, np_type = kinds[key]
+            values[key] = (dtype, np.array([value], dtype=np_type))
+        else:
+            values[key] = ("BYTES", np.array([str(value).encode()], dtype=object))
+    inputs = []
+    for name, (dtype, array) in values.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+if __name__ == "__main__":
+    sys.exit(main())

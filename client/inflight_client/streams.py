@@ -1,0 +1,143 @@
+"""Client calls for the inflight models: gRPC streaming (tritonclient's asyncio API, one stream per
+request, cancellable) and HTTP `generate` / `generate_stream` (server-sent events, cancel by
+closing the connection). Used by the CLI, the tests and the benchmarks."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Completion:
+    text: str = ""
+    chunks: list[str] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)   # time.monotonic() of each response
+    start: float = 0.0
+    token_ids: list[int] = field(default_factory=list)       # with return_token_ids=True
+    finish_reason: str | None = None
+    num_output_tokens: int | None = None
+    error: str | None = None
+    cancelled: bool = False
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.start if self.chunk_times else None
+
+
+def grpc_inputs(prompt: str | list[int], stream: bool = True, sampling: dict | None = None,
+                **flags: bool | str):
+    """InferInputs for the llm model: text_input or input_ids, stream, sampling_parameters JSON,
+    and any BOOL flags (return_finish_reason=True, ...) or STRING inputs (priority='high')."""
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, array, dtype):
+        t = grpcclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        return t
+
+    inputs = []
+    if isinstance(prompt, str):
+        inputs.append(tensor("text_input", np.array([prompt.encode()], dtype=object), "BYTES"))
+    else:
+        inputs.append(tensor("input_ids", np.asarray(prompt, dtype=np.int32), "INT32"))
+    inputs.append(tensor("stream", np.array([stream]), "BOOL"))
+    if sampling:
+        inputs.append(tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=object), "BYTES"))
+    for name, value in flags.items():
+        if isinstance(value, bool):
+            inputs.append(tensor(name, np.array([value]), "BOOL"))
+        else:
+            inputs.append(tensor(name, np.array([str(value).encode()], dtype=object), "BYTES"))
+    return inputs
+
+
+async def grpc_stream(client, model: str, inputs, parameters: dict | None = None,
+                      cancel_after: int | None = None, on_chunk: Callable[[str], None] | None = None,
+                      request_id: str = "") -> Completion:
+    """One request on its own bidirectional stream; `client` is a tritonclient.grpc.aio client.
+    cancel_after=N cancels the stream after N responses (the server must abort the request)."""
+    out = Completion(start=time.monotonic())
+    done = asyncio.Event()
+
+    async def requests():
+        yield {"model_name": model, "inputs": inputs, "request_id": request_id,
+               "parameters": {"triton_enable_empty_final_response": True, **(parameters or {})}}
+        await done.wait()          # keep the stream open until the last response
+
+    stream = client.stream_infer(requests())
+    try:
+        async for result, error in stream:
+            if error is not None:
+                out.error = str(error)
+                break
+            response = result.get_response()
+            if any(o.name == "text_output" for o in response.outputs):
+                chunk = b"".join(result.as_numpy("text_output").reshape(-1)).decode("utf-8")
+                out.chunks.append(chunk)
+                out.chunk_times.append(time.monotonic())
+                if on_chunk is not None:
+                    on_chunk(chunk)
+                if any(o.name == "token_ids" for o in response.outputs):
+                    out.token_ids.extend(result.as_numpy("token_ids").reshape(-1).tolist())
+                if any(o.name == "finish_reason" for o in response.outputs):
+                    out.finish_reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
+                if any(o.name == "num_output_tokens" for o in response.outputs):
+                    out.num_output_tokens = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
+            if cancel_after is not None and len(out.chunks) >= cancel_after:
+                stream.cancel()
+                out.cancelled = True
+                break
+            if response.parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        done.set()
+    out.text = "".join(out.chunks)
+    return out
+
+
+def http_generate(url: str, model: str, payload: dict, timeout: float = 300) -> dict:
+    """POST /v2/models/<model>/generate; the JSON reply (an 'error' key on failure)."""
+    conn = http.client.HTTPConnection(url, timeout=timeout)
+    try:
+        conn.request("POST", f"/v2/models/{model}/generate", json.dumps(payload), {"Content-Type": "application/json"})
+        return json.loads(conn.getresponse().read() or b"{}")
+    finally:
+        conn.close()
+
+
+def http_stream(url: str, model: str, payload: dict, cancel_after: int | None = None,
+                on_chunk: Callable[[str], None] | None = None, timeout: float = 300) -> Completion:
+    """POST /v2/models/<model>/generate_stream and read the server-sent events; cancel_after=N
+    drops the connection after N events."""
+    out = Completion(start=time.monotonic())
+    conn = http.client.HTTPConnection(url, timeout=timeout)
+    try:
+        conn.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(payload),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        for line in response:
+            if not line.startswith(b"data:"):
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                out.error = event["error"]
+                break
+            chunk = event.get("text_output", "")
+            out.chunks.append(chunk)
+            out.chunk_times.append(time.monotonic())
+            out.finish_reason = event.get("finish_reason", out.finish_reason)
+            if on_chunk is not None:
+                on_chunk(chunk)
+            if cancel_after is not None and len(out.chunks) >= cancel_after:
+                out.cancelled = True
+                break
+    finally:
+        conn.close()
+    out.text = "".join(out.chunks)
+    return out

@@ -1,0 +1,107 @@
+"""Request parsing for the llm model: the vLLM-backend conventions, numbers sent as strings, and
+every malformed request rejected with a message that names the field — never an exception of
+another kind (fuzzed with hypothesis)."""
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inflight.serving.protocol import RequestError, parse_request
+
+
+def text(value="hello"):
+    return np.array([value.encode() if isinstance(value, str) else value], dtype=object)
+
+
+def flag(value=True):
+    return np.array([value])
+
+
+def test_text_request_with_sampling_parameters_as_genai_perf_sends_them():
+    req = parse_request({"text_input": text(), "stream": flag(True), "exclude_input_in_output": flag(True),
+                         "sampling_parameters": text(json.dumps({"max_tokens": "128", "temperature": "0.5",
+                                                                  "ignore_eos": "true", "top_k": 5}))}, {})
+    assert req.prompt_text == "hello" and req.stream and req.exclude_input_in_output
+    assert (req.params.max_tokens, req.params.temperature, req.params.ignore_eos, req.params.top_k) == (128, 0.5, True, 5)
+
+
+def test_knobs_as_request_parameters_and_input_ids():
+    req = parse_request({"input_ids": np.array([1, 2, 3], dtype=np.int32)},
+                        {"max_tokens": 7, "priority": "high", "cache_salt": "tenant-a", "seed": 3,
+                         "triton_enable_empty_final_response": True})
+    assert req.prompt_ids == [1, 2, 3] and req.params.max_tokens == 7 and req.params.seed == 3
+    assert req.priority == "high" and req.cache_salt == "tenant-a"
+
+
+def test_stop_and_bad_words():
+    req = parse_request({"text_input": text()}, {"stop": "\n\n", "bad_words": ["foo", "bar"], "stop_token_ids": [5]})
+    assert req.params.stop == ("\n\n",) and req.bad_words == ("foo", "bar") and req.params.stop_token_ids == (5,)
+
+
+BAD = [
+    ({}, {}, "'text_input' or 'input_ids'"),
+    ({"text_input": text(), "input_ids": np.array([1], dtype=np.int32)}, {}, "not both"),
+    ({"text_input": text("")}, {}, "'text_input' is empty"),
+    ({"text_input": text(b"\xff\xfe")}, {}, "'text_input' is not valid UTF-8"),
+    ({"text_input": np.array([b"a", b"b"], dtype=object)}, {}, "'text_input' must hold exactly one"),
+    ({"input_ids": np.array([], dtype=np.int32)}, {}, "'input_ids' is empty"),
+    ({"input_ids": np.array([1.5], dtype=np.float32)}, {}, "'input_ids' must be INT32"),
+    ({"text_input": text(), "stream": np.array([1], dtype=np.int32)}, {}, "'stream' must be BOOL"),
+    ({"text_input": text(), "sampling_parameters": text("{not json")}, {}, "'sampling_parameters' is not valid JSON"),
+    ({"text_input": text(), "sampling_parameters": text("[1, 2]")}, {}, "'sampling_parameters' must be a JSON object"),
+    ({"text_input": text()}, {"max_tokens": 0}, "'max_tokens'"),
+    ({"text_input": text()}, {"max_tokens": "many"}, "'max_tokens' must be an integer"),
+    ({"text_input": text()}, {"max_tokens": 2.5}, "'max_tokens' must be an integer"),
+    ({"text_input": text()}, {"temperature": -0.1}, "'temperature'"),
+    ({"text_input": text()}, {"temperature": "NaN"}, "'temperature' must be a finite number"),
+    ({"text_input": text()}, {"top_p": 0}, "'top_p'"),
+    ({"text_input": text()}, {"top_p": 1.01}, "'top_p'"),
+    ({"text_input": text()}, {"top_k": -2}, "'top_k'"),
+    ({"text_input": text()}, {"min_tokens": 9, "max_tokens": 2}, "'min_tokens'"),
+    ({"text_input": text()}, {"ignore_eos": "maybe"}, "'ignore_eos' must be a boolean"),
+    ({"text_input": text()}, {"stop": 5}, "'stop' must be a string or a list"),
+    ({"text_input": text()}, {"temprature": 0.5}, "unknown sampling parameter(s) ['temprature']"),
+    ({"text_input": text()}, {"priority": "urgent"}, "'priority' must be one of"),
+    ({"text_input": text(), "sampling_parameters": text('{"max_tokens": 3}')}, {"max_tokens": 4}, "'max_tokens' is given both"),
+]
+
+
+@pytest.mark.parametrize("inputs, parameters, message", BAD)
+def test_malformed_requests_name_the_field(inputs, parameters, message):
+    with pytest.raises(RequestError) as info:
+        parse_request(inputs, parameters)
+    assert message in str(info.value)
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),
+                           lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+                           max_leaves=6)
+knob_names = st.sampled_from(["max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                              "stop_token_ids", "ignore_eos", "logprobs", "bad_words", "bad_words_ids", "priority",
+                              "cache_salt", "unknown_knob"])
+tensors = st.one_of(
+    st.builds(lambda s: np.array([s], dtype=object), st.binary(max_size=12)),
+    st.builds(lambda xs: np.array(xs, dtype=np.int32), st.lists(st.integers(-5, 2**31 - 1), max_size=4)),
+    st.builds(lambda xs: np.array(xs, dtype=np.bool_), st.lists(st.booleans(), max_size=2)),
+    st.builds(lambda xs: np.array(xs, dtype=np.float32), st.lists(st.floats(width=32), max_size=2)),
+)
+input_names = st.sampled_from(["text_input", "input_ids", "stream", "sampling_parameters", "exclude_input_in_output",
+                               "return_logprobs", "priority", "cache_salt"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(inputs=st.dictionaries(input_names, tensors, max_size=4),
+       parameters=st.dictionaries(knob_names, json_values, max_size=4),
+       sampling=st.one_of(st.none(), st.dictionaries(knob_names, json_values, max_size=4).map(json.dumps), st.text(max_size=10)))
+def test_fuzzed_requests_parse_or_fail_with_a_request_error(inputs, parameters, sampling):
+    if sampling is not None:
+        inputs["sampling_parameters"] = np.array([sampling.encode()], dtype=object)
+    try:
+        req = parse_request(inputs, parameters)
+    except RequestError as exc:
+        assert str(exc), "an error must say what is wrong"
+        return
+    assert (req.prompt_text is None) != (req.prompt_ids is None)
+    assert req.params.max_tokens >= 1

@@ -1,0 +1,186 @@
+"""Through a real tritonserver: gRPC streaming, HTTP generate / generate_stream, the ensemble,
+64 concurrent streams, cancellation, error responses that name the field, and metrics."""
+import concurrent.futures
+import os
+
+import pytest
+import torch
+
+from inflight import SamplingParams
+from inflight.detokenizer import decode
+from inflight.serving.launch import DEFAULT_REPOSITORY, ServerProcess
+from inflight_client.streams import grpc_inputs, http_generate, http_stream
+
+from .conftest import DEFAULT_MODEL
+from .helpers import metric, metrics, run_streams, wait_for_metric
+
+pytestmark = pytest.mark.server
+
+PROMPTS = ["The assert statement", "A class definition defines a class object", "Boolean operations",
+           "The import system", "def", "Exceptions can be raised", "Augmented assignment is the combination",
+           "The with statement is used"]
+
+
+def greedy(max_tokens=24, **extra):
+    return {"max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+def llm_stream(prompt, max_tokens=24, **flags):
+    return {"model": "llm", "inputs": grpc_inputs(prompt, True, greedy(max_tokens), **flags)}
+
+
+def test_grpc_stream_matches_the_engine_and_transformers(server, tokenizer, reference_engine):
+    from transformers import AutoModelForCausalLM
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:4]]
+    outs = run_streams(server, [llm_stream(p, return_token_ids=True) for p in prompts])
+    engine = reference_engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float64)
+    for prompt, out, ref in zip(prompts, outs, engine):
+        assert out.error is None
+        assert out.token_ids == ref.token_ids
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+        assert out.token_ids == expected
+        assert out.text == decode(tokenizer, out.token_ids)
+
+
+def test_http_generate_and_generate_stream_give_the_grpc_text(server):
+    prompt = PROMPTS[1]
+    grpc_text = run_streams(server, [llm_stream(prompt)])[0].text
+    reply = http_generate(server.http_url, "llm", {"text_input": prompt, "exclude_input_in_output": True,
+                                                   "return_finish_reason": True, **greedy()})
+    assert reply["text_output"] == grpc_text and reply["finish_reason"] in ("length", "stop")
+    with_prompt = http_generate(server.http_url, "llm", {"text_input": prompt, **greedy()})
+    assert with_prompt["text_output"] == prompt + grpc_text
+    streamed = http_stream(server.http_url, "llm", {"text_input": prompt, "stream": True, **greedy()})
+    assert streamed.error is None and streamed.text == grpc_text and len(streamed.chunks) > 1
+
+
+def test_ensemble_streams_the_same_text_as_llm(server):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    prompt = PROMPTS[2]
+    llm = run_streams(server, [llm_stream(prompt)])[0]
+    inputs = []
+    for name, dtype, value in (("text_input", "BYTES", np.array([prompt.encode()], dtype=object)),
+                               ("max_tokens", "INT32", np.array([24], dtype=np.int32)),
+                               ("temperature", "FP32", np.array([0.0], dtype=np.float32)),
+                               ("stream", "BOOL", np.array([True]))):
+        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    ensemble = run_streams(server, [{"model": "ensemble", "inputs": inputs}])[0]
+    assert ensemble.error is None and ensemble.text == llm.text and len(ensemble.chunks) > 1
+    http = http_stream(server.http_url, "ensemble", {"text_input": prompt, "max_tokens": 24, "temperature": 0.0,
+                                                     "stream": True})
+    assert http.text == llm.text
+    whole = http_generate(server.http_url, "ensemble", {"text_input": prompt, "max_tokens": 24, "temperature": 0.0,
+                                                        "exclude_input_in_output": True})
+    assert whole["text_output"] == llm.text
+
+
+def test_streamed_text_equals_non_streamed_text(server):
+    for prompt in PROMPTS[3:6]:
+        stream = run_streams(server, [llm_stream(prompt, 40)])[0]
+        whole = run_streams(server, [{"model": "llm", "inputs": grpc_inputs(prompt, False, greedy(40),
+                                                                            exclude_input_in_output=True)}])[0]
+        assert len(whole.chunks) == 1 and stream.text == whole.text
+
+
+def test_64_concurrent_streams_complete_with_correct_outputs(server, tokenizer, reference_engine):
+    prompts = [tokenizer(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)))["input_ids"] for i in range(64)]
+    lengths = [8 + (i * 7) % 41 for i in range(64)]
+    outs = run_streams(server, [llm_stream(p, n, return_token_ids=True, return_finish_reason=True)
+                                for p, n in zip(prompts, lengths)])
+    refs = reference_engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths])
+    for out, ref in zip(outs, refs):
+        assert out.error is None and out.finish_reason == ref.finish_reason
+        assert out.token_ids == ref.token_ids
+    assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
+
+
+def test_grpc_cancel_aborts_the_request_and_frees_its_blocks(server):
+    cancelled_before = metric(server, "inflight_requests_total", finish_reason="cancelled")
+    long = {"model": "llm", "inputs": grpc_inputs(PROMPTS[0], True, {"max_tokens": 900, "ignore_eos": True}),
+            "cancel_after": 3}
+    others = [llm_stream(p) for p in PROMPTS[:3]]
+    alone = run_streams(server, others)
+    outs = run_streams(server, [long] + others)
+    assert outs[0].cancelled and len(outs[0].chunks) == 3
+    assert [o.text for o in outs[1:]] == [o.text for o in alone], "other streams are unaffected"
+    assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
+    assert wait_for_metric(server, "inflight_requests_running", 0) == 0
+    assert metric(server, "inflight_requests_total", finish_reason="cancelled") == cancelled_before + 1
+
+
+def test_http_disconnect_aborts_the_request_and_frees_its_blocks(server):
+    cancelled_before = metric(server, "inflight_requests_total", finish_reason="cancelled")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        dropped = pool.submit(http_stream, server.http_url, "llm",
+                              {"text_input": PROMPTS[4], "stream": True, "max_tokens": 900, "ignore_eos": True},
+                              cancel_after=2)
+        normal = pool.submit(http_stream, server.http_url, "llm", {"text_input": PROMPTS[5], "stream": True, **greedy()})
+        assert dropped.result().cancelled and normal.result().error is None
+    assert normal.result().text == run_streams(server, [llm_stream(PROMPTS[5])])[0].text
+    assert wait_for_metric(server, "inflight_requests_total", cancelled_before + 1, finish_reason="cancelled") \
+        == cancelled_before + 1
+    assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
+
+
+ERRORS = [
+    ({"max_tokens": 4}, "'text_input' or 'input_ids'"),
+    ({"text_input": "", "max_tokens": 4}, "'text_input' is empty"),
+    ({"text_input": "hi", "input_ids": [1, 2], "max_tokens": 4}, "not both"),
+    ({"text_input": "word " * 1100, "max_tokens": 4}, "max_model_len"),
+    ({"text_input": "hi", "max_tokens": 0}, "'max_tokens'"),
+    ({"text_input": "hi", "max_tokens": 5000}, "max_model_len"),
+    ({"text_input": "hi", "sampling_parameters": "{nope"}, "'sampling_parameters' is not valid JSON"),
+    ({"text_input": "hi", "sampling_parameters": "[1]"}, "'sampling_parameters' must be a JSON object"),
+    ({"text_input": "hi", "temprature": 0.1}, "unknown sampling parameter(s) ['temprature']"),
+    ({"text_input": "hi", "max_tokens": "lots"}, "'max_tokens' must be an integer"),
+    ({"text_input": "hi", "temperature": -1}, "'temperature'"),
+    ({"text_input": "hi", "top_p": 0}, "'top_p'"),
+    ({"text_input": "hi", "top_p": 1.5}, "'top_p'"),
+    ({"text_input": "hi", "top_k": -2}, "'top_k'"),
+    ({"text_input": "hi", "priority": "urgent"}, "'priority'"),
+    ({"input_ids": [1, 99999], "max_tokens": 4}, "'input_ids': token id 99999 at position 1 is outside the vocabulary"),
+]
+
+
+@pytest.mark.parametrize("payload, message", ERRORS, ids=[m for _, m in ERRORS])
+def test_bad_requests_get_an_error_naming_the_field_and_the_server_keeps_serving(server, payload, message):
+    reply = http_generate(server.http_url, "llm", payload)
+    assert message in reply.get("error", ""), reply
+    assert "Traceback" not in reply["error"] and "At:" not in reply["error"]
+    ok = http_generate(server.http_url, "llm", {"text_input": "The", "max_tokens": 2})
+    assert "error" not in ok and ok["text_output"].startswith("The")
+
+
+def test_ensemble_errors_name_the_field(server):
+    reply = http_generate(server.http_url, "ensemble", {"text_input": "hi", "max_tokens": 0})
+    assert "'max_tokens'" in reply.get("error", "")
+    reply = http_generate(server.http_url, "ensemble", {"text_input": "", "max_tokens": 3})
+    assert "'text_input' is empty" in reply.get("error", "")
+    assert "text_output" in http_generate(server.http_url, "ensemble", {"text_input": "The", "max_tokens": 2})
+
+
+def test_engine_metrics_are_served_next_to_tritons(server):
+    run_streams(server, [llm_stream(PROMPTS[0], 8)])
+    text = metrics(server)
+    assert "nv_inference_request_success" in text            # Triton's own
+    assert metric(server, "inflight_kv_blocks_total") == 2048
+    for name in ("inflight_generation_tokens_total", "inflight_time_to_first_token_seconds_count",
+                 "inflight_time_per_output_token_seconds_count", "inflight_scheduler_step_seconds_count",
+                 "inflight_prompt_and_decode_tokens_total"):
+        assert metric(server, name) > 0, name
+    for name in ("inflight_requests_running", "inflight_requests_waiting", "inflight_preemptions_total"):
+        assert name in text
+
+
+def test_the_shipped_repository_serves_the_default_model(tmp_path):
+    """`make serve` as is: the repository unchanged (fp32, model.json defaults)."""
+    if os.environ.get("INFLIGHT_TEST_MODEL"):
+        pytest.skip("the shipped repository serves the shipped model")
+    with ServerProcess(DEFAULT_REPOSITORY, log_path=str(tmp_path / "server.log")) as shipped:
+        reply = http_generate(shipped.http_url, "llm", {"text_input": "The assert statement", "max_tokens": 16,
+                                                        "temperature": 0})
+        assert reply["text_output"].startswith("The assert statement") and len(reply["text_output"]) > 25
