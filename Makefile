@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test test-stress bench-engine bench-kernels bench-serve perf-sweep model clean
+.PHONY: venv serve test test-stress bench-engine bench-kernels bench-serve bench-prefix perf-sweep model clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,3 +45,6 @@ model: venv
 
 clean:
 	rm -rf build perf/results .pytest_cache .hypothesis
+
+bench-prefix: venv
+	$(PY) perf/prefix_bench.py $(BENCH_ARGS)

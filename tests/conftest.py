@@ -43,7 +43,8 @@ def tiny_checkpoint(arch_checkpoints):
     return arch_checkpoints["llama-gqa2-tied-llama3rope"]
 
 # the test server runs the engine in float64, so token ids can be compared with transformers exactly
-TEST_ENGINE = {"dtype": "float64", "max_num_seqs": 64, "max_num_batched_tokens": 256, "num_kv_blocks": 2048}
+TEST_ENGINE = {"dtype": "float64", "max_num_seqs": 64, "max_num_batched_tokens": 256, "num_kv_blocks": 2048,
+               "cpu_threads": 1}   # the test process computes too: two cores, no oversubscription
 
 
 @pytest.fixture(scope="session")

@@ -103,9 +103,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     if n > 1:
         q_pos = torch.arange(causal_offset, causal_offset + n, device=q.device)
         mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+    # 4-D inputs: torch's CPU kernel for 3-D ones is several times slower
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def _decode_attention(q, k_cache, v_cache, out, starts, lens, block_table, rows, scale) -> None:

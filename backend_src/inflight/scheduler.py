@@ -62,6 +62,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0        # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0          # of which found cached
+        self.num_prefill_tokens = 0         # prompt positions computed (cache hits excluded)
 
     # ---- queues -------------------------------------------------------------------------
     @property
@@ -243,6 +244,7 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
             req.num_cached_tokens = num_computed
+        if self.kv.enable_prefix_caching:      # every admission looks up, resumptions included
             self.prefix_query_tokens += len(req.token_ids)
             self.prefix_hit_tokens += num_computed
         self._insert_running(req)
@@ -304,9 +306,13 @@ class Scheduler:
         table = self.table
         rows = out.rows
         table.num_computed[rows] = out.start + out.num_scheduled
-        if self.kv.enable_prefix_caching and self.policy == "continuous":
-            for row in rows[out.start < table.num_prompt[rows]].tolist():
-                self._cache_computed_blocks(row)
+        prompt_end = table.num_prompt[rows]
+        prefill = out.start < prompt_end
+        if prefill.any():
+            self.num_prefill_tokens += int((np.minimum(out.start + out.num_scheduled, prompt_end) - out.start)[prefill].sum())
+            if self.kv.enable_prefix_caching and self.policy == "continuous":
+                for row in rows[prefill].tolist():
+                    self._cache_computed_blocks(row)
         sample_rows = out.sample_rows
         length = table.num_tokens[sample_rows]
         table.token_ids[sample_rows, length] = sampled
