@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -30,8 +31,8 @@ PRODUCTION_FLAGS = [
     "--model-control-mode=none",
     "--strict-readiness=true",
     "--exit-timeout-secs=30",
-    "--http-restricted-api=model-repository,shared-memory:admin-key=${INFLIGHT_ADMIN_KEY}",
-    "--grpc-restricted-protocol=model-repository,shared-memory:admin-key=${INFLIGHT_ADMIN_KEY}",
+    "--http-restricted-api=model-repository,shared-memory,logging,trace:admin-key=${INFLIGHT_ADMIN_KEY}",
+    "--grpc-restricted-protocol=model-repository,shared-memory,logging,trace:admin-key=${INFLIGHT_ADMIN_KEY}",
     "--log-verbose=0",
 ]
 
@@ -92,6 +93,24 @@ def server_command(server: Server, model_repository: str, http_port: int, grpc_p
     return cmd + list(extra)
 
 
+# Triton 2.51 finalizes a decoupled Python model only after its last response, so a long
+# generation would outlive --exit-timeout-secs and be cut off without a final response. The
+# launcher therefore marks the shutdown in a file the engine loop watches (INFLIGHT_SHUTDOWN_FLAG)
+# before passing the signal on: every request in flight then ends promptly with a final response.
+SHUTDOWN_FLAG_ENV = "INFLIGHT_SHUTDOWN_FLAG"
+
+
+def shutdown_flag_path() -> str:
+    return os.path.join(tempfile.gettempdir(), f"inflight-shutdown-{os.getpid()}-{time.monotonic_ns()}")
+
+
+def request_shutdown(flag: str, process: subprocess.Popen, signum: int = signal.SIGTERM) -> None:
+    with open(flag, "w") as f:
+        f.write(str(signum))
+    if process.poll() is None:
+        process.send_signal(signum)
+
+
 def make_repository(dest: str, model_dir: str | None = None, engine: dict | None = None,
                     models=("llm", "preprocessing", "postprocessing", "ensemble")) -> str:
     """A copy of model_repository/ whose llm serves `model_dir` (default: the shipped model) with
@@ -120,12 +139,14 @@ class ServerProcess:
     """A tritonserver child process on free local ports; `with ServerProcess(repo) as server:`."""
 
     def __init__(self, model_repository: str, extra: list[str] = (), log_path: str | None = None,
-                 ready_timeout_s: float = 300.0):
+                 ready_timeout_s: float = 300.0, env: dict[str, str] | None = None):
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         self.model_repository = model_repository
         self.extra = list(extra)
         self.log_path = log_path or os.path.join(model_repository, "tritonserver.log")
         self.ready_timeout_s = ready_timeout_s
+        self.env = env or {}
+        self.shutdown_flag = shutdown_flag_path()
         self.process: subprocess.Popen | None = None
 
     @property
@@ -145,7 +166,8 @@ class ServerProcess:
         cmd = server_command(server, self.model_repository, self.http_port, self.grpc_port, self.metrics_port,
                              self.extra)
         self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(cmd, env=server.env, stdout=self._log, stderr=subprocess.STDOUT,
+        env = {**server.env, SHUTDOWN_FLAG_ENV: self.shutdown_flag, **self.env}
+        self.process = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
         self.wait_ready()
         return self
@@ -175,7 +197,7 @@ class ServerProcess:
     def stop(self, timeout_s: float = 45.0) -> int | None:
         if self.process is None or self.process.poll() is not None:
             return None if self.process is None else self.process.returncode
-        self.process.send_signal(signal.SIGINT)
+        request_shutdown(self.shutdown_flag, self.process, signal.SIGINT)
         try:
             return self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -183,6 +205,8 @@ class ServerProcess:
             return self.process.wait()
         finally:
             self._log.close()
+            if os.path.exists(self.shutdown_flag):
+                os.remove(self.shutdown_flag)
 
     def __enter__(self) -> "ServerProcess":
         return self.start()
@@ -209,7 +233,18 @@ def main() -> None:
     print(f"inflight: HTTP on :{args.http_port}, gRPC on :{args.grpc_port}, metrics on :{args.metrics_port}\n"
           f"  try: curl -s localhost:{args.http_port}/v2/models/llm/generate "
           "-d '{\"text_input\": \"The assert statement\", \"max_tokens\": 32, \"temperature\": 0}'", flush=True)
-    os.execvpe(cmd[0], cmd, server.env)
+    flag = shutdown_flag_path()
+    process = subprocess.Popen(cmd, env={**server.env, SHUTDOWN_FLAG_ENV: flag})
+
+    def forward(signum, _frame):
+        request_shutdown(flag, process, signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    code = process.wait()
+    if os.path.exists(flag):
+        os.remove(flag)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

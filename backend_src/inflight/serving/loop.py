@@ -9,9 +9,11 @@ response: finished, aborted, cancelled, refused or failed.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,6 +25,9 @@ from ..engine import LLMEngine, QueueFullError
 from .protocol import GenerateRequest, RequestError
 
 log = logging.getLogger("inflight")
+
+
+MAX_BYTES_PER_TOKEN = 32     # a prompt of more bytes than max_model_len x this is refused untokenized
 
 
 class ResponseSink(Protocol):
@@ -52,11 +57,18 @@ class Job:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, tokenizer, metrics=None, cancel_poll_s: float = 0.2):
+    def __init__(self, engine: LLMEngine, tokenizer, metrics=None, cancel_poll_s: float = 0.2,
+                 on_failure: Callable[[str], None] | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.cancel_poll_s = cancel_poll_s
+        self.on_failure = on_failure             # called once every request has its error
+        # test hook: make the engine step raise after this many steps (fault-injection tests)
+        self._fault_after_steps = int(os.environ.get("INFLIGHT_FAULT_AFTER_STEPS", "0"))
+        # set by inflight's launcher when the server is asked to stop (see serving/launch.py)
+        self._shutdown_flag = os.environ.get("INFLIGHT_SHUTDOWN_FLAG")
+        self._next_flag_check = 0.0
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()     # to the engine thread
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()    # to the response thread
         self.failure: str | None = None          # set once the loop can no longer serve
@@ -92,6 +104,12 @@ class EngineLoop:
         if request.prompt_ids is not None:
             prompt_ids = request.prompt_ids
         else:
+            # bound the tokenizer's work before it starts: no prompt this long can fit anyway
+            limit = self.engine.max_model_len * MAX_BYTES_PER_TOKEN
+            size = len(request.prompt_text.encode("utf-8"))
+            if size > limit:
+                raise RequestError(f"'text_input' is {size} bytes; the limit is {limit} "
+                                   f"(max_model_len {self.engine.max_model_len} x {MAX_BYTES_PER_TOKEN})")
             prompt_ids = self.tokenizer(request.prompt_text)["input_ids"]
         params = request.params
         if request.bad_words:
@@ -123,7 +141,7 @@ class EngineLoop:
                 message = None
             while message is not None:
                 if message[0] == "shutdown":
-                    self._abort_all("the model is being unloaded")
+                    self._abort_all("the model is being unloaded", fatal=False)
                     self.outbox.put(("stop", None))
                     return
                 self._handle(message)
@@ -133,7 +151,12 @@ class EngineLoop:
                     message = None
             if self.failure is not None or not engine.has_unfinished():
                 continue
+            if self._server_stopping():
+                self._abort_all("the server is shutting down", fatal=False)
+                continue
             try:
+                if self._fault_after_steps and engine.num_steps >= self._fault_after_steps:
+                    raise RuntimeError(f"injected fault after {engine.num_steps} steps (INFLIGHT_FAULT_AFTER_STEPS)")
                 out = engine.step()
             except Exception as exc:    # a bug or a device fault: fail everything in flight, loudly
                 log.exception("inflight engine step failed; failing all requests")
@@ -162,7 +185,14 @@ class EngineLoop:
         elif kind == "abort":
             self.engine.abort(payload)
 
-    def _abort_all(self, reason: str) -> None:
+    def _server_stopping(self) -> bool:
+        now = time.monotonic()
+        if self._shutdown_flag is None or now < self._next_flag_check:
+            return False
+        self._next_flag_check = now + 0.2
+        return os.path.exists(self._shutdown_flag)
+
+    def _abort_all(self, reason: str, fatal: bool = True) -> None:
         """End every request in the engine (their blocks go back) and fail them with `reason`."""
         self.failure = reason
         try:
@@ -171,7 +201,7 @@ class EngineLoop:
             self.engine.step()           # reports the aborts and releases everything
         except Exception:
             log.exception("inflight engine could not release its requests")
-        self.outbox.put(("fail", reason))
+        self.outbox.put(("fail" if fatal else "drain", reason))
         if self.metrics is not None:
             self.metrics.after_step(self.engine, force=True)
 
@@ -193,10 +223,12 @@ class EngineLoop:
                 job = jobs.pop(request_id, None)
                 if job is not None:
                     self._finish(job, None, error=message)
-            elif kind == "fail":
+            elif kind in ("fail", "drain"):
                 for job in jobs.values():
                     self._finish(job, None, error=payload)
                 jobs.clear()
+                if kind == "fail" and self.on_failure is not None:
+                    self.on_failure(payload)
             elif kind == "stop":
                 for job in jobs.values():
                     self._finish(job, None, error=self.failure or "the model is being unloaded")

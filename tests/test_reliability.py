@@ -1,0 +1,270 @@
+"""What happens when clients misbehave, memory runs out, load spikes, the engine fails or the
+server stops: nothing lost, nothing leaked, nothing hung, clear errors. Real tritonservers."""
+import json
+import os
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+
+from inflight.serving.launch import PRODUCTION_FLAGS, ServerProcess, make_repository, request_shutdown
+from inflight_client.streams import grpc_inputs, http_generate, http_stream
+
+from .conftest import DEFAULT_MODEL, TEST_ENGINE
+from .helpers import metric, run_streams, wait_for_metric
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    """Start a server with engine overrides / env / flags; stopped at the end of the test."""
+    servers = []
+
+    def start(engine: dict | None = None, env: dict | None = None, extra: list[str] = ()) -> ServerProcess:
+        repo = make_repository(str(tmp_path / f"repo{len(servers)}"), DEFAULT_MODEL, {**TEST_ENGINE, **(engine or {})})
+        server = ServerProcess(repo, extra=list(extra), env=env)
+        servers.append(server)
+        return server.start()
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def stream(prompt, max_tokens, **sampling):
+    return {"model": "llm", "inputs": grpc_inputs(prompt, True, {"max_tokens": max_tokens, "temperature": 0, **sampling},
+                                                  return_finish_reason=True, return_token_ids=True)}
+
+
+def ok(server) -> bool:
+    reply = http_generate(server.http_url, "llm", {"text_input": "The", "max_tokens": 2})
+    return "error" not in reply and reply["text_output"].startswith("The")
+
+
+# ---- bad input: every malformed request gets an error naming the problem ------------------------
+def t(name, array, dtype):
+    tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def text(value):
+    return np.array([value if isinstance(value, bytes) else value.encode()], dtype=object)
+
+
+HTTP_LLM = [
+    ({"max_tokens": 4}, "'text_input' or 'input_ids'"),
+    ({"text_input": "", "max_tokens": 4}, "'text_input' is empty"),
+    ({"text_input": "hi", "input_ids": [1, 2]}, "not both"),
+    ({"text_input": "word " * 1100, "max_tokens": 4}, "max_model_len"),
+    ({"text_input": "x" * 40000}, "'text_input' is 40000 bytes; the limit is 32768"),
+    ({"text_input": "hi", "max_tokens": 0}, "'max_tokens'"),
+    ({"text_input": "hi", "max_tokens": -5}, "'max_tokens'"),
+    ({"text_input": "hi", "max_tokens": 10 ** 9}, "max_model_len"),
+    ({"text_input": "hi", "max_tokens": "abc"}, "'max_tokens' must be an integer"),
+    ({"text_input": "hi", "temperature": -1}, "'temperature'"),
+    ({"text_input": "hi", "temperature": "NaN"}, "'temperature' must be a finite number"),
+    ({"text_input": "hi", "top_p": 0}, "'top_p'"),
+    ({"text_input": "hi", "top_p": 2}, "'top_p'"),
+    ({"text_input": "hi", "top_k": -5}, "'top_k'"),
+    ({"text_input": "hi", "top_k": 1.5}, "'top_k' must be an integer"),
+    ({"text_input": "hi", "min_tokens": 9, "max_tokens": 3}, "'min_tokens'"),
+    ({"text_input": "hi", "seed": "x"}, "'seed' must be an integer"),
+    ({"text_input": "hi", "temprature": 0.1}, "unknown sampling parameter(s) ['temprature']"),
+    ({"text_input": "hi", "sampling_parameters": "{nope"}, "'sampling_parameters' is not valid JSON"),
+    ({"text_input": "hi", "sampling_parameters": "[1, 2]"}, "'sampling_parameters' must be a JSON object"),
+    ({"text_input": "hi", "sampling_parameters": "null"}, "'sampling_parameters' must be a JSON object"),
+    ({"text_input": "hi", "priority": "urgent"}, "'priority' must be one of"),
+    ({"text_input": "hi", "stop": 5}, "'stop' must be a string or a list of strings"),
+    ({"text_input": "hi", "stop_token_ids": "x"}, "'stop_token_ids' must be a list of integers"),
+    ({"text_input": "hi", "ignore_eos": "maybe"}, "'ignore_eos' must be a boolean"),
+    ({"text_input": "hi", "sampling_parameters": '{"bad_words": [""]}'}, "'bad_words' must hold non-empty strings"),
+    ({"text_input": "hi", "bad_words": ["x"]}, "parameter 'bad_words' has invalid type"),   # lists: JSON only
+    ({"input_ids": [1, 99999], "max_tokens": 4}, "token id 99999 at position 1 is outside the vocabulary"),
+    ({"input_ids": [-3], "max_tokens": 4}, "token id -3 at position 0 is outside the vocabulary"),
+    # type errors in the generate JSON are caught by Triton itself, in its own words
+    ({"text_input": "hi", "stream": "yes"}, "attempt to access JSON non-boolean as boolean"),
+    ({"input_ids": ["a", "b"]}, "attempt to access JSON non-signed-integer as signed-integer"),
+]
+HTTP_ENSEMBLE = [
+    ({"text_input": "hi", "max_tokens": 0}, "'max_tokens'"),
+    ({"text_input": "", "max_tokens": 3}, "'text_input' is empty"),
+    ({"text_input": "hi", "temperature": -1.0}, "'temperature'"),
+    ({"text_input": "hi", "top_p": 5.0}, "'top_p'"),
+    ({"text_input": "hi", "stop_words": [""]}, "'stop_words' holds an empty string"),
+    ({"text_input": "hi", "return_log_probs": True}, "'return_log_probs' is not available through the ensemble"),
+    ({"max_tokens": 3}, "text_input"),
+]
+GRPC = [
+    ("llm", [t("text_input", np.array([5], dtype=np.int32), "INT32")], "text_input"),
+    ("llm", [t("text_input", np.array([b"a", b"b"], dtype=object), "BYTES")], "text_input"),
+    ("llm", [t("text_input", text(b"\xff\xfe\xfd"), "BYTES")], "'text_input' is not valid UTF-8"),
+    ("llm", [t("text_input", text("hi"), "BYTES"), t("stream", np.array([1], dtype=np.int32), "INT32")], "stream"),
+    ("llm", [t("text_input", text("hi"), "BYTES"),
+             t("sampling_parameters", text('{"max_tokens": "NaN"}'), "BYTES")], "'max_tokens' must be an integer"),
+    ("llm", [t("input_ids", np.array([1.5], dtype=np.float32), "FP32")], "input_ids"),
+    ("llm", [t("text_input", text("hi"), "BYTES"), t("priority", text("urgent"), "BYTES")], "'priority' must be one of"),
+    ("llm", [t("input_ids", np.zeros(0, dtype=np.int32), "INT32")], "'input_ids' is empty"),
+    ("ensemble", [t("text_input", text("hi"), "BYTES"), t("max_tokens", np.array([3.0], dtype=np.float32), "FP32")],
+     "max_tokens"),
+    ("ensemble", [t("text_input", text("hi"), "BYTES"), t("temperature", np.array([np.nan], dtype=np.float32), "FP32")],
+     "'temperature' must be a finite number"),
+    ("ensemble", [t("text_input", text(b"\xc3"), "BYTES")], "'text_input' is not valid UTF-8"),
+]
+CASES = ([("http", "llm", p, m) for p, m in HTTP_LLM] + [("http", "ensemble", p, m) for p, m in HTTP_ENSEMBLE]
+         + [("grpc", model, inputs, m) for model, inputs, m in GRPC])
+
+
+@pytest.mark.parametrize("protocol, model, request_, message", CASES, ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(CASES)])
+def test_malformed_requests_get_an_error_naming_the_problem(server, protocol, model, request_, message):
+    if protocol == "http":
+        error = http_generate(server.http_url, model, request_).get("error", "")
+    else:
+        error = run_streams(server, [{"model": model, "inputs": request_}])[0].error or ""
+    assert message in error, error
+    assert "Traceback" not in error and "\nAt:" not in error
+    assert ok(server), "the server answers a valid request right after"
+
+
+def test_there_are_at_least_forty_bad_input_cases():
+    assert len(CASES) >= 40
+
+
+# ---- client faults ------------------------------------------------------------------------------------
+def test_a_client_that_stops_reading_does_not_leak_blocks(server):
+    body = json.dumps({"text_input": "The import system", "max_tokens": 300, "ignore_eos": True, "stream": True})
+    host, port = server.http_url.split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST /v2/models/llm/generate_stream HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        time.sleep(1.0)                              # never reads a byte
+    others = run_streams(server, [stream("Boolean operations", 12) for _ in range(3)])
+    assert all(o.error is None and len(o.token_ids) == 12 for o in others)
+    assert wait_for_metric(server, "inflight_kv_blocks_used", 0, timeout_s=60) == 0
+    assert wait_for_metric(server, "inflight_requests_running", 0) == 0
+
+
+# ---- queue limits and KV exhaustion -------------------------------------------------------------------
+def test_bounded_queue_refuses_or_expires_requests_and_spares_the_running_one(start_server):
+    import asyncio
+    import tritonclient.grpc.aio as aio
+    from inflight_client.streams import grpc_stream
+    s = start_server({"max_num_seqs": 1, "max_queue_size": 2, "max_queue_wait_s": 1.0, "dtype": "float32"})
+
+    async def main():
+        async with aio.InferenceServerClient(s.grpc_url) as client:
+            running = asyncio.Event()
+            long = asyncio.create_task(grpc_stream(client, **stream("The assert statement", 600, ignore_eos=True),
+                                                   on_chunk=lambda _: running.set()))
+            await running.wait()             # it holds the only seat; the rest queue behind it
+            rest = [asyncio.create_task(grpc_stream(client, **stream(f"Question {i}", 4))) for i in range(4)]
+            return [await long] + [await r for r in rest]
+
+    outs = asyncio.run(main())
+    assert outs[0].error is None and len(outs[0].token_ids) == 600, "in-flight work is unaffected"
+    errors = sorted(o.error or "" for o in outs[1:])
+    assert sum("queue full: 2 requests are already waiting (max_queue_size)" in e for e in errors) == 2, errors
+    assert sum("timed out in queue after 1 s (max_queue_wait_s)" in e for e in errors) == 2, errors
+    assert wait_for_metric(s, "inflight_requests_waiting", 0) == 0 and ok(s)
+
+
+def test_kv_exhaustion_completes_through_preemption_with_exact_outputs(start_server, tokenizer):
+    from transformers import AutoModelForCausalLM
+    s = start_server({"num_kv_blocks": 24, "max_num_seqs": 16})
+    prompts = [tokenizer(f"{i} " + "The with statement is used to wrap the execution of a block " * 4)["input_ids"][:60]
+               for i in range(16)]
+    outs = run_streams(s, [stream(p, 40) for p in prompts])           # demand ~4.5x the pool
+    assert metric(s, "inflight_preemptions_total") > 0
+    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float64)
+    for prompt, out in zip(prompts, outs):
+        assert out.error is None
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt):].tolist()
+        assert out.token_ids == expected
+    never = run_streams(s, [stream([5] * 400, 10)])[0]
+    assert "needs 26 KV blocks but the pool has only 24" in never.error
+    assert wait_for_metric(s, "inflight_kv_blocks_used", 0) == 0
+
+
+# ---- engine failure and shutdown ------------------------------------------------------------------------
+def ready(server) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=2) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0                                     # not listening any more
+
+
+def test_an_engine_failure_fails_requests_logs_the_cause_and_takes_the_server_out(start_server):
+    s = start_server(env={"INFLIGHT_FAULT_AFTER_STEPS": "25"})
+    outs = run_streams(s, [stream(f"Prompt {i}", 200, ignore_eos=True) for i in range(3)])
+    for out in outs:
+        assert out.error and "the engine failed: RuntimeError: injected fault after 25 steps" in out.error
+    after = http_stream(s.http_url, "llm", {"text_input": "late", "max_tokens": 3, "stream": True}) if ready(s) else None
+    assert after is None or after.error, "no request succeeds once the engine has failed"
+    deadline = time.monotonic() + 45
+    while ready(s) == 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ready(s) != 200, "readiness must fail"
+    assert s.process.wait(45) is not None, "the server exits within its exit timeout"
+    log = open(s.log_path, errors="replace").read()
+    assert "inflight engine step failed" in log and "injected fault" in log and "Traceback" in log
+
+
+def test_stopping_the_server_ends_every_in_flight_request_with_a_final_response(start_server):
+    s = start_server({"max_num_seqs": 1, "dtype": "float32"})
+    import asyncio
+    import tritonclient.grpc.aio as aio
+    from inflight_client.streams import grpc_stream
+
+    async def main():
+        async with aio.InferenceServerClient(s.grpc_url) as client:
+            tasks = [asyncio.create_task(grpc_stream(client, **stream(f"Prompt {i}", 900, ignore_eos=True)))
+                     for i in range(8)]       # one runs at a time: most are still queued at the signal
+            await asyncio.sleep(1.5)
+            request_shutdown(s.shutdown_flag, s.process, signal.SIGINT)      # what Ctrl-C on `make serve` does
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+
+    started = time.monotonic()
+    outs = asyncio.run(main())
+    for out in outs:
+        assert out.finish_reason == "length" or "the server is shutting down" in (out.error or ""), out
+    assert any(o.error for o in outs), "at least the queued requests were still in flight"
+    assert s.process.wait(40) is not None and time.monotonic() - started < 45
+
+
+# ---- production profile ----------------------------------------------------------------------------------
+def test_production_profile_restricts_admin_apis_and_keeps_prompts_out_of_logs(start_server, tmp_path):
+    key = "s3cret-admin-key"
+    flags = [f.replace("${INFLIGHT_ADMIN_KEY}", key) for f in PRODUCTION_FLAGS]
+    s = start_server(extra=flags)
+
+    def call(method, path, headers=None, body=b""):
+        req = urllib.request.Request(f"http://{s.http_url}{path}", data=body if method == "POST" else None,
+                                     method=method, headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    for method, path in (("POST", "/v2/repository/index"), ("POST", "/v2/repository/models/llm/unload"),
+                         ("GET", "/v2/systemsharedmemory/status"), ("GET", "/v2/logging")):
+        status, body = call(method, path)
+        assert status == 403, (path, status, body)
+    assert call("GET", "/v2/systemsharedmemory/status", {"admin-key": key})[0] == 200
+    status, body = call("POST", "/v2/repository/models/llm/unload", {"admin-key": key})
+    assert status != 200 and "not allowed" in body, "model control is off even with the key"
+    marker = "zebra-quokka-7781 private words"
+    reply = http_generate(s.http_url, "llm", {"text_input": marker, "max_tokens": 4})
+    assert "error" not in reply
+    assert http_generate(s.http_url, "llm", {"text_input": marker, "max_tokens": 0}).get("error")
+    assert marker not in open(s.log_path, errors="replace").read()
