@@ -1,0 +1,79 @@
+"""Serving-benchmark statistics, with the definitions spelled out (unit-tested in tests/).
+
+Per request, from the client's clock: sent (request written), response times (one per streamed
+response), num_output_tokens (the server's count).
+  TTFT  = first response - sent
+  TPOT  = (last response - first response) / (num_output_tokens - 1)      (requests with >= 2 tokens)
+  ITL   = every gap between consecutive responses of a request
+  E2E   = last response - sent
+Run-level: makespan = last response of any request - first send; throughput = requests / makespan;
+generated tokens/s = sum(num_output_tokens) / makespan; goodput = requests meeting every given SLO
+(TTFT and/or TPOT bound) / makespan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    sent: float
+    response_times: list[float] = field(default_factory=list)
+    num_output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.response_times[0] - self.sent if self.response_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.num_output_tokens < 2 or len(self.response_times) < 2:
+            return None
+        return (self.response_times[-1] - self.response_times[0]) / (self.num_output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return np.diff(self.response_times).tolist()
+
+    @property
+    def e2e(self) -> float | None:
+        return self.response_times[-1] - self.sent if self.response_times else None
+
+
+def percentiles(values, qs=(50, 90, 99)) -> dict[str, float]:
+    """Linear-interpolation percentiles (numpy's default); NaN for no values."""
+    values = np.asarray([v for v in values if v is not None], dtype=float)
+    if not values.size:
+        return {f"p{q}": float("nan") for q in qs}
+    return {f"p{q}": float(np.percentile(values, q)) for q in qs}
+
+
+def summarize(records: list[RequestRecord], slo_ttft: float | None = None, slo_tpot: float | None = None) -> dict:
+    done = [r for r in records if r.error is None and r.response_times]
+    if not done:
+        return {"requests": len(records), "errors": len(records)}
+    start = min(r.sent for r in records)
+    makespan = max(r.response_times[-1] for r in done) - start
+
+    def meets_slo(r: RequestRecord) -> bool:
+        ok_ttft = slo_ttft is None or r.ttft <= slo_ttft
+        ok_tpot = slo_tpot is None or r.tpot is None or r.tpot <= slo_tpot
+        return ok_ttft and ok_tpot
+
+    tokens = sum(r.num_output_tokens for r in done)
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(done),
+        "makespan_s": makespan,
+        "request_throughput": len(done) / makespan,
+        "generated_tokens_per_s": tokens / makespan,
+        "generated_tokens": tokens,
+        "goodput": sum(meets_slo(r) for r in done) / makespan,
+        "ttft": percentiles(r.ttft for r in done),
+        "tpot": percentiles(r.tpot for r in done),
+        "itl": percentiles(gap for r in done for gap in r.itls),
+        "e2e": percentiles(r.e2e for r in done),
+    }

@@ -1,0 +1,269 @@
+"""Serving benchmark through the real tritonserver (`make bench-serve`, `--quick` for < 10 minutes).
+
+The same seeded workload is sent over gRPC streaming to one server per policy — continuous,
+dynamic, static, and continuous without chunked prefill — with the same model and max batch;
+every response time is recorded, and one table of throughput, TTFT, TPOT, ITL and goodput with
+the ratios is printed. The same uniform workload also runs through LLMEngine in-process, to give
+the serving overhead. Writes JSON and PNG plots (--out). Outputs are forced to their target length
+(ignore_eos) so runs are comparable.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"), REPO]
+
+from inflight.serving.launch import ServerProcess, make_repository  # noqa: E402
+from perf import workloads  # noqa: E402
+from perf.bench_stats import RequestRecord, summarize  # noqa: E402
+
+DEFAULT_MODEL = os.path.join(REPO, "model_repository", "llm", "1", "inflight-tiny")
+MAX_MODEL_LEN = 1024
+POLICIES = {
+    "continuous": {"policy": "continuous"},
+    "dynamic": {"policy": "dynamic"},
+    "static": {"policy": "static", "batch_wait_timeout_s": 0.5},
+    # no chunking: a prompt runs whole in one step, so the budget must hold the longest
+    "continuous-nochunk": {"policy": "continuous", "enable_chunked_prefill": False,
+                           "max_num_batched_tokens": MAX_MODEL_LEN},
+}
+
+
+def make_workload(name: str, n: int, vocab_size: int, seed: int, scale: float):
+    if name == "uniform":
+        return workloads.uniform(n, vocab_size, seed)
+    if name == "chat":
+        return workloads.chat(n, vocab_size, MAX_MODEL_LEN, seed, scale)
+    if name == "long-mix":
+        return workloads.long_mix(n, vocab_size, MAX_MODEL_LEN, seed, scale=scale)
+    raise SystemExit(f"unknown workload {name!r}")
+
+
+async def one_request(client, item, record: RequestRecord, progress) -> None:
+    from inflight_client.streams import grpc_inputs
+    inputs = grpc_inputs(item.prompt_token_ids, True, {"max_tokens": item.max_tokens, "ignore_eos": True,
+                                                       "temperature": 0}, return_num_output_tokens=True)
+    done = asyncio.Event()
+
+    async def requests():
+        yield {"model_name": "llm", "inputs": inputs, "parameters": {"triton_enable_empty_final_response": True}}
+        await done.wait()
+
+    record.sent = time.monotonic()
+    try:
+        async for result, error in client.stream_infer(requests()):
+            if error is not None:
+                record.error = str(error)
+                break
+            response = result.get_response()
+            if any(o.name == "num_output_tokens" for o in response.outputs):
+                record.response_times.append(time.monotonic())
+                record.num_output_tokens = int(result.as_numpy("num_output_tokens")[0])
+            if response.parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        done.set()
+        progress.update(1)
+
+
+async def drive(url: str, items, arrival: tuple, seed: int = 0) -> list[RequestRecord]:
+    """arrival: ("all",) | ("concurrency", N) | ("poisson", requests_per_s)."""
+    import tritonclient.grpc.aio as grpcclient
+    from tqdm import tqdm
+    records = [RequestRecord(sent=0.0) for _ in items]
+    progress = tqdm(total=len(items), desc=f"  {arrival[0]} {arrival[1:] or ''}", leave=False, file=sys.stderr)
+    async with grpcclient.InferenceServerClient(url) as client:
+        if arrival[0] == "concurrency":
+            slots = asyncio.Semaphore(arrival[1])
+
+            async def limited(item, record):
+                async with slots:
+                    await one_request(client, item, record, progress)
+            await asyncio.gather(*(limited(i, r) for i, r in zip(items, records)))
+        else:
+            rng = random.Random(seed)
+            tasks = []
+            for item, record in zip(items, records):
+                tasks.append(asyncio.create_task(one_request(client, item, record, progress)))
+                if arrival[0] == "poisson":
+                    await asyncio.sleep(rng.expovariate(arrival[1]))
+            await asyncio.gather(*tasks)
+    progress.close()
+    return records
+
+
+class OccupancySampler:
+    """Samples the running-batch size from the metrics endpoint: the per-step batch occupancy that
+    stands in, on this CPU machine, for "GPU utilisation"."""
+
+    def __init__(self, server: ServerProcess, every_s: float = 0.1):
+        self.server, self.every_s = server, every_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import urllib.request
+        start = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                with urllib.request.urlopen(self.server.metrics_url, timeout=2) as response:
+                    for line in response.read().decode().splitlines():
+                        if line.startswith("inflight_requests_running{"):
+                            self.samples.append((time.monotonic() - start, float(line.rsplit(" ", 1)[1])))
+            except OSError:
+                pass
+            self._stop.wait(self.every_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def run_policy(name: str, workdir: str, model_dir: str, engine: dict, runs: list[tuple[str, list, tuple]],
+               slo: dict) -> dict:
+    repo = make_repository(os.path.join(workdir, name), model_dir, {**engine, **POLICIES[name]})
+    results = {}
+    with ServerProcess(repo) as server:
+        asyncio.run(drive(server.grpc_url, runs[0][1][:4], ("all",)))           # warm up
+        for label, items, arrival in runs:
+            with OccupancySampler(server) as occupancy:
+                records = asyncio.run(drive(server.grpc_url, items, arrival))
+            results[label] = {**summarize(records, **slo), "occupancy": occupancy.samples}
+            s = results[label]
+            print(f"  {name:19s} {label:22s} {s['generated_tokens_per_s']:8.1f} tok/s  TTFT p50 "
+                  f"{s['ttft']['p50'] * 1000:7.0f} ms  TPOT p50 {s['tpot']['p50'] * 1000:6.1f} "
+                  f"p99 {s['tpot']['p99'] * 1000:6.1f} ms  errors {s['errors']}", flush=True)
+    return results
+
+
+def in_process_tokens_per_s(model_dir: str, engine: dict, items) -> float:
+    """The same workload through LLMEngine directly (all requests at once)."""
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    llm = LLMEngine.from_pretrained(model_dir, EngineConfig(**{**engine, **POLICIES["continuous"]}))
+    llm.generate([items[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2))
+    start = time.perf_counter()
+    outs = llm.generate([i.prompt_token_ids for i in items],
+                        [SamplingParams(max_tokens=i.max_tokens, ignore_eos=True, temperature=0) for i in items])
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def plot(results: dict, path: str, max_batch: int) -> None:
+    """Occupancy timelines and throughput (quick run); with the full run also throughput vs
+    concurrency and p99 TTFT / TPOT vs request rate."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    batch_policies = [n for n in ("continuous", "dynamic", "static") if n in results]
+    sweeps = sorted({label for n in batch_policies for label in results[n] if "concurrency" in label or "/s" in label})
+    fig, axes = plt.subplots(1, 4 if sweeps else 2, figsize=(22 if sweeps else 12, 4.2))
+    for name in batch_policies:
+        samples = results[name]["uniform all-at-once"]["occupancy"]
+        if samples:
+            t, running = zip(*samples)
+            axes[0].plot(t, [r / max_batch for r in running], label=name, lw=1.2)
+    axes[0].set(title=f"batch occupancy (running / max batch {max_batch})", xlabel="seconds into the run",
+                ylabel="occupancy")
+    axes[0].legend()
+    axes[1].bar(batch_policies, [results[n]["uniform all-at-once"]["generated_tokens_per_s"] for n in batch_policies],
+                color=["#2a7", "#d83", "#c44"][:len(batch_policies)])
+    axes[1].set(title="generated tokens/s, uniform, all at once", ylabel="tokens/s")
+    if sweeps:
+        for name in batch_policies:
+            conc = sorted((int(l.rsplit(" ", 1)[1]), v["generated_tokens_per_s"]) for l, v in results[name].items()
+                          if "concurrency" in l)
+            rate = sorted((float(l.rsplit(" ", 1)[1][:-2]), v) for l, v in results[name].items() if "/s" in l)
+            axes[2].plot(*zip(*conc), marker="o", label=name)
+            axes[3].plot([r for r, _ in rate], [v["ttft"]["p99"] for _, v in rate], marker="o", label=f"{name} TTFT")
+            axes[3].plot([r for r, _ in rate], [v["tpot"]["p99"] for _, v in rate], marker="x", ls="--",
+                         label=f"{name} TPOT")
+        axes[2].set(title="throughput vs concurrency", xlabel="concurrent requests", ylabel="generated tokens/s")
+        axes[3].set(title="p99 latency vs Poisson request rate", xlabel="requests/s", ylabel="seconds", yscale="log")
+        axes[2].legend()
+        axes[3].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the < 10 minute version (2 cores)")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--requests", type=int, help="per run (default 128; 48 with --quick)")
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--budget", type=int, default=64, help="token budget per step (chunk size) when chunking")
+    parser.add_argument("--scale", type=float, default=0.25, help="length scale of the chat/long-mix workloads")
+    parser.add_argument("--rates", default="2,4,8", help="Poisson request rates for the full run")
+    parser.add_argument("--concurrency", default="4,16,64", help="concurrency levels for the full run")
+    parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    parser.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
+    parser.add_argument("--out", default=os.path.join(REPO, "perf", "results", "serve_bench"))
+    args = parser.parse_args()
+    args.requests = args.requests or (48 if args.quick else 128)
+    os.makedirs(args.out, exist_ok=True)
+    from transformers import AutoConfig
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    engine = {"max_num_seqs": args.max_batch, "max_num_batched_tokens": args.budget, "kv_cache_gb": 1.0}
+    slo = {"slo_ttft": args.slo_ttft, "slo_tpot": args.slo_tpot}
+    uniform = make_workload("uniform", args.requests, vocab, 1, args.scale)
+    long_mix = make_workload("long-mix", args.requests, vocab, 2, args.scale)
+    runs = {name: [("uniform all-at-once", uniform, ("all",))] for name in ("continuous", "dynamic", "static")}
+    runs["continuous-nochunk"] = []
+    long_arrival = ("poisson", 2.0 if args.quick else 4.0)
+    for name in ("continuous", "continuous-nochunk"):
+        runs[name].append(("long-mix poisson", long_mix, long_arrival))
+    if not args.quick:
+        for name in ("continuous", "dynamic", "static"):
+            runs[name] += [(f"uniform concurrency {c}", uniform, ("concurrency", int(c))) for c in args.concurrency.split(",")]
+            runs[name] += [(f"uniform poisson {r}/s", uniform, ("poisson", float(r))) for r in args.rates.split(",")]
+    print(f"serve_bench: {os.cpu_count()} cores, no GPU, model {args.model}, max batch {args.max_batch}, "
+          f"budget {args.budget}, {args.requests} requests per run, {time.strftime('%Y-%m-%d')}", flush=True)
+    started = time.monotonic()
+    workdir = tempfile.mkdtemp(prefix="serve_bench_")
+    results = {name: run_policy(name, workdir, args.model, engine, policy_runs, slo) for name, policy_runs in runs.items()}
+    in_process = in_process_tokens_per_s(args.model, engine, uniform)
+
+    u = {name: results[name]["uniform all-at-once"] for name in ("continuous", "dynamic", "static")}
+    lm = {name: results[name]["long-mix poisson"] for name in ("continuous", "continuous-nochunk")}
+    print(f"\nuniform workload, {args.requests} requests at once, max batch {args.max_batch}:")
+    print(f"{'policy':20s}{'tok/s':>9s}{'req/s':>8s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'TPOT p50':>10s}"
+          f"{'TPOT p99':>10s}{'ITL p99':>9s}{'goodput':>9s}")
+    for name, s in [*u.items(), *((f"{k} (long-mix)", v) for k, v in lm.items())]:
+        print(f"{name:20s}{s['generated_tokens_per_s']:9.1f}{s['request_throughput']:8.2f}"
+              f"{s['ttft']['p50']:10.2f}{s['ttft']['p99']:10.2f}{s['tpot']['p50'] * 1000:9.1f}m"
+              f"{s['tpot']['p99'] * 1000:9.1f}m{s['itl']['p99'] * 1000:8.0f}m{s['goodput']:9.2f}")
+    served = u["continuous"]["generated_tokens_per_s"]
+    tpot_spread = {k: v["tpot"]["p99"] / v["tpot"]["p50"] for k, v in lm.items()}
+    summary = {
+        "continuous_over_static": served / u["static"]["generated_tokens_per_s"],
+        "continuous_over_dynamic": served / u["dynamic"]["generated_tokens_per_s"],
+        "served_over_in_process": served / in_process, "in_process_tokens_per_s": in_process,
+        "long_mix_tpot_p99_over_p50": tpot_spread, "seconds": time.monotonic() - started,
+    }
+    print(f"(times in s, m = ms; goodput = requests/s within TTFT <= {args.slo_ttft}s and TPOT <= {args.slo_tpot}s)")
+    print(f"in-process LLMEngine: {in_process:.1f} tok/s; served/in-process = {summary['served_over_in_process']:.2f}")
+    print(f"long-mix TPOT p99/p50: chunked {tpot_spread['continuous']:.2f}, without chunking "
+          f"{tpot_spread['continuous-nochunk']:.2f}")
+    with open(os.path.join(args.out, "serve_bench.json"), "w") as f:
+        json.dump({"args": vars(args), "summary": summary, "results": results}, f, indent=1)
+    plot(results, os.path.join(args.out, "serve_bench.png"), args.max_batch)
+    print(f"wrote {args.out}/serve_bench.json and serve_bench.png in {summary['seconds']:.0f} s")
+    print(f"continuous/static = {summary['continuous_over_static']:.2f}x, "
+          f"continuous/dynamic = {summary['continuous_over_dynamic']:.2f}x generated tokens/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The serving benchmark's statistics do what their definitions say."""
+import math
+
+import pytest
+
+from perf.bench_stats import RequestRecord, percentiles, summarize
+
+
+def test_percentiles_interpolate_linearly_and_ignore_missing_values():
+    p = percentiles([1, 2, 3, 4, None, 5], qs=(0, 50, 90, 100))
+    assert p == {"p0": 1.0, "p50": 3.0, "p90": pytest.approx(4.6), "p100": 5.0}
+    assert all(math.isnan(v) for v in percentiles([None]).values())
+
+
+def test_ttft_tpot_itl_and_e2e_of_one_request():
+    r = RequestRecord(sent=10.0, response_times=[10.5, 10.6, 10.8, 11.1], num_output_tokens=4)
+    assert r.ttft == pytest.approx(0.5)
+    assert r.tpot == pytest.approx(0.6 / 3)             # first to last response over tokens after the first
+    assert r.itls == pytest.approx([0.1, 0.2, 0.3])
+    assert r.e2e == pytest.approx(1.1)
+
+
+def test_tpot_counts_tokens_not_responses():
+    # a response may carry two tokens (a character split across them): TPOT uses the server's count
+    r = RequestRecord(sent=0.0, response_times=[1.0, 2.0], num_output_tokens=5)
+    assert r.tpot == pytest.approx(0.25)
+    assert RequestRecord(sent=0.0, response_times=[1.0], num_output_tokens=1).tpot is None
+
+
+def test_summary_throughput_and_goodput():
+    fast = RequestRecord(0.0, [0.1, 0.2, 0.3], 3)        # ttft 0.1, tpot 0.1
+    slow = RequestRecord(0.0, [1.0, 2.0, 4.0], 3)        # ttft 1.0, tpot 1.5
+    failed = RequestRecord(0.0, [], 0, error="queue full")
+    s = summarize([fast, slow, failed], slo_ttft=0.5, slo_tpot=0.5)
+    assert s["makespan_s"] == pytest.approx(4.0)
+    assert s["errors"] == 1 and s["generated_tokens"] == 6
+    assert s["request_throughput"] == pytest.approx(2 / 4.0)
+    assert s["generated_tokens_per_s"] == pytest.approx(6 / 4.0)
+    assert s["goodput"] == pytest.approx(1 / 4.0)        # only `fast` meets both SLOs
+    assert summarize([fast, slow])["goodput"] == pytest.approx(2 / 4.0)   # no SLO: every request counts
+    assert s["ttft"]["p50"] == pytest.approx(0.55)
