@@ -145,13 +145,17 @@ TRTLLM_KNOBS = {
 }
 
 
-class PreprocessingModel:
+class TokenizerModel:
+    """An ensemble step that needs only the llm's tokenizer."""
+
     def __init__(self, pb_utils):
         self.pb = pb_utils
 
     def initialize(self, args) -> None:
         self.tokenizer = load_tokenizer(llm_settings(args["model_repository"]).model_dir)
 
+
+class PreprocessingModel(TokenizerModel):
     def execute(self, requests):
         return [self._one(request) for request in requests]
 
@@ -217,13 +221,7 @@ def _scalar(name: str, array: np.ndarray):
     return value.item() if hasattr(value, "item") and not isinstance(value, bytes) else value
 
 
-class PostprocessingModel:
-    def __init__(self, pb_utils):
-        self.pb = pb_utils
-
-    def initialize(self, args) -> None:
-        self.tokenizer = load_tokenizer(llm_settings(args["model_repository"]).model_dir)
-
+class PostprocessingModel(TokenizerModel):
     def execute(self, requests):
         pb = self.pb
         responses = []
