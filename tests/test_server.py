@@ -184,3 +184,22 @@ def test_the_shipped_repository_serves_the_default_model(tmp_path):
         reply = http_generate(shipped.http_url, "llm", {"text_input": "The assert statement", "max_tokens": 16,
                                                         "temperature": 0})
         assert reply["text_output"].startswith("The assert statement") and len(reply["text_output"]) > 25
+
+
+def test_logprobs_stop_strings_priority_and_cache_salt_over_http(server, tokenizer, reference_engine):
+    import json
+    prompt = PROMPTS[6]
+    reply = http_generate(server.http_url, "llm", {"text_input": prompt, "max_tokens": 6, "temperature": 0,
+                                                   "return_logprobs": True, "exclude_input_in_output": True,
+                                                   "priority": "high", "cache_salt": "tenant-a"})
+    ref = reference_engine.generate([tokenizer(prompt)["input_ids"]],
+                                    SamplingParams(max_tokens=6, temperature=0, logprobs=True))[0]
+    assert json.loads(reply["logprobs"]) == pytest.approx(ref.logprobs, abs=1e-9)
+    full = http_generate(server.http_url, "llm", {"text_input": prompt, "max_tokens": 30, "temperature": 0,
+                                                  "exclude_input_in_output": True})["text_output"]
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut = http_stream(server.http_url, "llm", {"text_input": prompt, "stream": True, "return_finish_reason": True,
+                                               "sampling_parameters": json.dumps({"max_tokens": 30, "temperature": 0,
+                                                                                  "stop": [stop]})})
+    assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
+    assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0

@@ -8,6 +8,7 @@ response: finished, aborted, cancelled, refused or failed.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -289,7 +290,7 @@ class EngineLoop:
         if request.return_num_output_tokens:
             outputs["num_output_tokens"] = np.array([len(job.output_ids)], dtype=np.uint32)
         if request.return_logprobs:
-            outputs["logprobs"] = np.array([repr(job.pending_logprobs).encode()], dtype=object)
+            outputs["logprobs"] = np.array([json.dumps(job.pending_logprobs).encode()], dtype=object)
             job.pending_logprobs = []
         return outputs
 
