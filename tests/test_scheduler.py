@@ -2,6 +2,7 @@
 priorities, preemption, aborts, the thrash guard, static/dynamic policies, and property tests
 that the block pool is conserved through any sequence of operations."""
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ def make_request(prompt, max_tokens=4, priority=1, **params) -> Request:
         prompt = [10 + i % 50 for i in range(prompt)]
     n = next(_ids)
     return Request(f"r{n}", list(prompt), len(prompt), SamplingParams(max_tokens=max_tokens, **params), priority,
-                   arrival_seq=n, arrival_time=0.0, cache_key=b"test")
+                   arrival_seq=n, arrival_time=time.monotonic(), cache_key=b"test")
 
 
 def add(s: Scheduler, *args, **kwargs) -> Request:
