@@ -54,7 +54,14 @@ def fake_step(s: Scheduler, token: np.ndarray):
     return out
 
 
-def scheduler_overhead(num_running: int = 256, steps: int = 2000) -> dict:
+def scheduler_overhead(num_running: int = 256, steps: int = 2000, rounds: int = 3) -> dict:
+    """Median per-step time of each round, then the median over rounds (this VM's speed drifts)."""
+    runs = [_overhead_round(num_running, steps) for _ in range(rounds)]
+    return {key: {metric: statistics.median(r[key][metric] for r in runs) for metric in runs[0][key]}
+            for key in runs[0]}
+
+
+def _overhead_round(num_running: int, steps: int) -> dict:
     items = workloads.uniform(num_running * 4, 8192, seed=1)
     token = np.full(num_running, 7, dtype=np.int64)
     results = {}
@@ -153,8 +160,9 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, threads {args.threads}, "
           f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
 
-    overhead = scheduler_overhead(steps=200 if args.quick else 2000)
-    print("\n1. scheduler overhead, 256 running requests, model forward replaced by a no-op (median per step)")
+    overhead = scheduler_overhead(steps=200 if args.quick else 2000, rounds=1 if args.quick else 5)
+    print("\n1. scheduler overhead, 256 running requests, model forward replaced by a no-op "
+          "(median per step, median of 5 rounds)")
     for key, r in overhead.items():
         print(f"   {key:7s} schedule+update {r['schedule_update_us']:7.1f} µs   (input packing {r['pack_us']:6.1f} µs)")
 

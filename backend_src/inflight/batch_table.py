@@ -85,9 +85,12 @@ class BatchTable:
         """Append counts[i] blocks to rows[i]'s table, taking them in order from `blocks`."""
         rows, counts = np.asarray(rows), np.asarray(counts)
         start = self.num_blocks[rows]
-        first = np.cumsum(counts) - counts                 # where each row's share begins in `blocks`
-        cols = np.arange(len(blocks)) + np.repeat(start - first, counts)
-        self.block_table[np.repeat(rows, counts), cols] = blocks
+        if len(blocks) == len(rows):                       # one block each: every decode step
+            self.block_table[rows, start] = blocks
+        else:
+            first = np.cumsum(counts) - counts             # where each row's share begins in `blocks`
+            cols = np.arange(len(blocks)) + np.repeat(start - first, counts)
+            self.block_table[np.repeat(rows, counts), cols] = blocks
         self.num_blocks[rows] = start + counts
 
     def output_ids(self, row: int) -> list[int]:

@@ -119,8 +119,10 @@ class Scheduler:
             ends = np.cumsum(n)
             n = np.clip(budget - (ends - n), 0, n)
         need = (start + n + (self.block_size - 1)) // self.block_size - table.num_blocks[rows]
-        if int(need.sum()) <= self.kv.num_free_blocks:
-            self._allocate(rows, need)
+        total_need = int(need.sum())
+        if total_need <= self.kv.num_free_blocks:
+            if total_need:
+                self._allocate(rows, need, total_need)
         else:
             rows, n = self._schedule_under_pressure(rows, n)
         new_rows, new_n, preempted = self._admit(budget - int(n.sum()), rows, n)
@@ -136,10 +138,9 @@ class Scheduler:
             remaining = table.num_tokens[rows] - start
         return SchedulerOutput(rows, n, start, n == remaining)
 
-    def _allocate(self, rows: np.ndarray, need: np.ndarray) -> None:
+    def _allocate(self, rows: np.ndarray, need: np.ndarray, total: int) -> None:
         grow = need > 0
-        if grow.any():
-            self.table.append_blocks(rows[grow], need[grow], self.kv.allocate(int(need[grow].sum())))
+        self.table.append_blocks(rows[grow], need[grow], self.kv.allocate(total))
 
     def _schedule_under_pressure(self, rows: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Running pass when blocks are short: in order, each request takes the blocks it needs,
