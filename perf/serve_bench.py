@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -26,8 +28,26 @@ from inflight.serving.launch import ServerProcess, make_repository  # noqa: E402
 from perf import workloads  # noqa: E402
 from perf.bench_stats import RequestRecord, summarize  # noqa: E402
 
-DEFAULT_MODEL = os.path.join(REPO, "model_repository", "llm", "1", "inflight-tiny")
+SHIPPED_MODEL = os.path.join(REPO, "model_repository", "llm", "1", "inflight-tiny")
 MAX_MODEL_LEN = 1024
+# The ~30M-parameter random Llama of the engine benchmark, with the shipped model's vocabulary and
+# tokenizer: big enough that a step's compute, not per-token serving overhead, sets the pace, as it
+# does for real models on GPUs (the 5.8M shipped model finishes a step in a few milliseconds).
+SERVE_MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN,
+                   tie_word_embeddings=True, initializer_range=0.02)
+
+
+def build_serve_model() -> str:
+    import shutil
+    from inflight.testing import make_random_checkpoint
+    path = os.path.join(REPO, "perf", "results", "serve-llama-30m")
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        make_random_checkpoint(path, "llama", seed=0, **SERVE_MODEL)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+            shutil.copy(os.path.join(SHIPPED_MODEL, name), path)
+    return path
+WARMUP = 16          # requests run before measuring, on every server and in-process
 POLICIES = {
     "continuous": {"policy": "continuous"},
     "dynamic": {"policy": "dynamic"},
@@ -133,32 +153,47 @@ class OccupancySampler:
         self._thread.join()
 
 
-def run_policy(name: str, workdir: str, model_dir: str, engine: dict, runs: list[tuple[str, list, tuple]],
-               slo: dict) -> dict:
-    repo = make_repository(os.path.join(workdir, name), model_dir, {**engine, **POLICIES[name]})
-    results = {}
-    with ServerProcess(repo) as server:
-        asyncio.run(drive(server.grpc_url, runs[0][1][:4], ("all",)))           # warm up
-        for label, items, arrival in runs:
-            with OccupancySampler(server) as occupancy:
-                records = asyncio.run(drive(server.grpc_url, items, arrival))
-            results[label] = {**summarize(records, **slo), "occupancy": occupancy.samples}
-            s = results[label]
-            print(f"  {name:19s} {label:22s} {s['generated_tokens_per_s']:8.1f} tok/s  TTFT p50 "
-                  f"{s['ttft']['p50'] * 1000:7.0f} ms  TPOT p50 {s['tpot']['p50'] * 1000:6.1f} "
-                  f"p99 {s['tpot']['p99'] * 1000:6.1f} ms  errors {s['errors']}", flush=True)
-    return results
+def start_servers(stack, names, workdir: str, model_dir: str, engine: dict, warmup_items) -> dict:
+    """One server per policy, all up at once (idle ones cost no CPU), so runs can interleave."""
+    servers = {}
+    for name in names:
+        repo = make_repository(os.path.join(workdir, name), model_dir, {**engine, **POLICIES[name]})
+        servers[name] = stack.enter_context(ServerProcess(repo))
+        # warm up on a slice of the workload: torch builds its CPU kernels per shape on first use
+        asyncio.run(drive(servers[name].grpc_url, warmup_items, ("all",)))
+    return servers
 
 
-def in_process_tokens_per_s(model_dir: str, engine: dict, items) -> float:
-    """The same workload through LLMEngine directly (all requests at once)."""
-    from inflight import EngineConfig, LLMEngine, SamplingParams
-    llm = LLMEngine.from_pretrained(model_dir, EngineConfig(**{**engine, **POLICIES["continuous"]}))
-    llm.generate([items[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2))
-    start = time.perf_counter()
-    outs = llm.generate([i.prompt_token_ids for i in items],
-                        [SamplingParams(max_tokens=i.max_tokens, ignore_eos=True, temperature=0) for i in items])
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+def run_once(server: ServerProcess, items, arrival: tuple) -> tuple[list[RequestRecord], list]:
+    with OccupancySampler(server) as occupancy:
+        records = asyncio.run(drive(server.grpc_url, items, arrival))
+    return records, occupancy.samples
+
+
+def aggregate(rounds: list[list[RequestRecord]], occupancy: list, slo: dict) -> dict:
+    """Throughput: the median over rounds (this VM's speed drifts); latency percentiles: all rounds'
+    requests pooled."""
+    per_round = [summarize(records, **slo) for records in rounds]
+    pooled = summarize([r for records in rounds for r in records], **slo)
+    rates = ("request_throughput", "generated_tokens_per_s", "goodput")
+    return {**pooled, **{k: statistics.median(x[k] for x in per_round) for k in rates},
+            "rounds": [{k: x[k] for k in rates} for x in per_round], "occupancy": occupancy}
+
+
+class InProcess:
+    """The same workload through LLMEngine directly, all requests at once, warmed up alike."""
+
+    def __init__(self, model_dir: str, engine: dict, warmup_items):
+        from inflight import EngineConfig, LLMEngine
+        self.llm = LLMEngine.from_pretrained(model_dir, EngineConfig(**{**engine, **POLICIES["continuous"]}))
+        self.run(warmup_items)
+
+    def run(self, items) -> float:
+        from inflight import SamplingParams
+        params = [SamplingParams(max_tokens=i.max_tokens, ignore_eos=True, temperature=0) for i in items]
+        start = time.perf_counter()
+        outs = self.llm.generate([i.prompt_token_ids for i in items], params)
+        return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
 
 
 def plot(results: dict, path: str, max_batch: int) -> None:
@@ -201,44 +236,70 @@ def plot(results: dict, path: str, max_batch: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the < 10 minute version (2 cores)")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--requests", type=int, help="per run (default 128; 48 with --quick)")
+    parser.add_argument("--model", help="checkpoint with a tokenizer (default: the ~30M bench model)")
+    parser.add_argument("--requests", type=int, help="per run (default 128; 40 with --quick)")
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--budget", type=int, default=64, help="token budget per step (chunk size) when chunking")
     parser.add_argument("--scale", type=float, default=0.25, help="length scale of the chat/long-mix workloads")
     parser.add_argument("--rates", default="2,4,8", help="Poisson request rates for the full run")
     parser.add_argument("--concurrency", default="4,16,64", help="concurrency levels for the full run")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats (medians)")
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
     parser.add_argument("--out", default=os.path.join(REPO, "perf", "results", "serve_bench"))
     args = parser.parse_args()
-    args.requests = args.requests or (48 if args.quick else 128)
+    args.requests = args.requests or (40 if args.quick else 128)
     os.makedirs(args.out, exist_ok=True)
+    args.model = args.model or build_serve_model()
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     engine = {"max_num_seqs": args.max_batch, "max_num_batched_tokens": args.budget, "kv_cache_gb": 1.0}
     slo = {"slo_ttft": args.slo_ttft, "slo_tpot": args.slo_tpot}
     uniform = make_workload("uniform", args.requests, vocab, 1, args.scale)
     long_mix = make_workload("long-mix", args.requests, vocab, 2, args.scale)
-    runs = {name: [("uniform all-at-once", uniform, ("all",))] for name in ("continuous", "dynamic", "static")}
-    runs["continuous-nochunk"] = []
-    long_arrival = ("poisson", 2.0 if args.quick else 4.0)
-    for name in ("continuous", "continuous-nochunk"):
-        runs[name].append(("long-mix poisson", long_mix, long_arrival))
-    if not args.quick:
-        for name in ("continuous", "dynamic", "static"):
-            runs[name] += [(f"uniform concurrency {c}", uniform, ("concurrency", int(c))) for c in args.concurrency.split(",")]
-            runs[name] += [(f"uniform poisson {r}/s", uniform, ("poisson", float(r))) for r in args.rates.split(",")]
+    # a full batch all the time, so TPOT differences come from prefill interference, not load swings
+    long_arrival = ("concurrency", args.max_batch)
+    # measured in interleaved rounds (medians), so drift in this machine's speed hits all alike
+    plan = [(name, "uniform all-at-once", uniform, ("all",)) for name in ("continuous", "dynamic", "static")]
+    plan += [(name, "long-mix full batch", long_mix, long_arrival) for name in ("continuous", "continuous-nochunk")]
+    sweeps = [] if args.quick else [
+        (name, f"uniform {kind} {v}{'/s' if kind == 'poisson' else ''}", uniform,
+         (kind, float(v) if kind == "poisson" else int(v)))
+        for name in ("continuous", "dynamic", "static")
+        for kind, values in (("concurrency", args.concurrency), ("poisson", args.rates)) for v in values.split(",")]
     print(f"serve_bench: {os.cpu_count()} cores, no GPU, model {args.model}, max batch {args.max_batch}, "
-          f"budget {args.budget}, {args.requests} requests per run, {time.strftime('%Y-%m-%d')}", flush=True)
+          f"budget {args.budget}, {args.requests} requests per run, {args.rounds} rounds, "
+          f"{time.strftime('%Y-%m-%d')}", flush=True)
     started = time.monotonic()
-    workdir = tempfile.mkdtemp(prefix="serve_bench_")
-    results = {name: run_policy(name, workdir, args.model, engine, policy_runs, slo) for name, policy_runs in runs.items()}
-    in_process = in_process_tokens_per_s(args.model, engine, uniform)
+    warmup = uniform[:WARMUP]
+    records = {(name, label): [] for name, label, _, _ in plan}
+    occupancy, in_process_runs = {}, []
+    with contextlib.ExitStack() as stack:
+        servers = start_servers(stack, POLICIES, tempfile.mkdtemp(prefix="serve_bench_"), args.model, engine, warmup)
+        local = InProcess(args.model, engine, warmup)
+        for r in range(args.rounds):
+            for name, label, items, arrival in plan:
+                recs, occupancy[(name, label)] = run_once(servers[name], items, arrival)
+                records[(name, label)].append(recs)
+                s = summarize(recs, **slo)
+                print(f"  round {r + 1} {name:19s} {label:20s} {s['generated_tokens_per_s']:7.1f} tok/s  "
+                      f"TTFT p50 {s['ttft']['p50']:6.2f} s  TPOT p50 {s['tpot']['p50'] * 1000:5.1f} "
+                      f"p99 {s['tpot']['p99'] * 1000:5.1f} ms  errors {s['errors']}", flush=True)
+            in_process_runs.append(local.run(uniform))
+            print(f"  round {r + 1} in-process LLMEngine uniform       {in_process_runs[-1]:7.1f} tok/s", flush=True)
+        for name, label, items, arrival in sweeps:
+            recs, occupancy[(name, label)] = run_once(servers[name], items, arrival)
+            records[(name, label)] = [recs]
+            print(f"  sweep {name:19s} {label:26s} {summarize(recs)['generated_tokens_per_s']:7.1f} tok/s", flush=True)
+    results: dict = {}
+    for (name, label), rounds in records.items():
+        results.setdefault(name, {})[label] = aggregate(rounds, occupancy[(name, label)], slo)
+    in_process = statistics.median(in_process_runs)
 
     u = {name: results[name]["uniform all-at-once"] for name in ("continuous", "dynamic", "static")}
-    lm = {name: results[name]["long-mix poisson"] for name in ("continuous", "continuous-nochunk")}
-    print(f"\nuniform workload, {args.requests} requests at once, max batch {args.max_batch}:")
+    lm = {name: results[name]["long-mix full batch"] for name in ("continuous", "continuous-nochunk")}
+    print(f"\n{args.requests} requests per run, max batch {args.max_batch}, medians of {args.rounds} interleaved rounds "
+          "(latency percentiles over all rounds' requests):")
     print(f"{'policy':20s}{'tok/s':>9s}{'req/s':>8s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'TPOT p50':>10s}"
           f"{'TPOT p99':>10s}{'ITL p99':>9s}{'goodput':>9s}")
     for name, s in [*u.items(), *((f"{k} (long-mix)", v) for k, v in lm.items())]:
@@ -246,11 +307,13 @@ def main() -> None:
               f"{s['ttft']['p50']:10.2f}{s['ttft']['p99']:10.2f}{s['tpot']['p50'] * 1000:9.1f}m"
               f"{s['tpot']['p99'] * 1000:9.1f}m{s['itl']['p99'] * 1000:8.0f}m{s['goodput']:9.2f}")
     served = u["continuous"]["generated_tokens_per_s"]
+    # served/in-process per round (paired: the same round's conditions), then the median
+    paired = [x["generated_tokens_per_s"] / y for x, y in zip(u["continuous"]["rounds"], in_process_runs)]
     tpot_spread = {k: v["tpot"]["p99"] / v["tpot"]["p50"] for k, v in lm.items()}
     summary = {
         "continuous_over_static": served / u["static"]["generated_tokens_per_s"],
         "continuous_over_dynamic": served / u["dynamic"]["generated_tokens_per_s"],
-        "served_over_in_process": served / in_process, "in_process_tokens_per_s": in_process,
+        "served_over_in_process": statistics.median(paired), "in_process_tokens_per_s": in_process,
         "long_mix_tpot_p99_over_p50": tpot_spread, "seconds": time.monotonic() - started,
     }
     print(f"(times in s, m = ms; goodput = requests/s within TTFT <= {args.slo_ttft}s and TPOT <= {args.slo_tpot}s)")
