@@ -68,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="gRPC host:port of a running server (default: start one)")
     parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--request-rate", default="", help="e.g. 0.5,1,2 (requests/s); empty: none")
+    parser.add_argument("--request-rate", default="2,8", help="requests/s at a constant rate; empty: none")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt", default="The assert statement")
     parser.add_argument("--window-ms", type=int, default=8000)

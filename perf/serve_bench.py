@@ -237,7 +237,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the < 10 minute version (2 cores)")
     parser.add_argument("--model", help="checkpoint with a tokenizer (default: the ~30M bench model)")
-    parser.add_argument("--requests", type=int, help="per run (default 128; 40 with --quick)")
+    parser.add_argument("--requests", type=int, help="per run (default 128; 32 with --quick)")
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--budget", type=int, default=64, help="token budget per step (chunk size) when chunking")
     parser.add_argument("--scale", type=float, default=0.25, help="length scale of the chat/long-mix workloads")
@@ -248,7 +248,7 @@ def main() -> None:
     parser.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
     parser.add_argument("--out", default=os.path.join(REPO, "perf", "results", "serve_bench"))
     args = parser.parse_args()
-    args.requests = args.requests or (40 if args.quick else 128)
+    args.requests = args.requests or (32 if args.quick else 128)
     os.makedirs(args.out, exist_ok=True)
     args.model = args.model or build_serve_model()
     from transformers import AutoConfig
