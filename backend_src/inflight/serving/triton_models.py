@@ -114,11 +114,10 @@ class LLMModel:
         version_dir = os.path.join(args["model_repository"], args["model_version"])
         settings = Settings.load(version_dir)
         log.info("inflight: loading %s with %s", settings.model_dir, settings.engine)
-        engine = LLMEngine.from_pretrained(settings.model_dir, settings.engine)
         metrics = EngineMetrics(self.pb, args["model_name"])
-        self.loop = EngineLoop(engine, load_tokenizer(settings.model_dir), metrics,
-                               on_failure=stop_server).start()
-        metrics.after_step(engine, force=True)
+        self.loop = EngineLoop(lambda: LLMEngine.from_pretrained(settings.model_dir, settings.engine),
+                               load_tokenizer(settings.model_dir), metrics, on_failure=stop_server).start()
+        metrics.after_step(self.loop.engine, force=True)
 
     def execute(self, requests):
         for request in requests:
