@@ -1,11 +1,7 @@
 """The serving loop behind a decoupled Triton model: one engine thread, one response thread.
 
-The engine thread owns the LLMEngine: it builds it, drains the inbox (add / abort / shutdown),
-steps the engine while anything is unfinished, and hands each StepOutput to the response thread.
-Building it there matters on CPU: every thread that runs torch ops gets its own OpenMP team, and
-once a process has more OpenMP threads than cores, libgomp stops spinning between parallel
-regions and puts its workers to sleep, which made every step a third slower when the model was
-loaded on one thread and stepped on another. The
+The engine thread owns the LLMEngine: it drains the inbox (add / abort / shutdown), steps the
+engine while anything is unfinished, and hands each StepOutput to the response thread. The
 response thread owns the per-request state (detokenizer, stop strings, timings) and talks to the
 response senders, so Triton IPC never stalls the step loop. Every request gets exactly one final
 response: finished, aborted, cancelled, refused or failed.
@@ -62,12 +58,9 @@ class Job:
 
 
 class EngineLoop:
-    def __init__(self, make_engine: Callable[[], LLMEngine], tokenizer, metrics=None, cancel_poll_s: float = 0.2,
+    def __init__(self, engine: LLMEngine, tokenizer, metrics=None, cancel_poll_s: float = 0.2,
                  on_failure: Callable[[str], None] | None = None):
-        self._make_engine = make_engine
-        self.engine: LLMEngine | None = None     # built by the engine thread (see the module docstring)
-        self._built = threading.Event()
-        self._build_error: BaseException | None = None
+        self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.cancel_poll_s = cancel_poll_s
@@ -86,11 +79,7 @@ class EngineLoop:
         self._response_thread = threading.Thread(target=self._run_responses, name="inflight-responses", daemon=True)
 
     def start(self) -> "EngineLoop":
-        """Start both threads once the engine thread has built the engine; its error is raised here."""
         self._engine_thread.start()
-        self._built.wait()
-        if self._build_error is not None:
-            raise self._build_error
         self._response_thread.start()
         return self
 
@@ -144,13 +133,7 @@ class EngineLoop:
 
     # ---- engine thread -----------------------------------------------------------------------------
     def _run_engine(self) -> None:
-        try:
-            self.engine = engine = self._make_engine()
-        except BaseException as exc:      # reported by start()
-            self._build_error = exc
-            return
-        finally:
-            self._built.set()
+        engine = self.engine
         while True:
             idle = not engine.has_unfinished()
             try:
