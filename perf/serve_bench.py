@@ -52,7 +52,9 @@ POLICIES = {
     "continuous": {"policy": "continuous"},
     "dynamic": {"policy": "dynamic"},
     "static": {"policy": "static", "batch_wait_timeout_s": 0.5},
-    # no chunking: a prompt runs whole in one step, so the budget must hold the longest
+    # the long-prompt mix: chunked prefill with a small budget (--chunk, set in main) against no
+    # chunking, where a prompt runs whole in one step, so the budget must hold the longest
+    "continuous-chunked": {"policy": "continuous"},
     "continuous-nochunk": {"policy": "continuous", "enable_chunked_prefill": False,
                            "max_num_batched_tokens": MAX_MODEL_LEN},
 }
@@ -153,11 +155,11 @@ class OccupancySampler:
         self._thread.join()
 
 
-def start_servers(stack, names, workdir: str, model_dir: str, engine: dict, warmup_items) -> dict:
+def start_servers(stack, policies: dict, workdir: str, model_dir: str, engine: dict, warmup_items) -> dict:
     """One server per policy, all up at once (idle ones cost no CPU), so runs can interleave."""
     servers = {}
-    for name in names:
-        repo = make_repository(os.path.join(workdir, name), model_dir, {**engine, **POLICIES[name]})
+    for name, overrides in policies.items():
+        repo = make_repository(os.path.join(workdir, name), model_dir, {**engine, **overrides})
         servers[name] = stack.enter_context(ServerProcess(repo))
         # warm up on a slice of the workload: torch builds its CPU kernels per shape on first use
         asyncio.run(drive(servers[name].grpc_url, warmup_items, ("all",)))
@@ -238,8 +240,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the < 10 minute version (2 cores)")
     parser.add_argument("--model", help="checkpoint with a tokenizer (default: the ~30M bench model)")
     parser.add_argument("--requests", type=int, help="per run (default 128; 32 with --quick)")
-    parser.add_argument("--max-batch", type=int, default=16)
-    parser.add_argument("--budget", type=int, default=64, help="token budget per step (chunk size) when chunking")
+    parser.add_argument("--max-batch", type=int, help="max_num_seqs of every server (default 32; 16 with --quick)")
+    parser.add_argument("--budget", type=int, default=512, help="token budget per step on the uniform workload")
+    parser.add_argument("--chunk", type=int, help="token budget per step (the chunk size) of the chunked server on "
+                                                  "the long-prompt mix (default max batch x 4)")
     parser.add_argument("--scale", type=float, default=0.25, help="length scale of the chat/long-mix workloads")
     parser.add_argument("--rates", default="2,4,8", help="Poisson request rates for the full run")
     parser.add_argument("--concurrency", default="4,16,64", help="concurrency levels for the full run")
@@ -249,6 +253,8 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(REPO, "perf", "results", "serve_bench"))
     args = parser.parse_args()
     args.requests = args.requests or (32 if args.quick else 128)
+    args.max_batch = args.max_batch or (16 if args.quick else 32)
+    args.chunk = args.chunk or 4 * args.max_batch
     os.makedirs(args.out, exist_ok=True)
     args.model = args.model or build_serve_model()
     from transformers import AutoConfig
@@ -261,21 +267,23 @@ def main() -> None:
     long_arrival = ("concurrency", args.max_batch)
     # measured in interleaved rounds (medians), so drift in this machine's speed hits all alike
     plan = [(name, "uniform all-at-once", uniform, ("all",)) for name in ("continuous", "dynamic", "static")]
-    plan += [(name, "long-mix full batch", long_mix, long_arrival) for name in ("continuous", "continuous-nochunk")]
+    plan += [(name, "long-mix full batch", long_mix, long_arrival) for name in ("continuous-chunked", "continuous-nochunk")]
     sweeps = [] if args.quick else [
         (name, f"uniform {kind} {v}{'/s' if kind == 'poisson' else ''}", uniform,
          (kind, float(v) if kind == "poisson" else int(v)))
         for name in ("continuous", "dynamic", "static")
         for kind, values in (("concurrency", args.concurrency), ("poisson", args.rates)) for v in values.split(",")]
     print(f"serve_bench: {os.cpu_count()} cores, no GPU, model {args.model}, max batch {args.max_batch}, "
-          f"budget {args.budget}, {args.requests} requests per run, {args.rounds} rounds, "
+          f"budget {args.budget} (long-mix chunks {args.chunk}), {args.requests} requests per run, {args.rounds} rounds, "
           f"{time.strftime('%Y-%m-%d')}", flush=True)
     started = time.monotonic()
     warmup = uniform[:WARMUP]
     records = {(name, label): [] for name, label, _, _ in plan}
     occupancy, in_process_runs = {}, []
     with contextlib.ExitStack() as stack:
-        servers = start_servers(stack, POLICIES, tempfile.mkdtemp(prefix="serve_bench_"), args.model, engine, warmup)
+        policies = {**POLICIES, "continuous-chunked": {**POLICIES["continuous-chunked"],
+                                                       "max_num_batched_tokens": args.chunk}}
+        servers = start_servers(stack, policies, tempfile.mkdtemp(prefix="serve_bench_"), args.model, engine, warmup)
         local = InProcess(args.model, engine, warmup)
         for r in range(args.rounds):
             for name, label, items, arrival in plan:
@@ -297,13 +305,13 @@ def main() -> None:
     in_process = statistics.median(in_process_runs)
 
     u = {name: results[name]["uniform all-at-once"] for name in ("continuous", "dynamic", "static")}
-    lm = {name: results[name]["long-mix full batch"] for name in ("continuous", "continuous-nochunk")}
+    lm = {name: results[name]["long-mix full batch"] for name in ("continuous-chunked", "continuous-nochunk")}
     print(f"\n{args.requests} requests per run, max batch {args.max_batch}, medians of {args.rounds} interleaved rounds "
           "(latency percentiles over all rounds' requests):")
-    print(f"{'policy':20s}{'tok/s':>9s}{'req/s':>8s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'TPOT p50':>10s}"
+    print(f"{'policy':30s}{'tok/s':>9s}{'req/s':>8s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'TPOT p50':>10s}"
           f"{'TPOT p99':>10s}{'ITL p99':>9s}{'goodput':>9s}")
     for name, s in [*u.items(), *((f"{k} (long-mix)", v) for k, v in lm.items())]:
-        print(f"{name:20s}{s['generated_tokens_per_s']:9.1f}{s['request_throughput']:8.2f}"
+        print(f"{name:30s}{s['generated_tokens_per_s']:9.1f}{s['request_throughput']:8.2f}"
               f"{s['ttft']['p50']:10.2f}{s['ttft']['p99']:10.2f}{s['tpot']['p50'] * 1000:9.1f}m"
               f"{s['tpot']['p99'] * 1000:9.1f}m{s['itl']['p99'] * 1000:8.0f}m{s['goodput']:9.2f}")
     served = u["continuous"]["generated_tokens_per_s"]
@@ -318,7 +326,7 @@ def main() -> None:
     }
     print(f"(times in s, m = ms; goodput = requests/s within TTFT <= {args.slo_ttft}s and TPOT <= {args.slo_tpot}s)")
     print(f"in-process LLMEngine: {in_process:.1f} tok/s; served/in-process = {summary['served_over_in_process']:.2f}")
-    print(f"long-mix TPOT p99/p50: chunked {tpot_spread['continuous']:.2f}, without chunking "
+    print(f"long-mix TPOT p99/p50: chunked {tpot_spread['continuous-chunked']:.2f}, without chunking "
           f"{tpot_spread['continuous-nochunk']:.2f}")
     with open(os.path.join(args.out, "serve_bench.json"), "w") as f:
         json.dump({"args": vars(args), "summary": summary, "results": results}, f, indent=1)
