@@ -39,7 +39,7 @@ bench-serve: venv
 perf-sweep: venv
 	$(PY) perf/perf_sweep.py $(BENCH_ARGS)
 
-# rebuild the shipped default model (tokenizer + weights) from pydoc text; ~40 min on 2 cores
+# rebuild the shipped default model (tokenizer + weights) from pydoc text; about an hour on 2 cores
 model: venv
 	$(PY) scripts/build_default_model.py
 
