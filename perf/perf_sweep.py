@@ -92,7 +92,8 @@ def main() -> None:
         if server is not None:
             server.stop()
     print(f"\nllm, streaming gRPC, {args.max_tokens} output tokens per request "
-          "(perf_analyzer latency = time to the first response)")
+          "(latency as perf_analyzer reports it: it says \"first response\", but at concurrency 1 "
+          "it matches 1 / requests/s, i.e. the whole stream)")
     print(f"{'load':>18} {'requests/s':>11} {'responses/s':>12} {'p50 ms':>8} {'p99 ms':>8}")
     for mode, value, row in rows:
         print(f"{mode + ' ' + format(value, 'g'):>18} {float(row['Inferences/Second']):11.2f} "
