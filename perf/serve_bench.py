@@ -30,23 +30,26 @@ from perf.bench_stats import RequestRecord, summarize  # noqa: E402
 
 SHIPPED_MODEL = os.path.join(REPO, "model_repository", "llm", "1", "inflight-tiny")
 MAX_MODEL_LEN = 1024
-# The ~30M-parameter random Llama of the engine benchmark, with the shipped model's vocabulary and
-# tokenizer: big enough that a step's compute, not per-token serving overhead, sets the pace, as it
-# does for real models on GPUs (the 5.8M shipped model finishes a step in a few milliseconds).
-SERVE_MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN,
-                   tie_word_embeddings=True, initializer_range=0.02)
 
 
 def build_serve_model() -> str:
+    """The ~30M-parameter random Llama of the engine benchmark, with the shipped model's vocabulary
+    and tokenizer: big enough that a step's compute, not per-token serving overhead, sets the pace,
+    as it does for real models on GPUs (the 5.8M shipped model finishes a step in a few ms)."""
     import shutil
     from inflight.testing import make_random_checkpoint
+    from perf.engine_bench import BENCH_MODEL
     path = os.path.join(REPO, "perf", "results", "serve-llama-30m")
     if not os.path.exists(os.path.join(path, "tokenizer.json")):
-        make_random_checkpoint(path, "llama", seed=0, **SERVE_MODEL)
+        with open(os.path.join(SHIPPED_MODEL, "config.json")) as f:
+            vocab_size = json.load(f)["vocab_size"]
+        make_random_checkpoint(path, "llama", seed=0, **{**BENCH_MODEL, "vocab_size": vocab_size,
+                                                        "max_position_embeddings": MAX_MODEL_LEN})
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
             shutil.copy(os.path.join(SHIPPED_MODEL, name), path)
     return path
+
+
 WARMUP = 16          # requests run before measuring, on every server and in-process
 POLICIES = {
     "continuous": {"policy": "continuous"},
