@@ -74,30 +74,15 @@ def make_workload(name: str, n: int, vocab_size: int, seed: int, scale: float):
 
 
 async def one_request(client, item, record: RequestRecord, progress) -> None:
-    from inflight_client.streams import grpc_inputs
+    from inflight_client.streams import grpc_inputs, grpc_stream
     inputs = grpc_inputs(item.prompt_token_ids, True, {"max_tokens": item.max_tokens, "ignore_eos": True,
                                                        "temperature": 0}, return_num_output_tokens=True)
-    done = asyncio.Event()
-
-    async def requests():
-        yield {"model_name": "llm", "inputs": inputs, "parameters": {"triton_enable_empty_final_response": True}}
-        await done.wait()
-
-    record.sent = time.monotonic()
     try:
-        async for result, error in client.stream_infer(requests()):
-            if error is not None:
-                record.error = str(error)
-                break
-            response = result.get_response()
-            if any(o.name == "num_output_tokens" for o in response.outputs):
-                record.response_times.append(time.monotonic())
-                record.num_output_tokens = int(result.as_numpy("num_output_tokens")[0])
-            if response.parameters["triton_final_response"].bool_param:
-                break
+        out = await grpc_stream(client, "llm", inputs)
     finally:
-        done.set()
         progress.update(1)
+    record.sent, record.response_times, record.error = out.start, out.chunk_times, out.error
+    record.num_output_tokens = out.num_output_tokens or 0
 
 
 async def drive(url: str, items, arrival: tuple, seed: int = 0) -> list[RequestRecord]:

@@ -73,9 +73,10 @@ async def grpc_stream(client, model: str, inputs, parameters: dict | None = None
     stream = client.stream_infer(requests())
     try:
         async for result, error in stream:
-            if error is not None:
+            if error is not None:        # the request's one (final) response
                 out.error = str(error)
-                break
+                done.set()
+                continue
             response = result.get_response()
             if any(o.name == "text_output" for o in response.outputs):
                 chunk = b"".join(result.as_numpy("text_output").reshape(-1)).decode("utf-8")
@@ -94,7 +95,10 @@ async def grpc_stream(client, model: str, inputs, parameters: dict | None = None
                 out.cancelled = True
                 break
             if response.parameters["triton_final_response"].bool_param:
-                break
+                # half-close and read on until the server ends the stream: a client that drops
+                # the stream right after its final response can leave Triton 2.51's gRPC
+                # frontend holding the request, and the model then outlives shutdown's timeout
+                done.set()
     finally:
         done.set()
     out.text = "".join(out.chunks)
