@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"), REPO]
@@ -50,6 +51,7 @@ def build_serve_model() -> str:
     return path
 
 
+STEPS_METRIC = "inflight_scheduler_step_seconds_count"     # one sample per engine step that ran
 WARMUP = 16          # requests run before measuring, on every server and in-process
 POLICIES = {
     "continuous": {"policy": "continuous"},
@@ -111,6 +113,18 @@ async def drive(url: str, items, arrival: tuple, seed: int = 0) -> list[RequestR
     return records
 
 
+def read_metric(server: ServerProcess, name: str) -> float | None:
+    """One inflight metric from the server's metrics port (None while it cannot be read)."""
+    try:
+        with urllib.request.urlopen(server.metrics_url, timeout=2) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith(name + "{"):
+                    return float(line.rsplit(" ", 1)[1])
+    except OSError:
+        return None
+    return None
+
+
 class OccupancySampler:
     """Samples the running-batch size from the metrics endpoint: the per-step batch occupancy that
     stands in, on this CPU machine, for "GPU utilisation"."""
@@ -122,16 +136,11 @@ class OccupancySampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        import urllib.request
         start = time.monotonic()
         while not self._stop.is_set():
-            try:
-                with urllib.request.urlopen(self.server.metrics_url, timeout=2) as response:
-                    for line in response.read().decode().splitlines():
-                        if line.startswith("inflight_requests_running{"):
-                            self.samples.append((time.monotonic() - start, float(line.rsplit(" ", 1)[1])))
-            except OSError:
-                pass
+            running = read_metric(self.server, "inflight_requests_running")
+            if running is not None:
+                self.samples.append((time.monotonic() - start, running))
             self._stop.wait(self.every_s)
 
     def __enter__(self):
@@ -154,19 +163,23 @@ def start_servers(stack, policies: dict, workdir: str, model_dir: str, engine: d
     return servers
 
 
-def run_once(server: ServerProcess, items, arrival: tuple) -> tuple[list[RequestRecord], list]:
+def run_once(server: ServerProcess, items, arrival: tuple) -> tuple[list[RequestRecord], list, float]:
+    """The records, the occupancy samples and the number of engine steps the run took."""
+    steps = read_metric(server, STEPS_METRIC)
     with OccupancySampler(server) as occupancy:
         records = asyncio.run(drive(server.grpc_url, items, arrival))
-    return records, occupancy.samples
+    time.sleep(0.5)          # the last steps' metrics are published just after their responses
+    return records, occupancy.samples, read_metric(server, STEPS_METRIC) - steps
 
 
-def aggregate(rounds: list[list[RequestRecord]], occupancy: list, slo: dict) -> dict:
-    """Throughput: the median over rounds (this VM's speed drifts); latency percentiles: all rounds'
-    requests pooled."""
+def aggregate(rounds: list[list[RequestRecord]], occupancy: list, steps: list[float], slo: dict) -> dict:
+    """Throughput and engine steps: the median over rounds (this VM's speed drifts); latency
+    percentiles: all rounds' requests pooled."""
     per_round = [summarize(records, **slo) for records in rounds]
     pooled = summarize([r for records in rounds for r in records], **slo)
     rates = ("request_throughput", "generated_tokens_per_s", "goodput")
     return {**pooled, **{k: statistics.median(x[k] for x in per_round) for k in rates},
+            "engine_steps": statistics.median(steps),
             "rounds": [{k: x[k] for k in rates} for x in per_round], "occupancy": occupancy}
 
 
@@ -267,6 +280,7 @@ def main() -> None:
     started = time.monotonic()
     warmup = uniform[:WARMUP]
     records = {(name, label): [] for name, label, _, _ in plan}
+    steps = {(name, label): [] for name, label, _, _ in plan}
     occupancy, in_process_runs = {}, []
     with contextlib.ExitStack() as stack:
         policies = {**POLICIES, "continuous-chunked": {**POLICIES["continuous-chunked"],
@@ -275,21 +289,23 @@ def main() -> None:
         local = InProcess(args.model, engine, warmup)
         for r in range(args.rounds):
             for name, label, items, arrival in plan:
-                recs, occupancy[(name, label)] = run_once(servers[name], items, arrival)
+                recs, occupancy[(name, label)], run_steps = run_once(servers[name], items, arrival)
                 records[(name, label)].append(recs)
+                steps[(name, label)].append(run_steps)
                 s = summarize(recs, **slo)
                 print(f"  round {r + 1} {name:19s} {label:20s} {s['generated_tokens_per_s']:7.1f} tok/s  "
                       f"TTFT p50 {s['ttft']['p50']:6.2f} s  TPOT p50 {s['tpot']['p50'] * 1000:5.1f} "
-                      f"p99 {s['tpot']['p99'] * 1000:5.1f} ms  errors {s['errors']}", flush=True)
+                      f"p99 {s['tpot']['p99'] * 1000:5.1f} ms  steps {run_steps:5.0f}  errors {s['errors']}",
+                      flush=True)
             in_process_runs.append(local.run(uniform))
             print(f"  round {r + 1} in-process LLMEngine uniform       {in_process_runs[-1]:7.1f} tok/s", flush=True)
         for name, label, items, arrival in sweeps:
-            recs, occupancy[(name, label)] = run_once(servers[name], items, arrival)
-            records[(name, label)] = [recs]
+            recs, occupancy[(name, label)], run_steps = run_once(servers[name], items, arrival)
+            records[(name, label)], steps[(name, label)] = [recs], [run_steps]
             print(f"  sweep {name:19s} {label:26s} {summarize(recs)['generated_tokens_per_s']:7.1f} tok/s", flush=True)
     results: dict = {}
     for (name, label), rounds in records.items():
-        results.setdefault(name, {})[label] = aggregate(rounds, occupancy[(name, label)], slo)
+        results.setdefault(name, {})[label] = aggregate(rounds, occupancy[(name, label)], steps[(name, label)], slo)
     in_process = statistics.median(in_process_runs)
 
     u = {name: results[name]["uniform all-at-once"] for name in ("continuous", "dynamic", "static")}
@@ -297,11 +313,12 @@ def main() -> None:
     print(f"\n{args.requests} requests per run, max batch {args.max_batch}, medians of {args.rounds} interleaved rounds "
           "(latency percentiles over all rounds' requests):")
     print(f"{'policy':30s}{'tok/s':>9s}{'req/s':>8s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'TPOT p50':>10s}"
-          f"{'TPOT p99':>10s}{'ITL p99':>9s}{'goodput':>9s}")
+          f"{'TPOT p99':>10s}{'ITL p99':>9s}{'goodput':>9s}{'steps':>7s}")
     for name, s in [*u.items(), *((f"{k} (long-mix)", v) for k, v in lm.items())]:
         print(f"{name:30s}{s['generated_tokens_per_s']:9.1f}{s['request_throughput']:8.2f}"
               f"{s['ttft']['p50']:10.2f}{s['ttft']['p99']:10.2f}{s['tpot']['p50'] * 1000:9.1f}m"
-              f"{s['tpot']['p99'] * 1000:9.1f}m{s['itl']['p99'] * 1000:8.0f}m{s['goodput']:9.2f}")
+              f"{s['tpot']['p99'] * 1000:9.1f}m{s['itl']['p99'] * 1000:8.0f}m{s['goodput']:9.2f}"
+              f"{s['engine_steps']:7.0f}")
     served = u["continuous"]["generated_tokens_per_s"]
     # served/in-process per round (paired: the same round's conditions), then the median
     paired = [x["generated_tokens_per_s"] / y for x, y in zip(u["continuous"]["rounds"], in_process_runs)]
@@ -309,10 +326,16 @@ def main() -> None:
     summary = {
         "continuous_over_static": served / u["static"]["generated_tokens_per_s"],
         "continuous_over_dynamic": served / u["dynamic"]["generated_tokens_per_s"],
+        # what the throughput ratios would be if every step cost the same whatever its batch
+        "static_steps_over_continuous": u["static"]["engine_steps"] / u["continuous"]["engine_steps"],
+        "dynamic_steps_over_continuous": u["dynamic"]["engine_steps"] / u["continuous"]["engine_steps"],
         "served_over_in_process": statistics.median(paired), "in_process_tokens_per_s": in_process,
         "long_mix_tpot_p99_over_p50": tpot_spread, "seconds": time.monotonic() - started,
     }
     print(f"(times in s, m = ms; goodput = requests/s within TTFT <= {args.slo_ttft}s and TPOT <= {args.slo_tpot}s)")
+    print(f"engine steps per run: static/continuous = {summary['static_steps_over_continuous']:.2f}, "
+          f"dynamic/continuous = {summary['dynamic_steps_over_continuous']:.2f} (the throughput ratios if a step "
+          "cost the same at any batch size; on this CPU a step's cost grows with its tokens)")
     print(f"in-process LLMEngine: {in_process:.1f} tok/s; served/in-process = {summary['served_over_in_process']:.2f}")
     print(f"long-mix TPOT p99/p50: chunked {tpot_spread['continuous-chunked']:.2f}, without chunking "
           f"{tpot_spread['continuous-nochunk']:.2f}")

@@ -164,7 +164,13 @@ def test_ensemble_errors_name_the_field(server):
 
 
 def test_engine_metrics_are_served_next_to_tritons(server):
-    run_streams(server, [llm_stream(PROMPTS[0], 8)])
+    steps = metric(server, "inflight_scheduler_step_seconds_count")
+    tokens = metric(server, "inflight_generation_tokens_total")
+    run_streams(server, [{"model": "llm", "inputs": grpc_inputs(PROMPTS[0], True, {**greedy(8), "ignore_eos": True})}])
+    # alone on the server: one prefill step (the first token) and 7 decode steps, counted as they
+    # ran (idle polls are not steps)
+    assert wait_for_metric(server, "inflight_generation_tokens_total", tokens + 8) == tokens + 8
+    assert wait_for_metric(server, "inflight_scheduler_step_seconds_count", steps + 8) == steps + 8
     text = metrics(server)
     assert "nv_inference_request_success" in text            # Triton's own
     assert metric(server, "inflight_kv_blocks_total") == 2048

@@ -53,7 +53,6 @@ class Job:
     pending_logprobs: list[float] = field(default_factory=list)
     text: list[str] = field(default_factory=list)            # non-streaming: accumulated output text
     first_token_time: float | None = None
-    last_sent: float = 0.0
     done: bool = False
 
 
@@ -167,8 +166,7 @@ class EngineLoop:
                 self.outbox.put(("step", out))
             else:
                 time.sleep(0.002)      # nothing runnable yet (static batching waiting to fill up)
-            if self.metrics is not None:
-                self.metrics.after_step(engine)
+            self._report_metrics()
 
     def _handle(self, message) -> None:
         kind, payload = message
@@ -203,8 +201,13 @@ class EngineLoop:
         except Exception:
             log.exception("inflight engine could not release its requests")
         self.outbox.put(("fail" if fatal else "drain", reason))
-        if self.metrics is not None:
-            self.metrics.after_step(self.engine, force=True)
+        self._report_metrics(force=True)
+
+    def _report_metrics(self, force: bool = False) -> None:
+        """The numbers are read here; publishing them is Triton IPC, left to the response thread."""
+        snapshot = self.metrics.snapshot(self.engine, force) if self.metrics is not None else None
+        if snapshot is not None:
+            self.outbox.put(("metrics", snapshot))
 
     # ---- response thread ------------------------------------------------------------------------------
     def _run_responses(self) -> None:
@@ -230,6 +233,8 @@ class EngineLoop:
                 jobs.clear()
                 if kind == "fail" and self.on_failure is not None:
                     self.on_failure(payload)
+            elif kind == "metrics":
+                self.metrics.publish(payload)
             elif kind == "stop":
                 for job in jobs.values():
                     self._finish(job, None, error=self.failure or "the model is being unloaded")
@@ -237,7 +242,7 @@ class EngineLoop:
             now = time.monotonic()
             if now - last_poll >= self.cancel_poll_s:
                 last_poll = now
-                self._poll_cancelled(jobs, now)
+                self._poll_cancelled(jobs)
 
     def _deliver(self, jobs: dict[str, Job], out) -> None:
         logprobs = out.logprobs or [None] * len(out.token_ids)
@@ -321,11 +326,8 @@ class EngineLoop:
         except Exception:          # the client is gone: stop generating for it
             log.warning("inflight: sending a response for %s failed; aborting it", job.request_id, exc_info=True)
             final = True
-        job.last_sent = time.monotonic()
         if final:
             job.done = True
-        elif self._cancelled(job):
-            self._cancel(job)
 
     @staticmethod
     def _cancelled(job: Job) -> bool:
@@ -343,12 +345,13 @@ class EngineLoop:
         job.done = True
         self._record(job, "cancelled")
 
-    def _poll_cancelled(self, jobs: dict[str, Job], now: float) -> None:
-        """Requests that have not sent anything for a while (still queued, or non-streaming)."""
+    def _poll_cancelled(self, jobs: dict[str, Job]) -> None:
+        """Every cancel_poll_s, not after every send: each check is a round trip to the server
+        (with 16 streams, checking after each token took half the response thread's time)."""
         for request_id, job in list(jobs.items()):
             if job.done:
                 jobs.pop(request_id)
-            elif now - max(job.last_sent, job.arrival) >= self.cancel_poll_s and self._cancelled(job):
+            elif self._cancelled(job):
                 self._cancel(job)
                 jobs.pop(request_id)
 

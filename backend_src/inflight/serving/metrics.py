@@ -45,6 +45,7 @@ class EngineMetrics:
         self._by_reason: dict[str, object] = {}
         self._last_counts = dict.fromkeys(COUNTERS, 0)
         self._last_update = 0.0
+        self._steps_seen = 0
         self._lock = threading.Lock()
         self.min_interval_s = min_interval_s
 
@@ -56,16 +57,25 @@ class EngineMetrics:
     def _metric(self, name: str, description: str, kind: str, **extra):
         return self._family(name, description, kind).Metric(labels=self._labels, **extra)
 
-    def after_step(self, engine, force: bool = False) -> None:
-        """Engine thread: the step's duration, and the gauges/counters at most every min_interval_s
-        (always when the engine has gone idle, so an idle server reads exact zeros)."""
-        if engine.num_steps:
-            self._histograms["scheduler_step_seconds"].observe(engine.last_step_s)
+    def snapshot(self, engine, force: bool = False) -> tuple[float | None, dict | None] | None:
+        """Engine thread, no IPC: the duration of a step that ran since the last call (not of an
+        empty poll), and the engine's stats at most every min_interval_s (always when the engine
+        has gone idle, so an idle server reads exact zeros); None when there is nothing new."""
+        step_s = engine.last_step_s if engine.num_steps > self._steps_seen else None
+        self._steps_seen = engine.num_steps
         now = time.monotonic()
         if not force and engine.has_unfinished() and now - self._last_update < self.min_interval_s:
-            return
+            return None if step_s is None else (step_s, None)
         self._last_update = now
-        stats = engine.stats()
+        return step_s, engine.stats()
+
+    def publish(self, snapshot: tuple[float | None, dict | None]) -> None:
+        """Response thread: hand a snapshot to Triton's metrics (each call is a round trip)."""
+        step_s, stats = snapshot
+        if step_s is not None:
+            self._histograms["scheduler_step_seconds"].observe(step_s)
+        if stats is None:
+            return
         self._gauges["kv_blocks_used"].set(stats["kv_blocks_used"])
         self._gauges["kv_blocks_total"].set(stats["kv_blocks_total"])
         self._gauges["kv_blocks_cached"].set(stats["kv_blocks_cached"])

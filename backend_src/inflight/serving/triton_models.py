@@ -144,7 +144,7 @@ class LLMModel:
         metrics = EngineMetrics(self.pb, args["model_name"])
         self.loop = EngineLoop(engine, load_tokenizer(settings.model_dir), metrics,
                                on_failure=stop_server).start()
-        metrics.after_step(engine, force=True)
+        metrics.publish(metrics.snapshot(engine, force=True))
 
     def execute(self, requests):
         for request in requests:
