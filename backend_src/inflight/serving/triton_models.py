@@ -142,9 +142,9 @@ class LLMModel:
         log.info("inflight: loading %s with %s", settings.model_dir, settings.engine)
         engine = run_on_own_thread(lambda: LLMEngine.from_pretrained(settings.model_dir, settings.engine))
         metrics = EngineMetrics(self.pb, args["model_name"])
+        metrics.publish(metrics.snapshot(engine, force=True))      # before the loop's threads use it
         self.loop = EngineLoop(engine, load_tokenizer(settings.model_dir), metrics,
                                on_failure=stop_server).start()
-        metrics.publish(metrics.snapshot(engine, force=True))
 
     def execute(self, requests):
         for request in requests:
