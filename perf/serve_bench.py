@@ -20,7 +20,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"), REPO]
@@ -113,18 +112,6 @@ async def drive(url: str, items, arrival: tuple, seed: int = 0) -> list[RequestR
     return records
 
 
-def read_metric(server: ServerProcess, name: str) -> float | None:
-    """One inflight metric from the server's metrics port (None while it cannot be read)."""
-    try:
-        with urllib.request.urlopen(server.metrics_url, timeout=2) as response:
-            for line in response.read().decode().splitlines():
-                if line.startswith(name + "{"):
-                    return float(line.rsplit(" ", 1)[1])
-    except OSError:
-        return None
-    return None
-
-
 class OccupancySampler:
     """Samples the running-batch size from the metrics endpoint: the per-step batch occupancy that
     stands in, on this CPU machine, for "GPU utilisation"."""
@@ -138,9 +125,10 @@ class OccupancySampler:
     def _run(self) -> None:
         start = time.monotonic()
         while not self._stop.is_set():
-            running = read_metric(self.server, "inflight_requests_running")
-            if running is not None:
-                self.samples.append((time.monotonic() - start, running))
+            try:
+                self.samples.append((time.monotonic() - start, self.server.metric("inflight_requests_running")))
+            except OSError:
+                pass
             self._stop.wait(self.every_s)
 
     def __enter__(self):
@@ -165,11 +153,11 @@ def start_servers(stack, policies: dict, workdir: str, model_dir: str, engine: d
 
 def run_once(server: ServerProcess, items, arrival: tuple) -> tuple[list[RequestRecord], list, float]:
     """The records, the occupancy samples and the number of engine steps the run took."""
-    steps = read_metric(server, STEPS_METRIC)
+    steps = server.metric(STEPS_METRIC)
     with OccupancySampler(server) as occupancy:
         records = asyncio.run(drive(server.grpc_url, items, arrival))
     time.sleep(0.5)          # the last steps' metrics are published just after their responses
-    return records, occupancy.samples, read_metric(server, STEPS_METRIC) - steps
+    return records, occupancy.samples, server.metric(STEPS_METRIC) - steps
 
 
 def aggregate(rounds: list[list[RequestRecord]], occupancy: list, steps: list[float], slo: dict) -> dict:

@@ -17,7 +17,7 @@ from inflight.serving.launch import PRODUCTION_FLAGS, ServerProcess, make_reposi
 from inflight_client.streams import grpc_inputs, http_generate, http_stream
 
 from .conftest import DEFAULT_MODEL, TEST_ENGINE
-from .helpers import metric, run_streams, wait_for_metric
+from .helpers import run_streams, wait_for_metric
 
 pytestmark = pytest.mark.server
 
@@ -181,7 +181,7 @@ def test_kv_exhaustion_completes_through_preemption_with_exact_outputs(start_ser
     prompts = [tokenizer(f"{i} " + "The with statement is used to wrap the execution of a block " * 4)["input_ids"][:60]
                for i in range(16)]
     outs = run_streams(s, [stream(p, 40) for p in prompts])           # demand ~4.5x the pool
-    assert metric(s, "inflight_preemptions_total") > 0
+    assert s.metric("inflight_preemptions_total") > 0
     hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float64)
     for prompt, out in zip(prompts, outs):
         assert out.error is None

@@ -12,7 +12,7 @@ from inflight.serving.launch import DEFAULT_REPOSITORY, ServerProcess
 from inflight_client.streams import grpc_inputs, http_generate, http_stream
 
 from .conftest import DEFAULT_MODEL
-from .helpers import metric, metrics, run_streams, wait_for_metric
+from .helpers import run_streams, wait_for_metric
 
 pytestmark = pytest.mark.server
 
@@ -99,7 +99,7 @@ def test_64_concurrent_streams_complete_with_correct_outputs(server, tokenizer, 
 
 
 def test_grpc_cancel_aborts_the_request_and_frees_its_blocks(server):
-    cancelled_before = metric(server, "inflight_requests_total", finish_reason="cancelled")
+    cancelled_before = server.metric("inflight_requests_total", finish_reason="cancelled")
     long = {"model": "llm", "inputs": grpc_inputs(PROMPTS[0], True, {"max_tokens": 900, "ignore_eos": True}),
             "cancel_after": 3}
     others = [llm_stream(p) for p in PROMPTS[:3]]
@@ -109,11 +109,11 @@ def test_grpc_cancel_aborts_the_request_and_frees_its_blocks(server):
     assert [o.text for o in outs[1:]] == [o.text for o in alone], "other streams are unaffected"
     assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
     assert wait_for_metric(server, "inflight_requests_running", 0) == 0
-    assert metric(server, "inflight_requests_total", finish_reason="cancelled") == cancelled_before + 1
+    assert server.metric("inflight_requests_total", finish_reason="cancelled") == cancelled_before + 1
 
 
 def test_http_disconnect_aborts_the_request_and_frees_its_blocks(server):
-    cancelled_before = metric(server, "inflight_requests_total", finish_reason="cancelled")
+    cancelled_before = server.metric("inflight_requests_total", finish_reason="cancelled")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         dropped = pool.submit(http_stream, server.http_url, "llm",
                               {"text_input": PROMPTS[4], "stream": True, "max_tokens": 900, "ignore_eos": True},
@@ -164,20 +164,20 @@ def test_ensemble_errors_name_the_field(server):
 
 
 def test_engine_metrics_are_served_next_to_tritons(server):
-    steps = metric(server, "inflight_scheduler_step_seconds_count")
-    tokens = metric(server, "inflight_generation_tokens_total")
+    steps = server.metric("inflight_scheduler_step_seconds_count")
+    tokens = server.metric("inflight_generation_tokens_total")
     run_streams(server, [{"model": "llm", "inputs": grpc_inputs(PROMPTS[0], True, {**greedy(8), "ignore_eos": True})}])
     # alone on the server: one prefill step (the first token) and 7 decode steps, counted as they
     # ran (idle polls are not steps)
     assert wait_for_metric(server, "inflight_generation_tokens_total", tokens + 8) == tokens + 8
     assert wait_for_metric(server, "inflight_scheduler_step_seconds_count", steps + 8) == steps + 8
-    text = metrics(server)
+    text = server.metrics_text()
     assert "nv_inference_request_success" in text            # Triton's own
-    assert metric(server, "inflight_kv_blocks_total") == 2048
+    assert server.metric("inflight_kv_blocks_total") == 2048
     for name in ("inflight_generation_tokens_total", "inflight_time_to_first_token_seconds_count",
                  "inflight_time_per_output_token_seconds_count", "inflight_scheduler_step_seconds_count",
                  "inflight_prompt_and_decode_tokens_total"):
-        assert metric(server, name) > 0, name
+        assert server.metric(name) > 0, name
     for name in ("inflight_requests_running", "inflight_requests_waiting", "inflight_preemptions_total"):
         assert name in text
 

@@ -9,7 +9,7 @@ import pytest
 from inflight import SamplingParams
 from inflight_client.streams import grpc_inputs, grpc_stream
 
-from .helpers import metric, wait_for_metric
+from .helpers import wait_for_metric
 
 pytestmark = [pytest.mark.server, pytest.mark.stress]
 
@@ -48,7 +48,7 @@ def test_500_concurrent_streams_all_complete_correctly(server, tokenizer, refere
         assert out.error is None and out.finish_reason == "length"
         assert out.token_ids == ref.token_ids and out.num_output_tokens == n, "none lost, none duplicated"
     assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
-    assert metric(server, "inflight_requests_running") == 0 and metric(server, "inflight_requests_waiting") == 0
+    assert server.metric("inflight_requests_running") == 0 and server.metric("inflight_requests_waiting") == 0
     print(f"\n500 streams, {sum(lengths)} tokens in {elapsed:.1f} s")
 
 
@@ -56,7 +56,7 @@ def test_cancel_storm_frees_everything_and_spares_the_rest(server, tokenizer, re
     ps = prompts(tokenizer, 200, seed=2)
     rng = random.Random(3)
     plan = [(p, rng.randint(8, 40), rng.randint(1, 6) if i % 2 else None) for i, p in enumerate(ps)]
-    cancelled_before = metric(server, "inflight_requests_total", finish_reason="cancelled")
+    cancelled_before = server.metric("inflight_requests_total", finish_reason="cancelled")
     outs = asyncio.run(streams(server, [request(p, n, c) for p, n, c in plan]))
     kept = [(p, n, out) for (p, n, c), out in zip(plan, outs) if c is None]
     refs = reference_engine.generate([p for p, _, _ in kept],
@@ -66,5 +66,5 @@ def test_cancel_storm_frees_everything_and_spares_the_rest(server, tokenizer, re
     assert all(out.cancelled for (_, _, c), out in zip(plan, outs) if c is not None)
     assert wait_for_metric(server, "inflight_kv_blocks_used", 0, timeout_s=30) == 0
     assert wait_for_metric(server, "inflight_requests_running", 0) == 0
-    cancelled = metric(server, "inflight_requests_total", finish_reason="cancelled") - cancelled_before
+    cancelled = server.metric("inflight_requests_total", finish_reason="cancelled") - cancelled_before
     assert cancelled >= 90, f"only {cancelled} of 100 cancellations reached the engine before the request ended"

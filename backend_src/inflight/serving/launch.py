@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -189,6 +190,19 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"tritonserver not ready after {self.ready_timeout_s}s; log: {self.log_path}\n"
                            + self.log_tail())
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as response:
+            return response.read().decode()
+
+    def metric(self, name: str, **labels) -> float:
+        """Sum of the samples of one metric whose labels include `labels` (0 when there are none)."""
+        total = 0.0
+        for line in self.metrics_text().splitlines():
+            match = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
+            if match and all(f'{k}="{v}"' in match.group(1) for k, v in labels.items()):
+                total += float(match.group(2))
+        return total
 
     def log_tail(self, lines: int = 40) -> str:
         with open(self.log_path, "rb") as f:
