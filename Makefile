@@ -4,6 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SERVE_ARGS ?=
+MODEL ?=
+ENGINE ?=
 PYTEST_ARGS ?=
 
 .PHONY: venv serve test test-stress bench-engine bench-kernels bench-serve bench-prefix perf-sweep model clean
@@ -16,9 +18,10 @@ $(STAMP): requirements.txt pyproject.toml
 
 venv: $(STAMP)
 
-# a real tritonserver on :8000 (HTTP) :8001 (gRPC) :8002 (metrics) with model_repository/
+# a real tritonserver on :8000 (HTTP) :8001 (gRPC) :8002 (metrics) with model_repository/, or with
+# MODEL=/path/to/hf-checkpoint and ENGINE="max_num_seqs=128 ..." (EngineConfig fields)
 serve: venv
-	$(PY) -m inflight.serving.launch $(SERVE_ARGS)
+	$(PY) -m inflight.serving.launch $(if $(MODEL),--model "$(MODEL)") $(foreach kv,$(ENGINE),--engine $(kv)) $(SERVE_ARGS)
 
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)

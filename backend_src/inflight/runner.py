@@ -95,16 +95,33 @@ class ModelRunner:
         return requested or limit
 
     def _blocks_that_fit(self) -> int:
+        """CUDA: the whole budget (more blocks, more prefix cache). CPU: no more than max_num_seqs
+        sequences of max_model_len tokens can use, within the budget, since the pool is host memory
+        the rest of the machine could use."""
         if self.device.type == "cpu":
             budget = (self.config.kv_cache_gb or _CPU_DEFAULT_KV_GB) * 2**30
+            source = f"kv_cache_gb={self.config.kv_cache_gb}" if self.config.kv_cache_gb else \
+                f"the CPU default of {_CPU_DEFAULT_KV_GB:g} GiB (kv_cache_gb)"
         elif self.config.kv_cache_gb:
-            budget = self.config.kv_cache_gb * 2**30
+            budget, source = self.config.kv_cache_gb * 2**30, f"kv_cache_gb={self.config.kv_cache_gb}"
         else:
             budget = self._cuda_kv_budget()
+            source = f"gpu_memory_utilization={self.config.gpu_memory_utilization} after weights and activations"
         blocks = int(budget // self.kv_block_bytes)
         if blocks < 1:
-            raise ValueError("the KV cache budget holds no block; raise 'kv_cache_gb' or "
-                             "'gpu_memory_utilization'")
+            fix = "'kv_cache_gb'" if self.device.type == "cpu" or self.config.kv_cache_gb else \
+                "'gpu_memory_utilization' or set 'kv_cache_gb'"
+            raise ValueError(f"the KV cache budget ({source}: {max(budget, 0):.0f} bytes) holds no block of "
+                             f"{self.kv_block_bytes} bytes; raise {fix}")
+        usable = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        if self.device.type == "cpu" and usable < blocks:
+            log.info("inflight runner: KV pool of %d blocks (%.0f MiB): what max_num_seqs=%d x max_model_len=%d "
+                     "can use, under the budget of %.0f MiB (%s)", usable, usable * self.kv_block_bytes / 2**20,
+                     self.config.max_num_seqs, self.max_model_len, budget / 2**20, source)
+            return usable
+        log.info("inflight runner: KV pool of %d blocks (%.0f MiB): the budget of %.0f MiB (%s); "
+                 "max_num_seqs=%d x max_model_len=%d could use %d", blocks, blocks * self.kv_block_bytes / 2**20,
+                 budget / 2**20, source, self.config.max_num_seqs, self.max_model_len, usable)
         return blocks
 
     def _cuda_kv_budget(self) -> float:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -229,36 +230,225 @@ class ServerProcess:
         self.stop()
 
 
+def engine_overrides(pairs: list[str]) -> dict:
+    """`--engine key=value` pairs -> EngineConfig fields. A value is JSON where it parses (128, 0.5,
+    true, null), else a string (float32); unknown keys and bad values exit with the known list."""
+    from ..config import EngineConfig
+
+    overrides = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"inflight: --engine {pair!r}: expected key=value, e.g. max_num_seqs=128")
+        try:
+            overrides[key.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[key.strip()] = text
+    try:
+        EngineConfig.from_dict(overrides)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"inflight: --engine: {exc}") from None
+    return overrides
+
+
+# tritonserver's line for a model that did not load; a Python model's error goes on after "\n\nAt:"
+# with its frames (escaped in the quoted log line of Triton 2.4x+, real newlines before)
+_FAILED_LOAD = re.compile(r"failed to load '([^']+)' version \d+: (.*)")
+
+
+def failure_cause(line: str) -> tuple[str, str] | None:
+    """(model, cause) from a tritonserver log line, the cause without status, type or frames."""
+    match = _FAILED_LOAD.search(line)
+    if not match:
+        return None
+    cause = match.group(2).split("\\n")[0].rstrip().removesuffix('"').replace('\\"', '"')
+    for prefix in ("Internal: ", "StartupError: "):
+        cause = cause.removeprefix(prefix)
+    return match.group(1), cause
+
+
+def failure_summary(causes: list[tuple[str, str]], note: str | None = None) -> list[str]:
+    """One line per distinct cause, with the models that reported it."""
+    models_by_cause: dict[str, list[str]] = {}
+    for model, cause in causes:
+        models_by_cause.setdefault(cause, []).append(model)
+    lines = ["inflight: the server did not start:"]
+    lines += [f"  {', '.join(models)}: {cause}" for cause, models in models_by_cause.items()]
+    if not causes:
+        lines.append("  no model reported a cause; tritonserver's log above says why")
+    return lines + ([f"  ({note})"] if note else [])
+
+
+class TritonOutput:
+    """Passes tritonserver's output (its stub processes' included) through to ours and collects the
+    causes of models that failed to load."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.causes: list[tuple[str, str]] = []
+        self.thread = threading.Thread(target=self._pump, name="tritonserver-output", daemon=True)
+        self.thread.start()
+
+    def _pump(self) -> None:
+        out = sys.stdout.buffer
+        for raw in iter(self.stream.readline, b""):
+            out.write(raw)
+            out.flush()
+            cause = failure_cause(raw.decode("utf-8", "replace"))
+            if cause:
+                self.causes.append(cause)
+
+    def join(self, timeout_s: float = 5.0) -> None:
+        self.thread.join(timeout_s)
+
+
+@dataclass(slots=True)
+class Endpoints:
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    openai_port: int | None = None       # the OpenAI-compatible server, where one runs
+
+    def banner(self, model: str, model_names: list[str]) -> list[str]:
+        lines = [f"inflight: ready, serving {model}",
+                 f"  HTTP     http://localhost:{self.http_port}  (models: {', '.join(model_names)})",
+                 f"  gRPC     localhost:{self.grpc_port}",
+                 f"  metrics  http://localhost:{self.metrics_port}/metrics"]
+        if self.openai_port:
+            lines.append(f"  OpenAI   http://localhost:{self.openai_port}/v1")
+        lines.append(f"  try:     curl -s localhost:{self.http_port}/v2/models/llm/generate "
+                     "-d '{\"text_input\": \"The assert statement\", \"max_tokens\": 32, \"temperature\": 0}'")
+        return lines
+
+
+def served_model(model_repository: str) -> str:
+    """The checkpoint the repository's llm serves (for the banner)."""
+    from .startup import StartupError
+    from .triton_models import Settings
+    try:
+        return Settings.load(os.path.join(model_repository, "llm", "1")).model_dir
+    except StartupError:
+        return f"the llm in {model_repository}"
+
+
+def model_names(model_repository: str) -> list[str]:
+    return sorted(name for name in os.listdir(model_repository)
+                  if os.path.isfile(os.path.join(model_repository, name, "config.pbtxt")))
+
+
+class Children:
+    """The processes `make serve` runs: tritonserver, then any companion (such as an OpenAI-compatible
+    server), signalled and stopped together; tritonserver gets the shutdown flag first."""
+
+    def __init__(self):
+        self.flag = shutdown_flag_path()
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], **popen) -> subprocess.Popen:
+        process = subprocess.Popen(cmd, **popen)
+        self.processes.append(process)
+        return process
+
+    def signal(self, signum: int) -> None:
+        triton, *companions = self.processes
+        request_shutdown(self.flag, triton, signum)
+        for process in companions:
+            if process.poll() is None:
+                process.send_signal(signum)
+
+    def wait(self) -> int:
+        """tritonserver's exit code, once every child has exited."""
+        codes = [process.wait() for process in self.processes]
+        if os.path.exists(self.flag):
+            os.remove(self.flag)
+        return codes[0]
+
+
+# a model failed, but tritonserver waits for the others to finish loading: stop it after this long
+FAILED_START_GRACE_S = 10.0
+
+
+def wait_ready(triton: subprocess.Popen, children: Children, output: TritonOutput, http_port: int) -> bool:
+    """Poll readiness until tritonserver is ready (True) or has exited (False)."""
+    failed_since = None
+    while triton.poll() is None:
+        if output.causes and failed_since is None:
+            failed_since = time.monotonic()
+        if failed_since is not None and time.monotonic() - failed_since > FAILED_START_GRACE_S:
+            children.signal(signal.SIGTERM)
+            failed_since = float("inf")
+        try:
+            with urllib.request.urlopen(f"http://localhost:{http_port}/v2/health/ready", timeout=1) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-repository", default=DEFAULT_REPOSITORY)
+    parser.add_argument("--model-repository", help="serve this model repository (default: model_repository/)")
+    parser.add_argument("--model", help="serve this Hugging Face checkpoint directory: the launcher writes a model "
+                                        "repository for it (llm, ensemble and its steps)")
+    parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                        help="an EngineConfig field for the served model, e.g. max_num_seqs=128 (repeatable)")
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--production", action="store_true", help="the production-profile flags (see README)")
     args, extra = parser.parse_known_args()
+    overrides = engine_overrides(args.engine)
+    if (args.model or overrides) and args.model_repository:
+        raise SystemExit("inflight: --model and --engine write a model repository of their own; "
+                         "leave out --model-repository")
     server = locate_server()
     if args.production:
         if not os.environ.get("INFLIGHT_ADMIN_KEY"):
             raise SystemExit("--production needs INFLIGHT_ADMIN_KEY (the header value for restricted APIs)")
         extra = [os.path.expandvars(flag) for flag in PRODUCTION_FLAGS] + extra
-    cmd = server_command(server, args.model_repository, args.http_port, args.grpc_port, args.metrics_port, extra)
+    written, note = None, None
+    if args.model or overrides:
+        written = make_repository(tempfile.mkdtemp(prefix="inflight-repository-"), args.model, overrides)
+        note = f"{written}/llm/1/model.json holds --model and --engine; it is removed on exit"
+    try:
+        code = serve(server, written or args.model_repository or DEFAULT_REPOSITORY,
+                     Endpoints(args.http_port, args.grpc_port, args.metrics_port), extra, note)
+    finally:
+        if written:
+            shutil.rmtree(written, ignore_errors=True)
+    sys.exit(code)
+
+
+def serve(server: Server, model_repository: str, endpoints: Endpoints, extra: list[str],
+          note: str | None = None) -> int:
+    """Run tritonserver (and its companions) until they exit; the ready banner, or why it did not start."""
+    cmd = server_command(server, model_repository, endpoints.http_port, endpoints.grpc_port,
+                         endpoints.metrics_port, extra)
     print(f"inflight: starting {' '.join(cmd)}", flush=True)
-    print(f"inflight: HTTP on :{args.http_port}, gRPC on :{args.grpc_port}, metrics on :{args.metrics_port}\n"
-          f"  try: curl -s localhost:{args.http_port}/v2/models/llm/generate "
-          "-d '{\"text_input\": \"The assert statement\", \"max_tokens\": 32, \"temperature\": 0}'", flush=True)
-    flag = shutdown_flag_path()
-    process = subprocess.Popen(cmd, env={**server.env, SHUTDOWN_FLAG_ENV: flag})
+    children = Children()
+    triton = children.start(cmd, env={**server.env, SHUTDOWN_FLAG_ENV: children.flag},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output = TritonOutput(triton.stdout)
+    stopping = []
 
     def forward(signum, _frame):
-        request_shutdown(flag, process, signum)
+        stopping.append(signum)
+        children.signal(signum)
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
-    code = process.wait()
-    if os.path.exists(flag):
-        os.remove(flag)
-    sys.exit(code)
+    ready = wait_ready(triton, children, output, endpoints.http_port)
+    if ready:
+        print("\n".join(endpoints.banner(served_model(model_repository), model_names(model_repository))),
+              flush=True)
+    code = children.wait()
+    output.join()
+    if not ready and not stopping:
+        print("\n".join(failure_summary(output.causes, note)), flush=True)
+        return code if code > 0 else 1
+    return code
 
 
 if __name__ == "__main__":

@@ -11,16 +11,22 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..config import EngineConfig
 from ..detokenizer import decode_delta
-from .loop import EngineLoop
 from .metrics import EngineMetrics
 from .protocol import BOOL_INPUTS, RequestError, parse_request
+from .startup import (check_checkpoint, check_tokenizer, engine_config, engine_errors, one_line_errors,
+                      read_settings, tokenizer_error)
+
+if TYPE_CHECKING:       # the loop imports the engine and torch: only the llm model loads it
+    from .loop import EngineLoop
 
 log = logging.getLogger("inflight")
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -33,17 +39,21 @@ class Settings:
     """model.json beside the llm's model.py: the checkpoint and every EngineConfig field."""
     model_dir: str
     engine: EngineConfig
+    path: str                   # the model.json, for start-up errors
+
+    KEYS = ("model", "engine")  # model.json's keys
 
     @classmethod
     def load(cls, version_dir: str) -> "Settings":
         path = os.path.join(version_dir, "model.json")
-        with open(path) as f:
-            raw = json.load(f)
-        unknown = sorted(set(raw) - {"model", "engine"})
-        if unknown:
-            raise ValueError(f"{path}: unknown keys {unknown}; expected 'model' and 'engine'")
+        raw = read_settings(path, cls.KEYS)
         model_dir = os.path.normpath(os.path.join(version_dir, os.path.expanduser(raw["model"])))
-        return cls(model_dir, EngineConfig.from_dict(raw.get("engine", {})))
+        return cls(model_dir, engine_config(raw.get("engine", {}), path), path)
+
+    @property
+    def source(self) -> str:
+        """Where the checkpoint directory was named, for start-up errors."""
+        return f"'model' in {self.path}"
 
 
 def llm_settings(model_repository_dir: str) -> Settings:
@@ -52,9 +62,25 @@ def llm_settings(model_repository_dir: str) -> Settings:
     return Settings.load(os.path.join(root, "llm", "1"))
 
 
-def load_tokenizer(model_dir: str):
+def load_tokenizer(settings: Settings, without_torch: bool = False):
+    """transformers' tokenizer for the checkpoint. `without_torch`: for processes that only
+    tokenize; transformers imports torch whenever it can, and torch alone takes 300 MiB."""
+    check_tokenizer(settings.model_dir, settings.source)
+    if without_torch:
+        hide_torch()
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(settings.model_dir)
+    except Exception as exc:        # whatever transformers raises for a tokenizer it cannot read
+        raise tokenizer_error(settings.model_dir, exc) from None
+
+
+def hide_torch() -> None:
+    """Make `import torch` fail in this process (None in sys.modules is Python's import blocker):
+    transformers then takes its tokenizer-only path, with exactly the same tokenizer code."""
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")   # its "PyTorch was not found"
 
 
 def read_inputs(pb_utils, request, names) -> dict[str, np.ndarray]:
@@ -135,15 +161,19 @@ class LLMModel:
         self.pb = pb_utils
         self.loop: EngineLoop | None = None
 
+    @one_line_errors
     def initialize(self, args) -> None:
-        from ..engine import LLMEngine
         version_dir = os.path.join(args["model_repository"], args["model_version"])
         settings = Settings.load(version_dir)
+        check_checkpoint(settings.model_dir, settings.source)
+        from ..engine import LLMEngine
+        from .loop import EngineLoop
         log.info("inflight: loading %s with %s", settings.model_dir, settings.engine)
-        engine = run_on_own_thread(lambda: LLMEngine.from_pretrained(settings.model_dir, settings.engine))
+        with engine_errors(settings.model_dir, settings.path):
+            engine = run_on_own_thread(lambda: LLMEngine.from_pretrained(settings.model_dir, settings.engine))
         metrics = EngineMetrics(self.pb, args["model_name"])
         metrics.publish(metrics.snapshot(engine, force=True))      # before the loop's threads use it
-        self.loop = EngineLoop(engine, load_tokenizer(settings.model_dir), metrics,
+        self.loop = EngineLoop(engine, load_tokenizer(settings), metrics,
                                on_failure=stop_server).start()
 
     def execute(self, requests):
@@ -177,8 +207,9 @@ class TokenizerModel:
     def __init__(self, pb_utils):
         self.pb = pb_utils
 
+    @one_line_errors
     def initialize(self, args) -> None:
-        self.tokenizer = load_tokenizer(llm_settings(args["model_repository"]).model_dir)
+        self.tokenizer = load_tokenizer(llm_settings(args["model_repository"]), without_torch=True)
 
 
 class PreprocessingModel(TokenizerModel):

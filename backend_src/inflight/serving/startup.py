@@ -1,0 +1,117 @@
+"""Start-up checks: every cause of a failed start that a user can fix, as one line naming the file
+and the field.
+
+Each model's `initialize` runs the checks it depends on before anything heavy loads (the checkpoint
+checks need no torch), so a broken checkpoint fails in seconds. The Python backend reports any
+exception from `initialize` with its "At:" frames; `one_line_errors` re-raises a StartupError from
+its own frame, so Triton's log shows the message and one frame, and the launcher
+(`serving/launch.py`) prints the messages alone.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+from contextlib import contextmanager
+
+from ..config import EngineConfig
+
+# a tokenizer is one of these in the checkpoint directory (fast tokenizer, sentencepiece, BPE/WordPiece)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+class StartupError(Exception):
+    """A start-up failure the user can fix; the message is one line naming the file and the field."""
+
+
+def one_line_errors(initialize):
+    """Wrap a model's initialize: a StartupError leaves with this frame alone, not the frames it came
+    through (the Python backend prints every frame of an exception after "At:")."""
+    @functools.wraps(initialize)
+    def wrapper(self, args):
+        try:
+            return initialize(self, args)
+        except StartupError as exc:
+            error = StartupError(str(exc))
+        raise error
+    return wrapper
+
+
+def read_settings(path: str, known: tuple[str, ...]) -> dict:
+    """model.json as a dict with only `known` keys and a 'model' string."""
+    if not os.path.isfile(path):
+        raise StartupError(f"{path} does not exist: the llm model's settings (checkpoint and engine)")
+    with open(path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise StartupError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise StartupError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise StartupError(f"{path}: unknown key(s) {unknown}; known: {sorted(known)}")
+    if not isinstance(raw.get("model"), str) or not raw["model"]:
+        raise StartupError(f"{path}: 'model' must name the checkpoint directory, got {raw.get('model')!r}")
+    if not isinstance(raw.get("engine", {}), dict):
+        raise StartupError(f"{path}: 'engine' must be a JSON object of EngineConfig fields")
+    return raw
+
+
+def engine_config(values: dict, path: str) -> EngineConfig:
+    try:
+        return EngineConfig.from_dict(values)
+    except (TypeError, ValueError) as exc:
+        raise StartupError(f"{path}: 'engine': {exc}") from None
+
+
+def check_model_dir(model_dir: str, source: str) -> None:
+    if not os.path.isdir(model_dir):
+        what = "is not a directory" if os.path.exists(model_dir) else "does not exist"
+        raise StartupError(f"checkpoint directory {model_dir!r} {what} ({source})")
+
+
+def check_tokenizer(model_dir: str, source: str) -> None:
+    check_model_dir(model_dir, source)
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
+        raise StartupError(f"checkpoint directory {model_dir!r} has no tokenizer (none of "
+                           f"{', '.join(TOKENIZER_FILES)}) ({source})")
+
+
+def check_checkpoint(model_dir: str, source: str) -> None:
+    """Everything the llm needs from the directory: config.json with a supported architecture,
+    safetensors weights and a tokenizer."""
+    from ..models import SUPPORTED_ARCHITECTURES
+
+    check_tokenizer(model_dir, source)
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise StartupError(f"checkpoint directory {model_dir!r} has no config.json: not a Hugging Face "
+                           f"checkpoint ({source})")
+    with open(config_path) as f:
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise StartupError(f"{config_path} is not valid JSON: {exc}") from None
+    architectures = config.get("architectures") or ["LlamaForCausalLM"]
+    if architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise StartupError(f"{config_path}: 'architectures' is {architectures}; supported: "
+                           f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    if not glob.glob(os.path.join(model_dir, "*.safetensors")):
+        raise StartupError(f"checkpoint directory {model_dir!r} has no *.safetensors weights (only "
+                           f"safetensors checkpoints load) ({source})")
+
+
+@contextmanager
+def engine_errors(model_dir: str, settings_path: str):
+    """The engine's own checks (max_model_len, the KV budget, the device) as StartupErrors."""
+    try:
+        yield
+    except ValueError as exc:
+        raise StartupError(f"cannot serve {model_dir!r}: {exc} (engine settings in {settings_path})") from None
+
+
+def tokenizer_error(model_dir: str, exc: Exception) -> StartupError:
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return StartupError(f"the tokenizer in {model_dir!r} does not load: {type(exc).__name__}: {first_line}")

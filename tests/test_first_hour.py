@@ -1,0 +1,265 @@
+"""The first hour, through the real launcher (`make serve` runs `python -m inflight.serving.launch`):
+a checkpoint given with --model is served through llm and the ensemble, each broken checkpoint
+ends the launcher within 30 s with one line naming the cause and the path, and the tokenizing
+ensemble steps run without torch."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from inflight.serving.launch import failure_cause, failure_summary, free_port, make_repository
+from inflight_client.streams import http_generate
+
+from .conftest import DEFAULT_MODEL, REPO
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# a subprocess imports this checkout's code, not an installed copy
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(os.path.join(REPO, p) for p in ("backend_src", "client", ""))}
+
+
+class Launcher:
+    """`python -m inflight.serving.launch ARGS` on free ports, its output collected line by line."""
+
+    def __init__(self, *args: str):
+        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+        cmd = [sys.executable, "-m", "inflight.serving.launch", f"--http-port={self.http_port}",
+               f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}", *args]
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for raw in iter(self.process.stdout.readline, b""):
+            self.lines.append(raw.decode("utf-8", "replace").rstrip("\n"))
+
+    def wait_for(self, text: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in self.lines):
+            assert self.process.poll() is None, "\n".join(self.lines[-30:])
+            assert time.monotonic() < deadline, f"no {text!r} after {timeout_s} s:\n" + "\n".join(self.lines[-30:])
+            time.sleep(0.2)
+
+    def wait(self, timeout_s: float) -> tuple[int, float]:
+        """(exit code, seconds since start); kills it after timeout_s."""
+        try:
+            code = self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGINT)
+            self.process.wait(60)
+            pytest.fail(f"the launcher still ran after {timeout_s} s:\n" + "\n".join(self.lines[-30:]))
+        self.reader.join(5)
+        return code, time.monotonic() - self.started
+
+
+@pytest.fixture(scope="module")
+def served_checkpoint(tmp_path_factory):
+    """A random Llama with the shipped model's vocabulary and tokenizer: what a user's checkpoint
+    directory holds (config.json, model.safetensors, tokenizer files)."""
+    from inflight.testing import make_random_checkpoint
+    with open(os.path.join(DEFAULT_MODEL, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    path = make_random_checkpoint(str(tmp_path_factory.mktemp("user") / "checkpoint"), "llama", seed=7,
+                                  vocab_size=vocab_size)
+    for name in TOKENIZER_FILES:
+        shutil.copy(os.path.join(DEFAULT_MODEL, name), path)
+    return path
+
+
+@pytest.mark.server
+def test_a_checkpoint_given_with_model_is_served_through_llm_and_the_ensemble(served_checkpoint):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    launcher = Launcher("--model", served_checkpoint, "--engine", "dtype=float64", "--engine", "max_num_seqs=4",
+                        "--engine", "cpu_threads=1")
+    try:
+        launcher.wait_for("inflight: ready", 120)
+        banner = "\n".join(launcher.lines[-8:])
+        for endpoint in (f"http://localhost:{launcher.http_port}", f"localhost:{launcher.grpc_port}",
+                         f"http://localhost:{launcher.metrics_port}/metrics", f"serving {served_checkpoint}"):
+            assert endpoint in banner
+        prompt = "The assert statement"
+        url = f"localhost:{launcher.http_port}"
+        llm = http_generate(url, "llm", {"text_input": prompt, "max_tokens": 8, "temperature": 0,
+                                         "exclude_input_in_output": True})["text_output"]
+        ensemble = http_generate(url, "ensemble", {"text_input": prompt, "max_tokens": 8, "temperature": 0.0,
+                                                   "exclude_input_in_output": True})["text_output"]
+        tokenizer = AutoTokenizer.from_pretrained(served_checkpoint)
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        model = AutoModelForCausalLM.from_pretrained(served_checkpoint, dtype=torch.float64)
+        expected = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+        assert llm == ensemble == tokenizer.decode(expected, skip_special_tokens=True) != ""
+        if shutil.which("curl"):        # the banner's curl line, as printed
+            curl = re.search(r"try:\s+(curl .*)$", banner, re.M).group(1)
+            reply = json.loads(subprocess.run(curl, shell=True, check=True, capture_output=True, timeout=60).stdout)
+            assert reply["model_name"] == "llm" and reply["text_output"].startswith("The assert statement")
+    finally:
+        launcher.process.send_signal(signal.SIGINT)
+    code, _ = launcher.wait(60)
+    assert code == 0, "\n".join(launcher.lines[-30:])
+    written = re.search(r"--model-repository=(\S+)", launcher.lines[0]).group(1)
+    assert not os.path.exists(written)
+
+
+def _broken(kind: str, good: str, root) -> tuple[list[str], str, str]:
+    """(launcher arguments, expected cause, expected path) for one kind of broken checkpoint."""
+    copy = str(root / "checkpoint")
+    if kind == "missing path":
+        return ["--model", str(root / "nowhere")], "does not exist", str(root / "nowhere")
+    if kind == "bad model.json key":
+        repository = make_repository(str(root / "repository"), good)
+        path = os.path.join(repository, "llm", "1", "model.json")
+        with open(path) as f:
+            settings = json.load(f)
+        settings["engine"]["max_num_seq"] = 4
+        with open(path, "w") as f:
+            json.dump(settings, f)
+        return ["--model-repository", repository], "unknown engine config keys ['max_num_seq']; known:", path
+    if kind == "KV budget with no block":
+        return ["--model", good, "--engine", "kv_cache_gb=1e-9"], "holds no block", "kv_cache_gb"
+    shutil.copytree(good, copy)
+    if kind == "no config.json":
+        os.remove(os.path.join(copy, "config.json"))
+        return ["--model", copy], "has no config.json", copy
+    if kind == "no safetensors":
+        os.remove(os.path.join(copy, "model.safetensors"))
+        return ["--model", copy], "has no *.safetensors", copy
+    if kind == "no tokenizer":
+        for name in TOKENIZER_FILES:
+            os.remove(os.path.join(copy, name))
+        return ["--model", copy], "has no tokenizer", copy
+    assert kind == "unsupported architecture"
+    path = os.path.join(copy, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**config, "architectures": ["GPT2LMHeadModel"]}, f)
+    return ["--model", copy], "'architectures' is ['GPT2LMHeadModel']; supported: LlamaForCausalLM", path
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("kind", ["missing path", "no config.json", "no safetensors", "unsupported architecture",
+                                  "no tokenizer", "bad model.json key", "KV budget with no block"])
+def test_a_broken_checkpoint_ends_the_launcher_with_the_cause_and_the_path(kind, served_checkpoint, tmp_path):
+    args, cause, path = _broken(kind, served_checkpoint, tmp_path)
+    launcher = Launcher(*args)
+    code, elapsed = launcher.wait(30)
+    last = "\n".join(launcher.lines[-10:])
+    assert code != 0 and elapsed < 30, last
+    assert cause in last and path in last, last
+    assert "Traceback" not in last and "At:" not in last, last
+
+
+@pytest.mark.server
+def test_the_tokenizing_steps_run_without_torch_in_under_150_mib(server):
+    stubs = stub_processes(server.model_repository)
+    assert sorted(stubs) == ["llm", "postprocessing", "preprocessing"]
+    for name in ("preprocessing", "postprocessing"):
+        assert rss_mib(stubs[name]) < 150, (name, rss_mib(stubs[name]))
+        with open(f"/proc/{stubs[name]}/maps") as f:
+            assert "libtorch" not in f.read(), name
+    assert rss_mib(stubs["llm"]) > 150            # it does load torch: the measurement sees the stubs
+
+
+def stub_processes(model_repository: str) -> dict[str, int]:
+    """model name -> pid of the Python backend stub running <model_repository>/<name>/1/model.py."""
+    stubs = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if argv[0].endswith("triton_python_backend_stub") and argv[1].startswith(model_repository + os.sep):
+            stubs[os.path.relpath(argv[1], model_repository).split(os.sep)[0]] = int(pid)
+    return stubs
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) / 1024
+
+
+# ---- without a server -------------------------------------------------------------------------------
+def run_launcher(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "inflight.serving.launch", *args], env=ENV, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_engine_overrides_are_json_or_strings_and_unknown_keys_get_the_known_list():
+    from inflight.serving.launch import engine_overrides
+    assert engine_overrides(["max_num_seqs=128", "dtype=float32", "kv_cache_gb=0.5", "enable_prefix_caching=false",
+                             "max_model_len=null"]) == {"max_num_seqs": 128, "dtype": "float32", "kv_cache_gb": 0.5,
+                                                        "enable_prefix_caching": False, "max_model_len": None}
+    bad = run_launcher("--engine", "max_num_seq=4")
+    assert bad.returncode != 0
+    assert "--engine: unknown engine config keys ['max_num_seq']; known: [" in bad.stderr
+    assert "'max_num_seqs'" in bad.stderr
+    assert "'max_num_seqs' must be a positive integer" in run_launcher("--engine", "max_num_seqs=0").stderr
+    assert "expected key=value" in run_launcher("--engine", "max_num_seqs").stderr
+
+
+def test_make_serve_passes_model_and_engine_to_the_launcher():
+    if not shutil.which("make"):
+        pytest.skip("no make")
+    dry = subprocess.run(["make", "-n", "-o", ".venv/.installed", "serve", "MODEL=/checkpoints/x",
+                          "ENGINE=max_num_seqs=128 dtype=float32", "SERVE_ARGS=--http-port=9100"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert '-m inflight.serving.launch --model "/checkpoints/x" --engine max_num_seqs=128 --engine dtype=float32 ' \
+           '--http-port=9100' in dry
+
+
+def test_a_failed_load_line_gives_the_cause_without_its_frames():
+    line = ('E1201 15:11:28.853578 7497 model_lifecycle.cc:642] "failed to load \'llm\' version 1: Internal: '
+            'StartupError: checkpoint directory \'/x\' does not exist (\'model\' in /r/llm/1/model.json)\\n\\nAt:\\n'
+            '  /src/startup.py(37): wrapper\\n"')
+    assert failure_cause(line) == ("llm", "checkpoint directory '/x' does not exist ('model' in /r/llm/1/model.json)")
+    assert failure_cause("E1201 model_lifecycle.cc:642] failed to load 'pre' version 1: Internal: OSError: no") == \
+        ("pre", "OSError: no")
+    assert failure_cause("I1201 model_lifecycle.cc:777] \"failed to load 'llm'\"") is None
+    assert failure_summary([("preprocessing", "A"), ("llm", "B"), ("postprocessing", "A")]) == [
+        "inflight: the server did not start:", "  preprocessing, postprocessing: A", "  llm: B"]
+
+
+def test_the_cpu_kv_pool_holds_what_max_num_seqs_full_sequences_use_within_the_budget(tiny_checkpoint, caplog):
+    from transformers import AutoConfig
+
+    from inflight import EngineConfig
+    from inflight.runner import ModelRunner
+
+    def runner(**engine):
+        return ModelRunner(tiny_checkpoint, hf_config, EngineConfig(device="cpu", max_num_seqs=4, max_model_len=100,
+                                                                    block_size=16, **engine))
+
+    hf_config = AutoConfig.from_pretrained(tiny_checkpoint)
+    with caplog.at_level("INFO", logger="inflight"):
+        assert runner().num_blocks == 4 * 7               # 4 sequences of ceil(100 / 16) blocks, far under 1 GiB
+    assert "KV pool of 28 blocks" in caplog.text and "max_num_seqs=4 x max_model_len=100 can use" in caplog.text
+    block = runner().kv_block_bytes
+    assert runner(kv_cache_gb=10.5 * block / 2**30).num_blocks == 10       # the budget is the ceiling
+    with pytest.raises(ValueError, match=rf"kv_cache_gb=.*holds no block of {block} bytes; raise 'kv_cache_gb'"):
+        runner(kv_cache_gb=0.5 * block / 2**30)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"model": "x", "engine": {}', "is not valid JSON"),
+    ('["x"]', "must hold a JSON object, got list"),
+    ('{"engine": {}}', "'model' must name the checkpoint directory, got None"),
+    ('{"model": "x", "lora": {}}', "unknown key(s) ['lora']; known: ['engine', 'model']"),
+    ('{"model": "x", "engine": {"max_num_seqs": 0}}', "'engine': 'max_num_seqs' must be a positive integer"),
+])
+def test_model_json_errors_name_the_file_and_the_key(tmp_path, text, message):
+    from inflight.serving.startup import StartupError
+    from inflight.serving.triton_models import Settings
+    (tmp_path / "model.json").write_text(text)
+    with pytest.raises(StartupError) as error:
+        Settings.load(str(tmp_path))
+    assert message in str(error.value) and str(tmp_path / "model.json") in str(error.value)
