@@ -5,6 +5,10 @@ Python backend and the backend stub come from the `nvidia-pytriton` wheel: the s
 running Python is copied next to the backend library, the interpreter's shared-library directory
 goes first in LD_LIBRARY_PATH (the stub links libpython), and the virtual environment's `bin` goes
 first in PATH so model.py imports this environment's torch and transformers.
+
+`--model PATH` (and `--engine key=value`) serves a checkpoint through a model repository written
+for it. The launcher passes tritonserver's output through, prints the endpoints once the server is
+ready, and if it does not start, a summary of the causes the models reported (startup.py).
 """
 from __future__ import annotations
 
@@ -292,8 +296,11 @@ class TritonOutput:
     def _pump(self) -> None:
         out = sys.stdout.buffer
         for raw in iter(self.stream.readline, b""):
-            out.write(raw)
-            out.flush()
+            try:
+                out.write(raw)
+                out.flush()
+            except OSError:         # our output is gone (a closed pipe): drain on, or tritonserver blocks
+                pass
             cause = failure_cause(raw.decode("utf-8", "replace"))
             if cause:
                 self.causes.append(cause)
