@@ -101,7 +101,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             budget = (self.config.kv_cache_gb or _CPU_DEFAULT_KV_GB) * 2**30
             source = f"kv_cache_gb={self.config.kv_cache_gb}" if self.config.kv_cache_gb else \
-                f"the CPU default of {_CPU_DEFAULT_KV_GB:g} GiB (kv_cache_gb)"
+                "the CPU default; kv_cache_gb sets it"
         elif self.config.kv_cache_gb:
             budget, source = self.config.kv_cache_gb * 2**30, f"kv_cache_gb={self.config.kv_cache_gb}"
         else:
