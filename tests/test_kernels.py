@@ -162,7 +162,9 @@ def test_launch_heuristics():
     assert (decode.block_m, decode.group_pad, decode.tile_n, decode.num_splits) == (16, 4, 64, 1)
     mixed = config(num_tokens=50, num_q_heads=6, num_kv_heads=1)
     assert (mixed.block_m, mixed.group_pad) == (64, 8)
-    assert config(head_dim=256).tile_n == 32 and config(dtype=torch.float32).tile_n == 32
+    assert config(head_dim=256).tile_n == 32 and config(dtype=torch.float32).tile_n == 16
+    wide_mixed = config(num_tokens=50, head_dim=256)
+    assert (wide_mixed.block_m, wide_mixed.num_warps) == (32, 8)
     assert config(num_splits=5).num_splits == 5
     with pytest.raises(ValueError):
         config(tile_n=24)

@@ -64,7 +64,7 @@ class ModelRunner:
         self.spec = ModelSpec.from_hf_config(hf_config)
         self.max_model_len = self._resolve_max_model_len(config.max_model_len)
         self.block_size = config.block_size
-        self.backend = select_backend(config.attention_backend, self.device)
+        self.backend = select_backend(config.attention_backend, self.device, self.dtype)
         with torch.device(self.device):
             self.model = LlamaForCausalLM(self.spec).to(self.dtype)
         with torch.no_grad():
