@@ -205,6 +205,28 @@ def test_bf16_mixed_step_and_auto_split():
 
 
 @cuda_only
+def test_no_host_sync_in_a_step():
+    """write_kv and unified_attention (a decode step that splits the keys, a mixed step) queue their
+    work without waiting for the GPU when given max_seq_len, as the runner gives it."""
+    for cases in ([(1, 4000), (1, 33)], MIXED):
+        step = make_step(cases, 32, 8, 128, 16, torch.bfloat16, seed=5)
+        rows = torch.randn(len(step["q"]), 8, 128, dtype=torch.bfloat16, device="cuda")
+        slots = torch.arange(len(rows), device="cuda")
+
+        def run():
+            write_kv(rows, rows, step["k_cache"], step["v_cache"], slots)
+            unified_attention(**step, max_seq_len=max(s for _, s in cases))
+
+        run()                                   # compile outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+@cuda_only
 def test_block_offsets_beyond_int32():
     """Block id x block stride > 2^31 elements: the kernels must address with 64-bit offsets."""
     block_size, kv_heads, head_dim = 16, 1, 64
