@@ -115,6 +115,9 @@ class ModelRunner:
         a forward pass of max_num_batched_tokens padding tokens, then top-p sampling of
         max_num_seqs rows (the sampler's fp32 copies and sort of the logits)."""
         torch.cuda.synchronize(self.device)
+        # the modules were built in fp32 and then cast: give those freed blocks back to the device,
+        # or they would stay reserved beside the KV pool and push the total past the target
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.config.max_num_batched_tokens
         empty = torch.zeros(0, dtype=torch.int32, device=self.device)
