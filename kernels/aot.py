@@ -35,7 +35,6 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass, field
 from multiprocessing import get_context
-from unittest import mock
 
 import torch
 import triton
@@ -108,8 +107,11 @@ def _recording_launches():
     def getitem(kernel, grid):
         return lambda *args, **kwargs: launches.append((kernel, args, kwargs))
 
-    with mock.patch.object(JITFunction, "__getitem__", getitem):
+    JITFunction.__getitem__ = getitem
+    try:
         yield launches
+    finally:
+        del JITFunction.__getitem__     # the launch it inherits again
 
 
 # ---- compilations -----------------------------------------------------------------------------
@@ -168,7 +170,6 @@ def _init_worker(cache_dir: str) -> None:
     os.environ["TRITON_CACHE_DIR"] = cache_dir
     os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
     os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
-    os.environ.pop("TRITON_INTERPRET", None)
 
 
 def compile_one(comp: Compilation) -> dict:

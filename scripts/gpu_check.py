@@ -2,9 +2,10 @@
 
     PYTHONPATH=backend_src:client:. python3 scripts/gpu_check.py [--dry-run] [--out perf/results/gpu]
 
-It runs with whatever python3 it finds, without a virtual environment or installs: the lent device
-has torch, triton 3.6, transformers and tokenizers, and no tritonserver. Each stage runs in its own
-process under a time limit (a crash or a hang fails that stage, not the report):
+It runs with whatever python3 it finds, without a virtual environment or installs: a GPU host
+brings torch, triton (3.6 or the pinned 3.7.1), transformers and tokenizers; tritonserver is
+optional. Each stage runs in its own process under a time limit (a crash or a hang fails that
+stage, not the report):
   1. kernels     tests/test_kernels.py on CUDA: fp16, bf16, fp32, block ids past 2^31 elements,
                  no host sync in a step's kernels
      exactness   greedy tokens of the engine (fp32, Triton attention) equal transformers' on CUDA,
@@ -192,9 +193,8 @@ def served_unavailable() -> str | None:
         try:
             import pytriton  # noqa: F401
         except ImportError:
-            return ("no tritonserver binary: none on PATH and the nvidia-pytriton wheel is not installed "
-                    "(on the lent device neither is; the wheel alone is 55 MB, more than a call carries "
-                    "beside the repository). Stages 1-3 are the proof there")
+            return ("no tritonserver binary: none on PATH (the NGC container has one) and the "
+                    "nvidia-pytriton wheel is not installed; stages 1-3 are the check on this host")
     try:
         import tritonclient.grpc.aio  # noqa: F401
     except ImportError:
