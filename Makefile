@@ -8,7 +8,7 @@ MODEL ?=
 ENGINE ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test test-stress bench-engine bench-kernels bench-serve bench-prefix perf-sweep model clean
+.PHONY: venv serve test test-stress bench-engine bench-kernels bench-serve bench-prefix perf-sweep model clean gpu-check
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,3 +51,9 @@ clean:
 
 bench-prefix: venv
 	$(PY) perf/prefix_bench.py $(BENCH_ARGS)
+
+# On a CUDA host: kernel tests, kernel benchmark, an 8B-shaped engine run and a served smoke run;
+# report in perf/results/gpu/. Runs with the python3 on PATH (no venv: the GPU machine brings torch
+# and triton). DRY_RUN=1 runs every stage at toy size on CPU with the venv (part of make test).
+gpu-check: $(if $(DRY_RUN),venv)
+	PYTHONPATH=backend_src:client:. $(if $(DRY_RUN),$(PY),$(PYTHON)) scripts/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)

@@ -9,9 +9,11 @@ Tiling (see unified_attention.py):
     table, so TILE_N and the cache block size are independent.
   * Decode-only steps use BLOCK_M = 16 (one token's head group, padded), 4 warps and 3 pipeline
     stages (they are bandwidth-bound: keep many K/V loads in flight); steps with prefill chunks use
-    BLOCK_M = 64 and 8 warps (4 warps spill registers on sm_80 at head_dim 128). fp32 and wide
-    heads (> 128) get smaller key tiles. These were checked for register spills and shared-memory
-    use by compiling with ptxas for sm_80 and sm_90, not by timing on a GPU.
+    BLOCK_M = 64 and 8 warps (4 warps spill registers on sm_80 at head_dim 128), and BLOCK_M = 32
+    for heads wider than 128 (a 64 x 256 tile spilled on sm_80 and sm_90). fp32 and wide heads
+    get smaller key tiles. These were checked for register spills and shared-memory use by
+    compiling with ptxas for sm_80 and sm_90 (`python -m inflight.kernels.aot`), not by timing on
+    a GPU.
 
 Split-KV heuristic (decode-only steps): a decode step launches num_seqs * num_kv_heads programs.
 When that is less than the number of SMs, most of the GPU would idle while those few programs walk
@@ -32,10 +34,12 @@ import triton
 
 MIN_TILE_M = 16           # tl.dot needs M, N, K >= 16
 PREFILL_TILE_M = 64       # query rows per program when the step carries prefill chunks
+WIDE_HEAD_TILE_M = 32     # the same for head_dim > 128
 TILE_N = 64               # keys per inner-loop iteration
 # fp32 caches use exact ("ieee") dots, which run on CUDA cores and need far more registers than
-# tensor-core dots: smaller tiles and more warps keep them from spilling (checked with ptxas, sm_90).
-FP32_TILE_N = 32
+# tensor-core dots: smaller tiles and more warps keep them from spilling (checked with ptxas on
+# sm_80 and sm_90: 32-key tiles spilled at head_dim 128 and 256, 16-key tiles do not).
+FP32_TILE_N = 16
 WIDE_HEAD_TILE_N = 32     # head_dim > 128: halve the key tile so K/V stages fit shared memory
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
@@ -64,18 +68,19 @@ def choose_config(*, num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_he
     decode_only = num_tokens == num_seqs        # every sequence has at least one query token
     fp32 = dtype == torch.float32
     if block_q is None:
-        target_m = MIN_TILE_M if decode_only or fp32 else PREFILL_TILE_M
+        target_m = (MIN_TILE_M if decode_only or fp32 else
+                    WIDE_HEAD_TILE_M if head_dim > 128 else PREFILL_TILE_M)
         block_q = max(1, target_m // group_pad)
     block_q = max(block_q, triton.cdiv(MIN_TILE_M, group_pad))   # keep BLOCK_M >= 16
     if num_splits is None:
         num_splits = _auto_splits(decode_only, num_seqs * num_kv_heads, device, seq_lens, max_seq_len)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if tile_n is None:
         tile_n = FP32_TILE_N if fp32 else WIDE_HEAD_TILE_N if head_dim > 128 else TILE_N
     if tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n}")
-    num_warps = 8 if fp32 or block_q * group_pad >= 64 else 4
+    num_warps = 8 if fp32 or not decode_only or block_q * group_pad >= 64 else 4
     num_stages = 3 if decode_only and not fp32 else 2
     return AttentionConfig(block_q, group_pad, tile_n, num_splits, num_warps, num_stages)
 

@@ -3,6 +3,9 @@
 Each split s of a (token, head) row left: its normalised output o_s = acc_s / l_s, its running max
 m_s (log2 domain, -inf when the split saw no visible key) and its softmax denominator l_s.
 The exact result is sum_s w_s * o_s / sum_s w_s with w_s = l_s * 2^(m_s - max_s m_s).
+
+The split count is a runtime argument (one program loads all splits of its row, padded to
+MAX_SPLITS), so every split count the heuristic picks runs the same compiled kernel.
 """
 from __future__ import annotations
 
@@ -10,21 +13,22 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_config import MAX_SPLITS
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["num_splits", "stride_pot", "stride_poh", "stride_pmt", "stride_pmh"])
 def _reduce_splits_kernel(
-    part_out_ptr, part_m_ptr, part_l_ptr, out_ptr,
+    part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits,
     stride_pot, stride_poh, stride_pos, stride_pod,
     stride_pmt, stride_pmh, stride_pms,
     stride_ot, stride_oh, stride_od,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_PAD)
-    split_ok = splits < NUM_SPLITS
+    split_ok = splits < num_splits
 
     ml_offs = token * stride_pmt + head * stride_pmh + splits * stride_pms
     m = tl.load(part_m_ptr + ml_offs, mask=split_ok, other=float("-inf"))
@@ -45,12 +49,13 @@ def _reduce_splits_kernel(
 
 def reduce_splits(part_out: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor,
                   out: torch.Tensor) -> None:
-    """part_out [T, H, S, D] fp32, part_m / part_l [T, H, S] fp32 -> out [T, H, D]."""
+    """part_out [T, H, S, D] fp32, part_m / part_l [T, H, S] fp32 -> out [T, H, D]; S <= MAX_SPLITS."""
     num_tokens, num_heads, num_splits, head_dim = part_out.shape
+    assert num_splits <= MAX_SPLITS, f"{num_splits} splits > MAX_SPLITS ({MAX_SPLITS})"
     _reduce_splits_kernel[(num_tokens, num_heads)](
-        part_out, part_m, part_l, out,
+        part_out, part_m, part_l, out, num_splits,
         *part_out.stride(), *part_m.stride(), *out.stride(),
-        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS),
         HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        num_warps=8,     # a 64 x 256 fp32 tile needed all 255 registers of 4 warps (ptxas, sm_80/sm_90)
     )

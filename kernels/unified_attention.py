@@ -8,18 +8,26 @@ Same contract as the torch reference `inflight.attention.paged_attention`:
   block_table       [num_seqs, max_blocks_per_seq] int32
 The queries of sequence i are its LAST n_i positions, so query j may see keys 0 .. seq_len - n_i + j.
 
-Grid: (query tiles, KV heads, KV splits). A query tile is BLOCK_Q consecutive query tokens of one
-sequence times the GROUP query heads that read the same KV head (rows = token-major, head-minor),
+Grid: (query tiles, KV heads, KV splits). A query tile is block_q consecutive query tokens of one
+sequence times the group of query heads that read the same KV head (rows = token-major, head-minor),
 so every K/V tile loaded from the cache serves the whole group through one `tl.dot`. Each program
 runs a flash-attention online softmax (fp32 running max / sum / accumulator, base-2 exponentials)
 over its key range. With num_splits > 1 (flash-decoding, see launch_config.py) each program covers
 one slice of the key range and writes partial results that split_kv_reduce.py merges.
 
 Query tiles are found without a host sync: sequence i's tiles are numbered from
-cu_seqlens_q[i] // BLOCK_Q + i, which leaves at least cdiv(n_i, BLOCK_Q) tile ids per sequence, so
-num_tokens // BLOCK_Q + num_seqs programs along axis 0 always suffice (spare ones exit at once).
+cu_seqlens_q[i] // block_q + i, which leaves at least cdiv(n_i, block_q) tile ids per sequence, so
+num_tokens // block_q + num_seqs programs along axis 0 always suffice (spare ones exit at once).
+
+Compile-time constants are only what shapes the key loop (tile sizes, head size, cache block size,
+dtype). The query-group layout, the split count and the per-step integers are runtime arguments
+kept out of Triton's integer specialisation, so a model compiles one kernel per step kind (decode /
+mixed), not one per group size, batch size, block-table width or split count
+(`python -m inflight.kernels.aot` lists every compilation).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -32,13 +40,13 @@ LOG2_E = 1.4426950408889634
 
 
 @triton.jit
-def _find_seq(cu_seqlens_q_ptr, tile_id, num_seqs, BLOCK_Q: tl.constexpr):
+def _find_seq(cu_seqlens_q_ptr, tile_id, num_seqs, block_q):
     """The sequence whose query tiles include `tile_id` (binary search over first tile ids)."""
     lo: tl.int32 = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        first_tile = tl.load(cu_seqlens_q_ptr + mid) // block_q + mid
         if first_tile <= tile_id:
             lo = mid + 1
         else:
@@ -46,12 +54,17 @@ def _find_seq(cu_seqlens_q_ptr, tile_id, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Step-dependent integers: not specialised (== 1, % 16), or each new value could recompile.
+_PER_STEP_INTS = ["num_seqs", "num_splits", "group", "group_pad", "block_q", "stride_btr",
+                  "stride_pot", "stride_poh", "stride_pos", "stride_pod", "stride_pmt", "stride_pmh", "stride_pms"]
+
+
+@triton.jit(do_not_specialize=_PER_STEP_INTS)
 def _unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_out_ptr, part_m_ptr, part_l_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
-    num_seqs, qk_scale,
+    num_seqs, num_splits, group, group_pad, block_q, qk_scale,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -59,31 +72,29 @@ def _unified_attention_kernel(
     stride_btr, stride_btc,
     stride_pot, stride_poh, stride_pos, stride_pod,
     stride_pmt, stride_pmh, stride_pms,
-    BLOCK_SIZE: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_seq(cu_seqlens_q_ptr, tile_id, num_seqs, BLOCK_Q)
+    seq = _find_seq(cu_seqlens_q_ptr, tile_id, num_seqs, block_q)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    first_tok = (tile_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    first_tok = (tile_id - (q_start // block_q + seq)) * block_q
     if first_tok >= q_len:        # spare tile id of this sequence
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len     # keys cached before this step's first query
 
-    # Tile rows: token-major, query-head-minor (rows of one token share a causal horizon).
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    # Tile rows (BLOCK_M = block_q * group_pad): token-major, query-head-minor (rows of one token
+    # share a causal horizon).
     rows = tl.arange(0, BLOCK_M)
-    tok = first_tok + rows // GROUP_PAD                  # query index within the sequence
-    head = kv_head * GROUP + rows % GROUP_PAD
-    row_ok = (tok < q_len) & (rows % GROUP_PAD < GROUP)
+    tok = first_tok + rows // group_pad                  # query index within the sequence
+    head = kv_head * group + rows % group_pad
+    row_ok = (tok < q_len) & (rows % group_pad < group)
     q_pos = context + tok                                # absolute position: sees keys <= q_pos
     token = (q_start + tok).to(tl.int64)                 # packed row in q / out
     dims = tl.arange(0, HEAD_PAD)
@@ -93,9 +104,9 @@ def _unified_attention_kernel(
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
     # This tile's keys stop at its last real query's horizon; the split takes a slice of them.
-    kv_end = context + tl.minimum(first_tok + BLOCK_Q, q_len)
+    kv_end = context + tl.minimum(first_tok + block_q, q_len)
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -108,7 +119,7 @@ def _unified_attention_kernel(
     # Rows that saw no key (only possible inside a split) have l == 0: emit 0 instead of NaN.
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     store_mask = row_ok[:, None] & dim_ok[None, :]
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od,
                  o.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
@@ -182,7 +193,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                         num_splits=num_splits, tile_n=tile_n, block_q=block_q)
 
     if cfg.num_splits == 1:   # the kernel writes `out` directly; partial pointers are never read
-        part_out, part_m, part_l = out, seq_lens, seq_lens
+        part_out = part_m = part_l = _no_partials(q.device)
         part_out_strides, part_ml_strides = (0, 0, 0, 0), (0, 0, 0)
     else:
         part_out = torch.empty(num_tokens, num_q_heads, cfg.num_splits, head_dim,
@@ -195,13 +206,12 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _unified_attention_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_m, part_l,
         cu_seqlens_q, seq_lens, block_table,
-        num_seqs, scale * LOG2_E,
+        num_seqs, cfg.num_splits, num_q_heads // num_kv_heads, cfg.group_pad, cfg.block_q, scale * LOG2_E,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_table.stride(),
         *part_out_strides, *part_ml_strides,
-        BLOCK_SIZE=k_cache.shape[1],
-        GROUP=num_q_heads // num_kv_heads, GROUP_PAD=cfg.group_pad, BLOCK_Q=cfg.block_q,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=cfg.block_m,
         HEAD_DIM=head_dim, HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
-        TILE_N=cfg.tile_n, NUM_SPLITS=cfg.num_splits,
+        TILE_N=cfg.tile_n,
         # fp32 caches get exact fp32 products (tensor-core TF32 would cost ~1e-3 accuracy).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -211,8 +221,17 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _no_partials(device: torch.device) -> torch.Tensor:
+    """Stand-in for the split buffers when nothing is split: the same pointer type (fp32) as a
+    split launch, so both launches share one compiled kernel."""
+    return torch.empty(1, dtype=torch.float32, device=device)
+
+
 def _check_shapes(q, k_cache, v_cache, out, cu_seqlens_q, block_table, num_seqs) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unified_attention supports float16, bfloat16 and float32, got {q.dtype}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim:
         raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
     if num_q_heads % k_cache.shape[2]:

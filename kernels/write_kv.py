@@ -15,12 +15,11 @@ import triton.language as tl
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, block_size,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
 ):
@@ -29,8 +28,9 @@ def _write_kv_kernel(
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding token / sequence that does not store this step
         return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
+    # block_size is a runtime scalar (one division per program), so cache block sizes share a kernel
+    block = slot // block_size
+    offset = slot % block_size
 
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HEAD_PAD)[None, :]
@@ -58,9 +58,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, slot_mapping, k_cache.shape[1],
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        BLOCK_SIZE=k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim),
     )

@@ -12,9 +12,10 @@ size 16, shuffled block tables). For each it reports:
     alone, without the gather): > 1 means the paged kernel is faster,
   * the max abs difference between the two outputs as a sanity check.
 
-    python perf/kernel_bench.py [--peak-tbps 3.35] [--json perf/results/kernels.json]
+    python perf/kernel_bench.py [--peak-tbps 3.35] [--json perf/results/kernels.json] [--dry-run]
 
-Without CUDA it says so and exits 0.
+Without CUDA it says so and exits 0. --dry-run runs every case at toy size on CPU through the
+Triton interpreter (fp32, wall-clock medians): it checks the script, not the kernels' speed.
 """
 from __future__ import annotations
 
@@ -23,40 +24,59 @@ import json
 import os
 import statistics
 import sys
+import time
+from dataclasses import dataclass
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "backend_src"))
 
-Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-DTYPE = torch.bfloat16
-DEVICE = "cuda"
-DECODE_BATCHES = (1, 16, 64)
-DECODE_CONTEXTS = (512, 2048, 8192)
-# Mixed step: (query tokens, seq_len) per sequence: 2 prefill chunks after some context, one fresh
-# prefill, and 32 decodes.
-MIXED_CASES = [(512, 1536), (512, 512), (256, 4096)] + [(1, 2048)] * 32
+
+
+@dataclass(frozen=True)
+class Bench:
+    device: str
+    dtype: torch.dtype
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    mixed_cases: list[tuple[int, int]]     # (query tokens, seq_len) per sequence
+
+
+# Llama-3-8B attention. Mixed step: 2 prefill chunks after some context, one fresh prefill, and
+# 32 decodes.
+GPU = Bench("cuda", torch.bfloat16, 32, 8, 128, 16, (1, 16, 64), (512, 2048, 8192),
+            [(512, 1536), (512, 512), (256, 4096)] + [(1, 2048)] * 32)
+DRY_RUN = Bench("cpu", torch.float32, 8, 2, 64, 16, (1, 2), (32, 80), [(8, 24), (5, 5)] + [(1, 40)] * 2)
 
 
 def main() -> int:
     args = parse_args()
-    if not torch.cuda.is_available():
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything imports triton
+    elif not torch.cuda.is_available():
         print("perf/kernel_bench.py needs a CUDA GPU (none found); nothing to measure.")
         return 0
+    bench = DRY_RUN if args.dry_run else GPU
     results = []
-    for batch in DECODE_BATCHES:
-        for context in DECODE_CONTEXTS:
-            results.append(bench_case(f"decode b={batch} ctx={context}", [(1, context)] * batch, args))
-    results.append(bench_case(f"mixed {len(MIXED_CASES)} seqs", MIXED_CASES, args))
-    print_table(results, args.peak_tbps)
+    for batch in bench.decode_batches:
+        for context in bench.decode_contexts:
+            results.append(bench_case(f"decode b={batch} ctx={context}", [(1, context)] * batch, bench, args))
+    results.append(bench_case(f"mixed {len(bench.mixed_cases)} seqs", bench.mixed_cases, bench, args))
+    device_name = torch.cuda.get_device_name() if bench.device == "cuda" else "cpu (Triton interpreter)"
+    print_table(results, bench, device_name, args.peak_tbps)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         results = [{k: None if v != v else v for k, v in r.items()} for r in results]  # NaN -> null
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "peak_tbps": args.peak_tbps,
-                       "dtype": str(DTYPE), "q_heads": Q_HEADS, "kv_heads": KV_HEADS,
-                       "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "results": results}, f, indent=2)
+            json.dump({"device": device_name, "peak_tbps": args.peak_tbps, "dry_run": args.dry_run,
+                       "dtype": str(bench.dtype), "q_heads": bench.q_heads, "kv_heads": bench.kv_heads,
+                       "head_dim": bench.head_dim, "block_size": bench.block_size, "results": results},
+                      f, indent=2)
         print(f"wrote {args.json}")
     return 0
 
@@ -66,34 +86,47 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peak-tbps", type=float, default=4.8, help="device peak memory bandwidth, TB/s")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
     p.add_argument("--rep-ms", type=int, default=200, help="do_bench measuring time per case, ms")
+    p.add_argument("--dry-run", action="store_true", help="toy sizes on CPU through the Triton interpreter")
     return p.parse_args()
 
 
-def make_step(cases, seed=0):
+def make_step(cases, bench: Bench, seed=0):
     """Packed q, a shuffled paged cache holding every sequence's keys, and the step metadata."""
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    blocks_per_seq = [-(-seq_len // BLOCK_SIZE) for _, seq_len in cases]
+    device, dtype = bench.device, bench.dtype
+    g = torch.Generator(device=device).manual_seed(seed)
+    blocks_per_seq = [-(-seq_len // bench.block_size) for _, seq_len in cases]
     num_blocks = sum(blocks_per_seq)
-    pool = torch.randperm(num_blocks, device=DEVICE, generator=g).to(torch.int32)
-    block_table = torch.zeros(len(cases), max(blocks_per_seq), dtype=torch.int32, device=DEVICE)
+    pool = torch.randperm(num_blocks, device=device, generator=g).to(torch.int32)
+    block_table = torch.zeros(len(cases), max(blocks_per_seq), dtype=torch.int32, device=device)
     used = 0
     for i, n in enumerate(blocks_per_seq):
         block_table[i, :n] = pool[used:used + n]
         used += n
-    cache_shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    cache_shape = (num_blocks, bench.block_size, bench.kv_heads, bench.head_dim)
     num_tokens = sum(n for n, _ in cases)
     q_lens = torch.tensor([n for n, _ in cases], dtype=torch.int32)
     return dict(
-        q=torch.randn(num_tokens, Q_HEADS, HEAD_DIM, device=DEVICE, generator=g, dtype=DTYPE),
-        k_cache=torch.randn(cache_shape, device=DEVICE, generator=g, dtype=DTYPE),
-        v_cache=torch.randn(cache_shape, device=DEVICE, generator=g, dtype=DTYPE),
-        out=torch.empty(num_tokens, Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE),
-        cu_seqlens_q=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).to(torch.int32)]).to(DEVICE),
-        seq_lens=torch.tensor([s for _, s in cases], dtype=torch.int32, device=DEVICE),
-        block_table=block_table, scale=HEAD_DIM ** -0.5)
+        q=torch.randn(num_tokens, bench.q_heads, bench.head_dim, device=device, generator=g, dtype=dtype),
+        k_cache=torch.randn(cache_shape, device=device, generator=g, dtype=dtype),
+        v_cache=torch.randn(cache_shape, device=device, generator=g, dtype=dtype),
+        out=torch.empty(num_tokens, bench.q_heads, bench.head_dim, device=device, dtype=dtype),
+        cu_seqlens_q=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).to(torch.int32)]).to(device),
+        seq_lens=torch.tensor([s for _, s in cases], dtype=torch.int32, device=device),
+        block_table=block_table, scale=bench.head_dim ** -0.5)
 
 
-def sdpa_runner(step, cases):
+def wall_ms(fn, rep_ms) -> float:
+    """CPU stand-in for do_bench: median wall time of a few calls after one warm-up."""
+    fn()
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def sdpa_runner(step, cases, device):
     """SDPA over contiguous copies of each sequence's K/V (gathered here, outside the timing).
 
     Returns (run, output): `run` is what gets timed; `output` assembles the packed [T, H, D] result.
@@ -116,14 +149,14 @@ def sdpa_runner(step, cases):
         decode = []                                       # only equal-length decodes are batched
     if decode:
         length = cases[decode[0]][1]
-        rows = torch.tensor([starts[i] for i in decode], device=DEVICE)
+        rows = torch.tensor([starts[i] for i in decode], device=device)
         k = torch.stack([gathered(step["k_cache"], i, length) for i in decode])
         v = torch.stack([gathered(step["v_cache"], i, length) for i in decode])
         calls.append((rows, step["q"][rows].unsqueeze(2), k, v, None, True))
     for i, (n, length) in enumerate(cases):
         if i in decode:
             continue
-        rows = torch.arange(starts[i], starts[i + 1], device=DEVICE)
+        rows = torch.arange(starts[i], starts[i + 1], device=device)
         q = step["q"][rows].transpose(0, 1).unsqueeze(0).contiguous()
         mask = causal_lower_right(n, length) if n > 1 else None
         calls.append((rows, q, gathered(step["k_cache"], i, length)[None],
@@ -141,22 +174,27 @@ def sdpa_runner(step, cases):
     return run, output
 
 
-def bench_case(name, cases, args):
-    from triton.testing import do_bench
-
+def bench_case(name, cases, bench: Bench, args):
     from inflight.kernels import unified_attention
     from inflight.kernels.launch_config import choose_config
 
-    step = make_step(cases)
+    if bench.device == "cuda":
+        from triton.testing import do_bench
+
+        def timer(fn):
+            return do_bench(fn, rep=args.rep_ms, return_mode="median")
+    else:
+        def timer(fn):
+            return wall_ms(fn, args.rep_ms)
+    step = make_step(cases, bench)
     max_seq_len = max(s for _, s in cases)
-    cfg = choose_config(num_tokens=step["q"].shape[0], num_seqs=len(cases), num_q_heads=Q_HEADS,
-                        num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=DTYPE, device=step["q"].device,
-                        seq_lens=step["seq_lens"], max_seq_len=max_seq_len)
-    kernel_ms = do_bench(lambda: unified_attention(**step, max_seq_len=max_seq_len),
-                         rep=args.rep_ms, return_mode="median")
+    cfg = choose_config(num_tokens=step["q"].shape[0], num_seqs=len(cases), num_q_heads=bench.q_heads,
+                        num_kv_heads=bench.kv_heads, head_dim=bench.head_dim, dtype=bench.dtype,
+                        device=step["q"].device, seq_lens=step["seq_lens"], max_seq_len=max_seq_len)
+    kernel_ms = timer(lambda: unified_attention(**step, max_seq_len=max_seq_len))
     try:
-        sdpa_run, sdpa_output = sdpa_runner(step, cases)
-        sdpa_ms = do_bench(sdpa_run, rep=args.rep_ms, return_mode="median")
+        sdpa_run, sdpa_output = sdpa_runner(step, cases, bench.device)
+        sdpa_ms = timer(sdpa_run)
         max_err = (step["out"].float() - sdpa_output().float()).abs().max().item()
         sdpa_error = None
     except Exception as e:  # keep the kernel numbers even if this torch build's SDPA refuses a case
@@ -164,11 +202,12 @@ def bench_case(name, cases, args):
         print(f"{name}: SDPA baseline failed: {sdpa_error}", file=sys.stderr)
 
     elem = step["q"].element_size()
-    kv_bytes = 2 * sum(s for _, s in cases) * KV_HEADS * HEAD_DIM * elem
+    kv_bytes = 2 * sum(s for _, s in cases) * bench.kv_heads * bench.head_dim * elem
     q_bytes = step["q"].numel() * elem
     tbps = (kv_bytes + q_bytes) / (kernel_ms * 1e-3) / 1e12
     del step
-    torch.cuda.empty_cache()
+    if bench.device == "cuda":
+        torch.cuda.empty_cache()
     return dict(case=name, tokens=sum(n for n, _ in cases), seqs=len(cases), max_seq_len=max_seq_len,
                 num_splits=cfg.num_splits, block_m=cfg.block_m, kernel_us=kernel_ms * 1e3,
                 sdpa_us=sdpa_ms * 1e3, speedup_vs_sdpa=sdpa_ms / kernel_ms, read_mb=(kv_bytes + q_bytes) / 1e6,
@@ -176,9 +215,10 @@ def bench_case(name, cases, args):
                 sdpa_error=sdpa_error)
 
 
-def print_table(results, peak_tbps):
-    print(f"\nunified_attention on {torch.cuda.get_device_name()} (peak {peak_tbps} TB/s), "
-          f"{Q_HEADS}q/{KV_HEADS}kv heads, head_dim {HEAD_DIM}, {DTYPE}, block {BLOCK_SIZE}")
+def print_table(results, bench: Bench, device_name: str, peak_tbps):
+    print(f"\nunified_attention on {device_name} (peak {peak_tbps} TB/s), "
+          f"{bench.q_heads}q/{bench.kv_heads}kv heads, head_dim {bench.head_dim}, {bench.dtype}, "
+          f"block {bench.block_size}")
     header = (f"{'case':<24}{'splits':>7}{'kernel us':>11}{'read MB':>10}{'TB/s':>7}{'% peak':>8}"
               f"{'sdpa us':>10}{'sdpa/kern':>10}{'max err':>9}")
     print(header)

@@ -162,7 +162,9 @@ def test_launch_heuristics():
     assert (decode.block_m, decode.group_pad, decode.tile_n, decode.num_splits) == (16, 4, 64, 1)
     mixed = config(num_tokens=50, num_q_heads=6, num_kv_heads=1)
     assert (mixed.block_m, mixed.group_pad) == (64, 8)
-    assert config(head_dim=256).tile_n == 32 and config(dtype=torch.float32).tile_n == 32
+    assert config(head_dim=256).tile_n == 32 and config(dtype=torch.float32).tile_n == 16
+    wide_mixed = config(num_tokens=50, head_dim=256)
+    assert (wide_mixed.block_m, wide_mixed.num_warps) == (32, 8)
     assert config(num_splits=5).num_splits == 5
     with pytest.raises(ValueError):
         config(tile_n=24)
@@ -200,6 +202,28 @@ def test_bf16_mixed_step_and_auto_split():
     decode = make_step([(1, 4000), (1, 33)], 32, 8, 128, 16, torch.bfloat16, seed=4)
     check(decode)                                   # few sequences x long context: auto split-KV
     check(decode, max_seq_len=4000)
+
+
+@cuda_only
+def test_no_host_sync_in_a_step():
+    """write_kv and unified_attention (a decode step that splits the keys, a mixed step) queue their
+    work without waiting for the GPU when given max_seq_len, as the runner gives it."""
+    for cases in ([(1, 4000), (1, 33)], MIXED):
+        step = make_step(cases, 32, 8, 128, 16, torch.bfloat16, seed=5)
+        rows = torch.randn(len(step["q"]), 8, 128, dtype=torch.bfloat16, device="cuda")
+        slots = torch.arange(len(rows), device="cuda")
+
+        def run():
+            write_kv(rows, rows, step["k_cache"], step["v_cache"], slots)
+            unified_attention(**step, max_seq_len=max(s for _, s in cases))
+
+        run()                                   # compile outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
 
 
 @cuda_only

@@ -37,11 +37,15 @@ class AttentionBackend:
     attention: Callable
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """'triton' (the Triton-language kernels; default on CUDA) or 'torch' (the reference; default
-    on CPU). With TRITON_INTERPRET=1 the triton backend also runs on CPU."""
+    on CPU, and for float64, which the kernels do not cover). With TRITON_INTERPRET=1 the triton
+    backend also runs on CPU."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" and dtype != torch.float64 else "torch"
+    if name == "triton" and dtype == torch.float64:
+        raise ValueError("'attention_backend' 'triton' supports float16, bfloat16 and float32, not float64; "
+                         "use 'torch'")
     if name == "torch":
         def attention(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float):
             return paged_attention(q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_table, scale)

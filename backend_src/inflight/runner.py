@@ -14,6 +14,7 @@ from .attention import AttentionMetadata, select_backend
 from .batch_table import BatchTable
 from .config import EngineConfig
 from .models import LlamaForCausalLM, ModelSpec, rope_tables
+from .sampler import Sampler
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger("inflight")
@@ -55,7 +56,8 @@ def iter_checkpoint(model_dir: str):
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, hf_config, config: EngineConfig):
+    def __init__(self, model_dir: str | None, hf_config, config: EngineConfig):
+        """model_dir None keeps the modules' random initialisation (inflight.testing.random_engine)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
@@ -64,11 +66,12 @@ class ModelRunner:
         self.spec = ModelSpec.from_hf_config(hf_config)
         self.max_model_len = self._resolve_max_model_len(config.max_model_len)
         self.block_size = config.block_size
-        self.backend = select_backend(config.attention_backend, self.device)
+        self.backend = select_backend(config.attention_backend, self.device, self.dtype)
         with torch.device(self.device):
             self.model = LlamaForCausalLM(self.spec).to(self.dtype)
-        with torch.no_grad():
-            self.model.load_hf_weights((n, t.to(self.dtype)) for n, t in iter_checkpoint(model_dir))
+        if model_dir is not None:
+            with torch.no_grad():
+                self.model.load_hf_weights((n, t.to(self.dtype)) for n, t in iter_checkpoint(model_dir))
         self.model.eval()
         self.cos, self.sin = rope_tables(hf_config, self.max_model_len, self.dtype, self.device)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
@@ -125,18 +128,29 @@ class ModelRunner:
         return blocks
 
     def _cuda_kv_budget(self) -> float:
-        """What gpu_memory_utilization leaves after weights and the activations of a full step
-        (measured by a forward pass of max_num_batched_tokens padding tokens)."""
+        """What gpu_memory_utilization leaves after weights and the peak of a full step, measured:
+        a forward pass of max_num_batched_tokens padding tokens, then top-p sampling of
+        max_num_seqs rows (the sampler's fp32 copies and sort of the logits)."""
         torch.cuda.synchronize(self.device)
+        # the modules were built in fp32 and then cast: give those freed blocks back to the device,
+        # or they would stay reserved beside the KV pool and push the total past the target
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.config.max_num_batched_tokens
         empty = torch.zeros(0, dtype=torch.int32, device=self.device)
         meta = AttentionMetadata(empty.long(), torch.zeros(1, dtype=torch.int32, device=self.device),
                                  empty, empty.view(0, 0), 0, 0)
+        # a step gathers one rope row per token (n may exceed max_model_len: no slice of the tables)
+        zeros = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.no_grad():
-            hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), self.cos[:n], self.sin[:n],
-                                meta, [(None, None)] * self.spec.num_layers, self.backend)
-            self.model.compute_logits(hidden[:self.config.max_num_seqs])
+            hidden = self.model(zeros, self.cos[zeros], self.sin[zeros], meta,
+                                [(None, None)] * self.spec.num_layers, self.backend)
+            logits = self.model.compute_logits(hidden[:self.config.max_num_seqs])
+            del hidden
+            # the sampler's working set on these logits: fp32 copy, top-p sort and scatter, the draw
+            rows = logits.shape[0]
+            probs = Sampler._probs(logits.float(), np.ones(rows), np.full(rows, -1), np.full(rows, 0.9))
+            (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
@@ -152,7 +166,12 @@ class ModelRunner:
         return to(step.input_ids), to(step.positions), meta, to(step.logits_index)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cuda":
+            # from pageable memory the driver stages the copy synchronously; a pinned block (torch's
+            # caching host allocator, held until the copy is done) makes it truly asynchronous
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     @torch.no_grad()
     def execute(self, out: SchedulerOutput, table: BatchTable) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Random HF checkpoints for tests and benchmarks (built with transformers itself, saved as
-safetensors, so they are exactly what a user's checkpoint directory looks like)."""
+"""Random models for tests and benchmarks: HF checkpoints built with transformers itself and saved
+as safetensors (exactly what a user's checkpoint directory looks like), and engines whose random
+weights are initialised where they run (no file at all: `make gpu-check`'s Llama-3-8B shape)."""
 from __future__ import annotations
 
 import torch
@@ -26,3 +27,14 @@ def make_random_checkpoint(path: str, arch: str = "llama", seed: int = 0, dtype:
     model = model_cls(config_cls(**values))
     model.to(dtype).save_pretrained(path, safe_serialization=True)
     return path
+
+
+def random_engine(hf_config, config=None):
+    """An LLMEngine over `hf_config`'s architecture with the modules' random initialisation, built
+    directly on the engine's device. No token is an end of sequence (random weights)."""
+    from .config import EngineConfig
+    from .engine import LLMEngine
+    from .runner import ModelRunner
+
+    config = config or EngineConfig()
+    return LLMEngine(ModelRunner(None, hf_config, config), config, eos_token_ids=(), model_key=b"random-weights")

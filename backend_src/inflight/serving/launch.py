@@ -175,7 +175,11 @@ class ServerProcess:
         env = {**server.env, SHUTDOWN_FLAG_ENV: self.shutdown_flag, **self.env}
         self.process = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:       # interrupted or killed while starting: no server left behind
+            self.stop()
+            raise
         return self
 
     def wait_ready(self) -> None:

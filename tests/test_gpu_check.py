@@ -1,0 +1,34 @@
+"""`make gpu-check DRY_RUN=1`: every stage of the GPU check at toy size on CPU, so the script the GPU
+machine runs is exercised in every test run."""
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ["kernels", "exactness", "bench-kernels", "engine", "served"]
+
+
+def test_gpu_check_dry_run_passes_every_stage_and_writes_both_reports(tmp_path):
+    out = tmp_path / "gpu"
+    proc = subprocess.run(["make", "-o", ".venv/.installed", "gpu-check", "DRY_RUN=1", f"PY={sys.executable}",
+                           f"GPU_CHECK_ARGS=--out {out}"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    stages = {s["name"]: s for s in report["stages"]}
+    assert report["dry_run"] and list(stages) == STAGES
+    assert all(s["status"] == "passed" for s in stages.values()), [(s["name"], s["summary"]) for s in stages.values()]
+
+    assert stages["kernels"]["details"]["counts"]["passed"] >= 3
+    assert stages["exactness"]["details"]["models"]["random-llama-gqa4"]["identical"] == 3
+    assert len(stages["bench-kernels"]["details"]["results"]) == 5
+    engine = stages["engine"]["details"]
+    assert list(engine["tokens_per_s"]) == ["1", "32", "128", "256"]
+    assert all(r["output_tokens_per_s"] > 0 for r in engine["tokens_per_s"].values())
+    assert engine["kv_blocks"] > 0 and engine["ttft_prompt_s"] > 0
+    assert all(r["step_ms"] > 0 for r in engine["step_split"].values())
+    assert stages["served"]["details"]["metrics"]["inflight_requests_total"] == 64
+
+    markdown = (out / "report.md").read_text()
+    assert all(s["title"] in markdown for s in stages.values())
+    assert "| sequences | output tok/s |" in markdown and "| case | splits |" in markdown
