@@ -48,3 +48,12 @@ clean:
 
 bench-prefix: venv
 	$(PY) perf/prefix_bench.py $(BENCH_ARGS)
+
+.PHONY: bench-serve-vllm bench-cpu-attention
+# inflight's tritonserver vs vLLM-CPU's OpenAI server: BENCH_ARGS="--vllm /path/to/venv/bin/python"
+bench-serve-vllm: venv
+	$(PY) perf/serve_vs_vllm.py $(BENCH_ARGS)
+
+# decode attention options on CPU, side by side (BENCH_ARGS="--vllm PYTHON" adds vLLM-CPU's kernel)
+bench-cpu-attention: venv
+	$(PY) perf/cpu_attention_bench.py $(BENCH_ARGS)
