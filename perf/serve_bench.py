@@ -238,7 +238,8 @@ def report_equal_memory(rows: dict, blocks: int) -> None:
         print(f"{name:24s}{s['mean_running']:14.1f}{s['peak_running']:14.0f}{s['generated_tokens_per_s']:9.1f}")
     c = rows["continuous-equal-kv"]
     for other in ("static-equal-kv", "dynamic-equal-kv"):
-        print(f"continuous/{other.split('-')[0]} at equal memory: {c['generated_tokens_per_s'] / rows[other]['generated_tokens_per_s']:.2f}x "
+        ratio = c["generated_tokens_per_s"] / rows[other]["generated_tokens_per_s"]
+        print(f"continuous/{other.split('-')[0]} at equal memory: {ratio:.2f}x "
               f"tokens/s, {c['mean_running'] / rows[other]['mean_running']:.2f}x mean concurrency")
 
 

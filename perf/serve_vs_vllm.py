@@ -175,7 +175,8 @@ def main() -> None:
                   f"{pooled['errors']:8d}")
     burst = results["burst 64"]
     print(f"(tok/s: median of {args.rounds} rounds; latency percentiles: all rounds' requests; m = ms)")
-    print(f"burst: inflight/vLLM tokens/s = {burst['inflight']['generated_tokens_per_s'] / burst['vllm']['generated_tokens_per_s']:.2f}x")
+    ratio = burst["inflight"]["generated_tokens_per_s"] / burst["vllm"]["generated_tokens_per_s"]
+    print(f"burst: inflight/vLLM tokens/s = {ratio:.2f}x")
     for label in ("Poisson 2/s", "Poisson 4/s"):
         a, b = results[label]["inflight"], results[label]["vllm"]
         print(f"{label}: TTFT p99 inflight {a['ttft']['p99']:.3f} s vs vLLM {b['ttft']['p99']:.3f} s; "

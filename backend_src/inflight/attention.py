@@ -163,8 +163,9 @@ class CpuAttentionPlan:
 
 def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> CpuAttentionPlan:
     block_size, kv_heads, dim = k_cache.shape[1:]
-    starts = meta.cu_seqlens_q.numpy()
-    lens = meta.seq_lens.numpy().astype(np.int64)
+    device = k_cache.device          # the torch backend also runs on CUDA when asked for
+    starts = meta.cu_seqlens_q.cpu().numpy()
+    lens = meta.seq_lens.cpu().numpy().astype(np.int64)
     one_token = np.diff(starts) == 1
     decode = np.flatnonzero(one_token)
     order = decode[np.argsort(lens[decode], kind="stable")]
@@ -176,12 +177,12 @@ def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> CpuAtt
         j = i + max(1, int(np.searchsorted(np.cumsum(lens[order[i:]]), group_tokens, side="right")))
         rows = order[i:j]
         num_blocks = -(-int(lens[rows[-1]]) // block_size)
-        rows_t = torch.from_numpy(rows)
+        rows_t = torch.from_numpy(rows).to(device)
         # additive, in the cache's dtype: SDPA would convert a boolean mask in every layer
         outside = positions[:num_blocks * block_size][None, :] >= torch.from_numpy(lens[rows])[:, None]
         mask = torch.zeros(outside.shape, dtype=k_cache.dtype).masked_fill_(outside, float("-inf"))
-        groups.append(DecodeGroup(torch.from_numpy(starts[rows].astype(np.int64)),
-                                  meta.block_table[rows_t, :num_blocks].reshape(-1), mask[:, None, None, :],
+        groups.append(DecodeGroup(torch.from_numpy(starts[rows].astype(np.int64)).to(device),
+                                  meta.block_table[rows_t, :num_blocks].reshape(-1), mask[:, None, None, :].to(device),
                                   num_blocks))
         i = j
     prefills = [(int(s), int(starts[s]), int(starts[s + 1])) for s in np.flatnonzero(~one_token)]
