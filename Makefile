@@ -57,3 +57,12 @@ bench-prefix: venv
 # and triton). DRY_RUN=1 runs every stage at toy size on CPU with the venv (part of make test).
 gpu-check: $(if $(DRY_RUN),venv)
 	PYTHONPATH=backend_src:client:. $(if $(DRY_RUN),$(PY),$(PYTHON)) scripts/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
+
+.PHONY: bench-serve-vllm bench-cpu-attention
+# inflight's tritonserver vs vLLM-CPU's OpenAI server: BENCH_ARGS="--vllm /path/to/venv/bin/python"
+bench-serve-vllm: venv
+	$(PY) perf/serve_vs_vllm.py $(BENCH_ARGS)
+
+# decode attention options on CPU, side by side (BENCH_ARGS="--vllm PYTHON" adds vLLM-CPU's kernel)
+bench-cpu-attention: venv
+	$(PY) perf/cpu_attention_bench.py $(BENCH_ARGS)

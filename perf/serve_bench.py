@@ -62,6 +62,10 @@ POLICIES = {
     "continuous-nochunk": {"policy": "continuous", "enable_chunked_prefill": False,
                            "max_num_batched_tokens": MAX_MODEL_LEN},
 }
+# the same KV pool for every policy (--equal-kv-blocks, max batch 64 so memory is what binds): static
+# and dynamic reserve prompt + max_tokens per request up front, continuous allocates as it goes
+EQUAL_MEMORY = {"continuous-equal-kv": {"policy": "continuous"}, "dynamic-equal-kv": {"policy": "dynamic"},
+                "static-equal-kv": {"policy": "static", "batch_wait_timeout_s": 0.5}}
 
 
 def make_workload(name: str, n: int, vocab_size: int, seed: int, scale: float):
@@ -224,6 +228,21 @@ def plot(results: dict, path: str, max_batch: int) -> None:
     fig.savefig(path, dpi=110)
 
 
+def report_equal_memory(rows: dict, blocks: int) -> None:
+    """Concurrency reached (running requests, sampled every 0.1 s from the metrics) and tokens/s."""
+    print(f"\nthe same KV pool for every policy ({blocks} blocks of 16 tokens, max batch 64):")
+    print(f"{'policy':24s}{'mean running':>14s}{'peak running':>14s}{'tok/s':>9s}")
+    for name, s in rows.items():
+        running = [r for _, r in s["occupancy"] if r > 0]
+        s["mean_running"], s["peak_running"] = (statistics.mean(running), max(running)) if running else (0.0, 0.0)
+        print(f"{name:24s}{s['mean_running']:14.1f}{s['peak_running']:14.0f}{s['generated_tokens_per_s']:9.1f}")
+    c = rows["continuous-equal-kv"]
+    for other in ("static-equal-kv", "dynamic-equal-kv"):
+        ratio = c["generated_tokens_per_s"] / rows[other]["generated_tokens_per_s"]
+        print(f"continuous/{other.split('-')[0]} at equal memory: {ratio:.2f}x "
+              f"tokens/s, {c['mean_running'] / rows[other]['mean_running']:.2f}x mean concurrency")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the < 10 minute version (2 cores)")
@@ -240,6 +259,9 @@ def main() -> None:
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
     parser.add_argument("--out", default=os.path.join(REPO, "perf", "results", "serve_bench"))
+    parser.add_argument("--equal-kv-blocks", type=int, default=400,
+                        help="KV pool of the equal-memory rows (0: skip them)")
+    parser.add_argument("--only-equal-memory", action="store_true", help="run just the equal-memory rows")
     args = parser.parse_args()
     args.requests = args.requests or (32 if args.quick else 128)
     args.max_batch = args.max_batch or (16 if args.quick else 32)
@@ -257,6 +279,11 @@ def main() -> None:
     # measured in interleaved rounds (medians), so drift in this machine's speed hits all alike
     plan = [(name, "uniform all-at-once", uniform, ("all",)) for name in ("continuous", "dynamic", "static")]
     plan += [(name, "long-mix full batch", long_mix, long_arrival) for name in ("continuous-chunked", "continuous-nochunk")]
+    equal_kv = {name: {**overrides, "num_kv_blocks": args.equal_kv_blocks, "max_num_seqs": 64}
+                for name, overrides in EQUAL_MEMORY.items()} if args.equal_kv_blocks else {}
+    if args.only_equal_memory:
+        plan = []
+    plan += [(name, "uniform equal KV pool", uniform, ("all",)) for name in equal_kv]
     sweeps = [] if args.quick else [
         (name, f"uniform {kind} {v}{'/s' if kind == 'poisson' else ''}", uniform,
          (kind, float(v) if kind == "poisson" else int(v)))
@@ -272,9 +299,10 @@ def main() -> None:
     occupancy, in_process_runs = {}, []
     with contextlib.ExitStack() as stack:
         policies = {**POLICIES, "continuous-chunked": {**POLICIES["continuous-chunked"],
-                                                       "max_num_batched_tokens": args.chunk}}
+                                                       "max_num_batched_tokens": args.chunk}, **equal_kv}
+        policies = {name: policies[name] for name in dict.fromkeys(name for name, *_ in plan)}
         servers = start_servers(stack, policies, tempfile.mkdtemp(prefix="serve_bench_"), args.model, engine, warmup)
-        local = InProcess(args.model, engine, warmup)
+        local = None if args.only_equal_memory else InProcess(args.model, engine, warmup)
         for r in range(args.rounds):
             for name, label, items, arrival in plan:
                 recs, occupancy[(name, label)], run_steps = run_once(servers[name], items, arrival)
@@ -285,8 +313,9 @@ def main() -> None:
                       f"TTFT p50 {s['ttft']['p50']:6.2f} s  TPOT p50 {s['tpot']['p50'] * 1000:5.1f} "
                       f"p99 {s['tpot']['p99'] * 1000:5.1f} ms  steps {run_steps:5.0f}  errors {s['errors']}",
                       flush=True)
-            in_process_runs.append(local.run(uniform))
-            print(f"  round {r + 1} in-process LLMEngine uniform       {in_process_runs[-1]:7.1f} tok/s", flush=True)
+            if local is not None:
+                in_process_runs.append(local.run(uniform))
+                print(f"  round {r + 1} in-process LLMEngine uniform       {in_process_runs[-1]:7.1f} tok/s", flush=True)
         for name, label, items, arrival in sweeps:
             recs, occupancy[(name, label)], run_steps = run_once(servers[name], items, arrival)
             records[(name, label)], steps[(name, label)] = [recs], [run_steps]
@@ -294,6 +323,13 @@ def main() -> None:
     results: dict = {}
     for (name, label), rounds in records.items():
         results.setdefault(name, {})[label] = aggregate(rounds, occupancy[(name, label)], steps[(name, label)], slo)
+    if equal_kv:
+        report_equal_memory({name: results[name]["uniform equal KV pool"]
+                             for name in equal_kv}, args.equal_kv_blocks)
+    if args.only_equal_memory:
+        with open(os.path.join(args.out, "serve_bench_equal_kv.json"), "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+        return
     in_process = statistics.median(in_process_runs)
 
     u = {name: results[name]["uniform all-at-once"] for name in ("continuous", "dynamic", "static")}

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inflight.detokenizer import IncrementalDetokenizer, StopStrings, decode, decode_delta
+from inflight.detokenizer import Delta, IncrementalDetokenizer, StopStrings, decode, decode_delta
 
 from .conftest import DEFAULT_MODEL
 
@@ -93,3 +93,50 @@ def test_random_streams_with_stop_strings_equal_the_truncated_full_text():
         out = "".join(s.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces))
         ends = [i for i in (text.find("STOP"), text.find("cc")) if i >= 0]
         assert out == (text[:min(ends)] if ends else text)
+
+
+def byte_token_ids(tokenizer) -> list[int]:
+    """The one-byte tokens of a byte-level BPE vocabulary, indexed by byte value (GPT-2's
+    printable mapping of the 256 bytes)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+    ids = tokenizer.convert_tokens_to_ids([chars[b] for b in range(256)])
+    assert len(set(ids)) == 256 and tokenizer.unk_token_id not in ids
+    return ids
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_random_bytes_never_hold_more_than_one_incomplete_character(tokenizer, data):
+    """A model may emit byte tokens that never form UTF-8: the stream goes on with U+FFFD (as the
+    full decode shows them), holding only the tokens of the one character still incomplete."""
+    byte_ids = byte_token_ids(tokenizer)
+    ids = data.draw(st.lists(st.one_of(st.sampled_from(byte_ids), st.integers(0, len(tokenizer) - 1)),
+                             min_size=1, max_size=60))
+    det = IncrementalDetokenizer(tokenizer)
+    deltas = []
+    for i, token in enumerate(ids):
+        delta = det.add([token], final=i == len(ids) - 1)
+        if delta is not None:
+            deltas.append(delta)
+        assert len(det.token_ids) - det.read_offset <= 3, "held more than one character's bytes"
+    assert "".join(d.text for d in deltas) == decode(tokenizer, ids)
+    for d in deltas:
+        assert decode_delta(tokenizer, d.context_ids, d.new_ids) == d.text
+    assert [t for d in deltas for t in d.new_ids] == ids
+
+
+def test_invalid_bytes_stream_as_replacement_characters(tokenizer):
+    """The silent stream: 98 continuation bytes, never valid UTF-8, used to come out as one delta
+    at the end; now each is released as U+FFFD one token later. A 3-byte character split over
+    three tokens is held until it completes."""
+    byte_ids = byte_token_ids(tokenizer)
+    ids = [byte_ids[0x80 + i % 64] for i in range(98)]
+    det = IncrementalDetokenizer(tokenizer)
+    texts = [(det.add([t]) or Delta("", [], [])).text for t in ids]
+    assert texts[0] == "" and texts[1:] == ["\ufffd"] * 97
+    assert det.add([], final=True).text == "\ufffd" and decode(tokenizer, ids) == "\ufffd" * 98
+    det = IncrementalDetokenizer(tokenizer)
+    texts = [det.add([byte_ids[b]]) for b in "你".encode()]
+    assert texts[:2] == [None, None] and texts[2].text == "你"

@@ -103,7 +103,7 @@ def test_request_level_policies_give_the_same_tokens(tiny_checkpoint, policy):
 
 def _greedy_with_backend(model_dir, backend, prompts, lengths):
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(attention_backend=backend, num_kv_blocks=64,
-                                                               max_num_batched_tokens=32))
+                                                               max_num_batched_tokens=32, dtype="float32"))
     assert engine.runner.backend.name == backend
     return [o.token_ids for o in engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0)
                                                            for n in lengths])]

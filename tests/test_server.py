@@ -183,7 +183,7 @@ def test_engine_metrics_are_served_next_to_tritons(server):
 
 
 def test_the_shipped_repository_serves_the_default_model(tmp_path):
-    """`make serve` as is: the repository unchanged (fp32, model.json defaults)."""
+    """`make serve` as is: the repository unchanged (model.json defaults, dtype auto)."""
     if os.environ.get("INFLIGHT_TEST_MODEL"):
         pytest.skip("the shipped repository serves the shipped model")
     with ServerProcess(DEFAULT_REPOSITORY, log_path=str(tmp_path / "server.log")) as shipped:

@@ -7,12 +7,21 @@ cu_seqlens_q [num_seqs + 1]; seq_lens [num_seqs] = tokens already cached + this 
 block_table [num_seqs, max_blocks_per_seq]. The queries of sequence i are its last
 (cu_seqlens_q[i+1] - cu_seqlens_q[i]) positions, so one call serves decodes, prefill chunks and
 full prefills alike.
+
+Two torch implementations over that layout: `paged_attention`, the reference the tests compare
+against, and `grouped_paged_attention`, the CPU backend. The reference pads every decoding
+sequence to the longest and copies the whole batch's K/V into one tensor per layer; the CPU path
+sorts the decoding sequences by length once per step, cuts them into groups whose K/V fit in about
+2 MiB, and per group reads exactly its sequences' blocks into a buffer that stays in the CPU's
+cache, then runs one SDPA over it (a KV head's query heads folded into rows). Prefill chunks keep
+SDPA over their gathered context.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +35,7 @@ class AttentionMetadata:
     block_table: torch.Tensor       # [num_seqs, max_blocks] int32
     num_real_tokens: int            # tokens after these are padding (static/dynamic policies)
     max_seq_len: int                # known on the host, so kernels need not read seq_lens back
+    cpu_plan: "CpuAttentionPlan | None" = None   # built by the first layer of a step, reused by the rest
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,18 +48,16 @@ class AttentionBackend:
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """'triton' (the Triton-language kernels; default on CUDA) or 'torch' (the reference; default
-    on CPU, and for float64, which the kernels do not cover). With TRITON_INTERPRET=1 the triton
-    backend also runs on CPU."""
+    """'triton' (the Triton-language kernels; default on CUDA) or 'torch' (grouped_paged_attention;
+    default on CPU, and for float64, which the kernels do not cover). With TRITON_INTERPRET=1 the
+    triton backend also runs on CPU."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and dtype != torch.float64 else "torch"
     if name == "triton" and dtype == torch.float64:
         raise ValueError("'attention_backend' 'triton' supports float16, bfloat16 and float32, not float64; "
                          "use 'torch'")
     if name == "torch":
-        def attention(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float):
-            return paged_attention(q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_table, scale)
-        return AttentionBackend("torch", write_kv, attention)
+        return AttentionBackend("torch", write_kv, grouped_paged_attention)
     from .kernels import unified_attention, write_kv as triton_write_kv
 
     def triton_attention(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float):
@@ -137,3 +145,72 @@ def _decode_attention(q, k_cache, v_cache, out, starts, lens, block_table, rows,
     o = F.scaled_dot_product_attention(folded, k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=mask[:, None, None, :], scale=scale)
     out[token_idx] = o.reshape(batch, heads, dim)
+
+
+GROUP_KV_BYTES = 2 * 2**20      # K+V of one decode group: small enough to stay in a core's cache
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    token_idx: torch.Tensor     # [n] the group's query rows
+    blocks: torch.Tensor        # [n * num_blocks] their blocks, row by row
+    mask: torch.Tensor          # [n, 1, 1, num_blocks * block_size] 0 for each sequence's keys, -inf after
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class CpuAttentionPlan:
+    """A step's attention work, worked out on the host once and used by every layer."""
+    groups: list[DecodeGroup]
+    prefills: list[tuple[int, int, int]]        # (sequence, first query row, end row) of the others
+
+
+def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> CpuAttentionPlan:
+    block_size, kv_heads, dim = k_cache.shape[1:]
+    device = k_cache.device          # the torch backend also runs on CUDA when asked for
+    starts = meta.cu_seqlens_q.cpu().numpy()
+    lens = meta.seq_lens.cpu().numpy().astype(np.int64)
+    one_token = np.diff(starts) == 1
+    decode = np.flatnonzero(one_token)
+    order = decode[np.argsort(lens[decode], kind="stable")]
+    group_tokens = max(block_size, GROUP_KV_BYTES // (2 * kv_heads * dim * k_cache.element_size()))
+    groups, i = [], 0
+    positions = torch.arange(-(-int(lens.max()) // block_size) * block_size if len(lens) else 0)
+    while i < len(order):
+        # sorted by length, so the group's last sequence is its longest: little padding
+        j = i + max(1, int(np.searchsorted(np.cumsum(lens[order[i:]]), group_tokens, side="right")))
+        rows = order[i:j]
+        num_blocks = -(-int(lens[rows[-1]]) // block_size)
+        rows_t = torch.from_numpy(rows).to(device)
+        # additive, in the cache's dtype: SDPA would convert a boolean mask in every layer
+        outside = positions[:num_blocks * block_size][None, :] >= torch.from_numpy(lens[rows])[:, None]
+        mask = torch.zeros(outside.shape, dtype=k_cache.dtype).masked_fill_(outside, float("-inf"))
+        groups.append(DecodeGroup(torch.from_numpy(starts[rows].astype(np.int64)).to(device),
+                                  meta.block_table[rows_t, :num_blocks].reshape(-1), mask[:, None, None, :].to(device),
+                                  num_blocks))
+        i = j
+    prefills = [(int(s), int(starts[s]), int(starts[s + 1])) for s in np.flatnonzero(~one_token)]
+    return CpuAttentionPlan(groups, prefills)
+
+
+def grouped_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The CPU backend: same result as `paged_attention`, organised for the CPU's caches."""
+    if meta.cpu_plan is None:
+        meta.cpu_plan = plan_cpu_attention(meta, k_cache)
+    block_size, kv_heads, dim = k_cache.shape[1:]
+    heads = q.shape[1]
+    for g in meta.cpu_plan.groups:
+        n, length = len(g.token_idx), g.num_blocks * block_size
+        k = k_cache.index_select(0, g.blocks).view(n, length, kv_heads, dim).transpose(1, 2)
+        v = v_cache.index_select(0, g.blocks).view(n, length, kv_heads, dim).transpose(1, 2)
+        folded = q.index_select(0, g.token_idx).view(n, kv_heads, heads // kv_heads, dim)
+        o = F.scaled_dot_product_attention(folded, k, v, attn_mask=g.mask, scale=scale)
+        out.index_copy_(0, g.token_idx, o.reshape(n, heads, dim))
+    block_table, lens = meta.block_table, meta.seq_lens
+    for seq, start, end in meta.cpu_plan.prefills:
+        seq_len = int(lens[seq])
+        blocks = block_table[seq, :-(-seq_len // block_size)]
+        k, v = gather_kv(k_cache, blocks, seq_len), gather_kv(v_cache, blocks, seq_len)
+        out[start:end] = _attend(q[start:end], k, v, scale, causal_offset=seq_len - (end - start))
+    return out

@@ -5,6 +5,12 @@ multi-byte UTF-8 characters split across tokens. Here each delta is the differen
 decodes that start at the same token (`prefix_offset`, a little before the new tokens), and text
 is released only once it no longer ends in an incomplete character (U+FFFD). The final add releases
 whatever is left at the end, so ''.join(deltas) == decode(all tokens) always.
+
+Bytes that never become a character (a model can emit any byte tokens) must not hold the stream:
+while the text ends in U+FFFD, everything up to the last cut that no later token can change is
+released (invalid bytes as U+FFFD, as the full decode gives them), and only the tokens of the one
+character still incomplete are held: at most 3 with byte-level BPE, where a character is at most
+4 bytes and every token carries at least one.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 REPLACEMENT = "\ufffd"
+MAX_LOOKBACK = 8             # tokens searched back for a cut (a character spans at most 4)
 
 
 def decode(tokenizer, token_ids: Sequence[int]) -> str:
@@ -53,9 +60,24 @@ class IncrementalDetokenizer:
             return None
         text = decode_delta(self.tokenizer, context, new)
         if not final and (not text or text.endswith(REPLACEMENT)):
-            return None
-        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            cut = self._settled_prefix(context, new)
+            if cut is None:
+                return None
+            new, text = new[:cut[0]], cut[1]
+        self.prefix_offset, self.read_offset = self.read_offset, self.read_offset + len(new)
         return Delta(text, context, new)
+
+    def _settled_prefix(self, context: list[int], new: list[int]) -> tuple[int, str] | None:
+        """(n, text of the first n new tokens) for the largest n whose end no later token can
+        change: the new tokens decode to the first n's text followed by what the rest decode to on
+        their own (so no character or invalid sequence spans the cut); None if there is none."""
+        before = decode(self.tokenizer, context)
+        full = decode(self.tokenizer, context + new)
+        for n in range(len(new) - 1, max(0, len(new) - MAX_LOOKBACK - 1), -1):
+            part = decode(self.tokenizer, context + new[:n])
+            if full == part + decode(self.tokenizer, new[n:]):
+                return n, part[len(before):]
+        return None
 
 
 class StopStrings:

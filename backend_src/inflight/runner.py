@@ -13,6 +13,7 @@ import torch
 from .attention import AttentionMetadata, select_backend
 from .batch_table import BatchTable
 from .config import EngineConfig
+from .cpu_features import cpu_auto_dtype
 from .models import LlamaForCausalLM, ModelSpec, rope_tables
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
@@ -34,11 +35,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device, hf_config) -> torch.dtype:
-    """fp32 on CPU; on CUDA the checkpoint's half type (bf16 if it was saved in fp32)."""
+    """On CPU bf16 where the CPU has bf16 instructions, else fp32; on CUDA the checkpoint's half
+    type (bf16 if it was saved in fp32)."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cpu":
-        return torch.float32
+        return cpu_auto_dtype()
     saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
 

@@ -274,8 +274,8 @@ class EngineLoop:
             if finish is not None:
                 self._finish(job, finish)
             return
-        if delta is None and finish is None:
-            return                                  # an incomplete character: wait for the next token
+        # one response per engine step, as the vLLM backend sends, even while a character is
+        # incomplete (empty text): a client timing responses sees the engine's pace
         outputs = self._outputs(job, text, delta.context_ids if delta else [], delta.new_ids if delta else [],
                                 finish)
         self._send(job, outputs, final=finish is not None)

