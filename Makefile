@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test test-stress bench-engine bench-kernels bench-serve bench-prefix perf-sweep model clean
+.PHONY: venv serve test test-stress bench-engine bench-kernels bench-serve bench-prefix perf-sweep model clean bench-openai
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,3 +48,7 @@ clean:
 
 bench-prefix: venv
 	$(PY) perf/prefix_bench.py $(BENCH_ARGS)
+
+# the OpenAI server's overhead against Triton's generate_stream, 1 and 64 streams (about 15 minutes on 2 cores)
+bench-openai: venv
+	$(PY) perf/openai_bench.py $(BENCH_ARGS)

@@ -229,6 +229,19 @@ class ServerProcess:
         self.stop()
 
 
+def start_openai_server(model_repository: str, grpc_port: int, port: int):
+    """The OpenAI-compatible server (inflight_client.openai_server) next to tritonserver, for the
+    checkpoint that `llm` serves; it answers 503 until tritonserver is ready."""
+    from inflight_client.openai_server.process import OpenAIServerProcess
+
+    version_dir = os.path.join(model_repository, "llm", "1")
+    with open(os.path.join(version_dir, "model.json")) as f:
+        model = json.load(f)["model"]          # relative to model.json, as Settings.load reads it
+    model_dir = os.path.normpath(os.path.join(version_dir, os.path.expanduser(model)))
+    print(f"inflight: OpenAI API on http://localhost:{port}/v1 (model '{os.path.basename(model_dir)}')", flush=True)
+    return OpenAIServerProcess(f"localhost:{grpc_port}", model_dir, port=port, host="0.0.0.0").start(wait=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-repository", default=DEFAULT_REPOSITORY)
@@ -236,6 +249,8 @@ def main() -> None:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--production", action="store_true", help="the production-profile flags (see README)")
+    parser.add_argument("--openai-port", type=int, default=9000, help="the OpenAI-compatible server's port")
+    parser.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible server")
     args, extra = parser.parse_known_args()
     server = locate_server()
     if args.production:
@@ -249,6 +264,7 @@ def main() -> None:
           "-d '{\"text_input\": \"The assert statement\", \"max_tokens\": 32, \"temperature\": 0}'", flush=True)
     flag = shutdown_flag_path()
     process = subprocess.Popen(cmd, env={**server.env, SHUTDOWN_FLAG_ENV: flag})
+    openai = None if args.no_openai else start_openai_server(args.model_repository, args.grpc_port, args.openai_port)
 
     def forward(signum, _frame):
         request_shutdown(flag, process, signum)
@@ -256,6 +272,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
     code = process.wait()
+    if openai is not None:
+        openai.stop()
     if os.path.exists(flag):
         os.remove(flag)
     sys.exit(code)
