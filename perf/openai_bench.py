@@ -18,7 +18,8 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"), REPO]
+PATHS = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"), REPO]
+sys.path[:0] = PATHS
 
 from inflight.serving.launch import ServerProcess, make_repository  # noqa: E402
 from inflight_client.openai_server.process import OpenAIServerProcess  # noqa: E402
@@ -96,7 +97,7 @@ def main() -> None:
     results = {}
     with ServerProcess(repo, log_path=os.path.join(tmp, "tritonserver.log")) as triton, \
             OpenAIServerProcess(triton.grpc_url, model_dir, log_path=os.path.join(tmp, "openai.log"),
-                                env={"PYTHONPATH": os.pathsep.join(sys.path[:3])}) as api:
+                                env={"PYTHONPATH": os.pathsep.join(PATHS)}) as api:
         paths = {
             "triton": lambda http, item, record: triton_stream(http, f"http://{triton.http_url}", item, record),
             "openai": lambda http, item, record: openai_stream(http, api.base_url, model, item, record),
