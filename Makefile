@@ -8,7 +8,7 @@ MODEL ?=
 ENGINE ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test test-stress bench-engine bench-kernels bench-serve bench-prefix perf-sweep model clean gpu-check
+.PHONY: venv serve test test-stress bench-engine bench-kernels bench-serve bench-prefix perf-sweep model clean gpu-check bench-openai
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,3 +66,7 @@ bench-serve-vllm: venv
 # decode attention options on CPU, side by side (BENCH_ARGS="--vllm PYTHON" adds vLLM-CPU's kernel)
 bench-cpu-attention: venv
 	$(PY) perf/cpu_attention_bench.py $(BENCH_ARGS)
+
+# the OpenAI server's overhead against Triton's generate_stream, 1 and 64 streams (about 15 minutes on 2 cores)
+bench-openai: venv
+	$(PY) perf/openai_bench.py $(BENCH_ARGS)

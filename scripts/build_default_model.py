@@ -143,6 +143,13 @@ def wrap_tokenizer(tok):
     )
 
 
+# A plain "Role: content" transcript, so OpenAI chat requests work out of the box (the model
+# was never trained on chats; this only gives the prompt a shape). BOS comes from the template:
+# chat prompts are tokenized without special tokens, as vLLM does.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ message['role'] | capitalize }}: "
+                 "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
 def save_tokenizer(hf_tok, out: Path) -> None:
     hf_tok.save_pretrained(str(out))
     # Make the config self-describing and stable regardless of what the installed
@@ -161,6 +168,7 @@ def save_tokenizer(hf_tok, out: Path) -> None:
             "clean_up_tokenization_spaces": False,
             "padding_side": "left",
             "model_max_length": MODEL_PARAMS["max_position_embeddings"],
+            "chat_template": CHAT_TEMPLATE,
         }
     )
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")

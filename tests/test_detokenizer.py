@@ -74,6 +74,12 @@ def test_stop_strings_cut_before_the_earliest_match(pieces, stops, expected):
     assert out == expected
 
 
+def test_include_stop_str_in_output_keeps_the_earliest_stop_string():
+    s = StopStrings(["world", "wo"], include=True)
+    out = "".join(s.feed(p) for p in ["Hello", " wor", "ld. ", "Bye"])
+    assert out == "Hello wo" and s.stopped
+
+
 def test_stop_strings_hold_back_only_a_possible_prefix():
     s = StopStrings(["STOP"])
     assert s.feed("abcdef") == "abc"          # 'def' could begin 'STOP'? held: 3 chars

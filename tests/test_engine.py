@@ -79,14 +79,27 @@ def test_bad_words_are_never_generated(engine):
 
 
 def test_logprobs_are_the_models_own(engine, tiny_checkpoint):
+    """vLLM's meaning: per token the sampled token's log-prob and rank, then the top N by rank."""
     from transformers import AutoModelForCausalLM
     p = prompts(1, seed=12)[0]
-    out = engine.generate([p], SamplingParams(max_tokens=8, temperature=0, logprobs=True, ignore_eos=True))[0]
     hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float64)
-    with torch.no_grad():
-        logits = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1]
-    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
-    assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
+    for params in (SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True),
+                   SamplingParams(max_tokens=8, temperature=1.5, seed=3, logprobs=5, ignore_eos=True)):
+        out = engine.generate([p], params)[0]
+        with torch.no_grad():
+            full = torch.log_softmax(hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1], -1)
+        assert len(out.logprobs) == len(out.token_ids)
+        for token, entry, row in zip(out.token_ids, out.logprobs, full):
+            assert next(iter(entry)) == token, "the sampled token comes first"
+            assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-9)
+            assert entry[token].rank == int((row >= row[token]).sum())
+            top = torch.topk(row, params.logprobs)
+            expected = {token: entry[token].rank} | dict(zip(top.indices.tolist(), range(1, params.logprobs + 1)))
+            assert {t: e.rank for t, e in entry.items()} == expected
+            assert [entry[t].logprob for t in top.indices.tolist()] == pytest.approx(top.values.tolist(), abs=1e-9)
+        if params.temperature == 0:
+            assert all(entry[t].rank == 1 for t, entry in zip(out.token_ids, out.logprobs))
+    assert engine.generate([p], SamplingParams(max_tokens=2))[0].logprobs is None
 
 
 def test_step_outputs_add_up_to_the_final_output_and_aborts_free_everything(engine):
@@ -118,6 +131,7 @@ def test_step_outputs_add_up_to_the_final_output_and_aborts_free_everything(engi
     (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(max_tokens=0), "max_tokens"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(seed="x"), "seed"), (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(bad_words_ids=[[]]), "bad_words_ids"),
+    (dict(logprobs=21), "logprobs"), (dict(logprobs=True), "logprobs"), (dict(logprobs=-1), "logprobs"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"'{field}'"):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -30,8 +31,10 @@ class Launcher:
 
     def __init__(self, *args: str):
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.openai_port = free_port()
         cmd = [sys.executable, "-m", "inflight.serving.launch", f"--http-port={self.http_port}",
-               f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}", *args]
+               f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
+               f"--openai-port={self.openai_port}", *args]
         self.started = time.monotonic()
         self.process = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.lines: list[str] = []
@@ -84,8 +87,11 @@ def test_a_checkpoint_given_with_model_is_served_through_llm_and_the_ensemble(se
         launcher.wait_for("inflight: ready", 120)
         banner = "\n".join(launcher.lines[-8:])
         for endpoint in (f"http://localhost:{launcher.http_port}", f"localhost:{launcher.grpc_port}",
-                         f"http://localhost:{launcher.metrics_port}/metrics", f"serving {served_checkpoint}"):
+                         f"http://localhost:{launcher.metrics_port}/metrics", f"serving {served_checkpoint}",
+                         f"http://localhost:{launcher.openai_port}/v1"):
             assert endpoint in banner
+        with urllib.request.urlopen(f"http://localhost:{launcher.openai_port}/v1/models", timeout=10) as response:
+            assert [m["id"] for m in json.load(response)["data"]] == [os.path.basename(served_checkpoint)]
         prompt = "The assert statement"
         url = f"localhost:{launcher.http_port}"
         llm = http_generate(url, "llm", {"text_input": prompt, "max_tokens": 8, "temperature": 0,

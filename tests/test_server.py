@@ -196,11 +196,14 @@ def test_logprobs_stop_strings_priority_and_cache_salt_over_http(server, tokeniz
     import json
     prompt = PROMPTS[6]
     reply = http_generate(server.http_url, "llm", {"text_input": prompt, "max_tokens": 6, "temperature": 0,
-                                                   "return_logprobs": True, "exclude_input_in_output": True,
+                                                   "logprobs": 0, "return_logprobs": True,
+                                                   "exclude_input_in_output": True,
                                                    "priority": "high", "cache_salt": "tenant-a"})
     ref = reference_engine.generate([tokenizer(prompt)["input_ids"]],
-                                    SamplingParams(max_tokens=6, temperature=0, logprobs=True))[0]
-    assert json.loads(reply["logprobs"]) == pytest.approx(ref.logprobs, abs=1e-9)
+                                    SamplingParams(max_tokens=6, temperature=0, logprobs=0))[0]
+    got = [(int(token), entry["logprob"]) for position in json.loads(reply["logprobs"])
+           for token, entry in position.items()]
+    assert got == [(t, pytest.approx(e[t].logprob, abs=1e-9)) for t, e in zip(ref.token_ids, ref.logprobs)]
     full = http_generate(server.http_url, "llm", {"text_input": prompt, "max_tokens": 30, "temperature": 0,
                                                   "exclude_input_in_output": True})["text_output"]
     stop = full[len(full) // 2:len(full) // 2 + 3]

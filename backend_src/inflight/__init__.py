@@ -3,7 +3,8 @@ from .config import EngineConfig, SamplingParams
 
 # the engine imports torch: loaded on first use, so that the tokenizing ensemble steps, which
 # import inflight.serving, stay without it
-_LAZY = {"LLMEngine": "engine", "QueueFullError": "engine", "RequestOutput": "request", "StepOutput": "request"}
+_LAZY = {"LLMEngine": "engine", "QueueFullError": "engine", "RequestOutput": "request", "StepOutput": "request",
+         "Logprob": "logprobs"}
 
 
 def __getattr__(name: str):
@@ -13,4 +14,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["EngineConfig", "LLMEngine", "QueueFullError", "RequestOutput", "SamplingParams", "StepOutput"]
+__all__ = ["EngineConfig", "LLMEngine", "Logprob", "QueueFullError", "RequestOutput", "SamplingParams", "StepOutput"]

@@ -29,7 +29,7 @@ class BatchTable:
         self.temperature = np.zeros(rows, dtype=np.float32)
         self.top_k = np.zeros(rows, dtype=np.int32)
         self.top_p = np.ones(rows, dtype=np.float32)
-        self.want_logprobs = np.zeros(rows, dtype=bool)
+        self.num_logprobs = np.full(rows, -1, dtype=np.int32)   # -1: none; N: sampled token + top N
         self.has_bad_words = np.zeros(rows, dtype=bool)
         self.request_ids = np.empty(rows, dtype=object)
         self.requests: list[Request | None] = [None] * rows
@@ -60,7 +60,7 @@ class BatchTable:
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
-        self.want_logprobs[row] = params.logprobs
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.has_bad_words[row] = bool(params.bad_words_ids)
         self.request_ids[row] = req.request_id
         self.requests[row] = req

@@ -8,6 +8,7 @@ POLICIES = ("continuous", "dynamic", "static")
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+MAX_LOGPROBS = 20       # most top log-probabilities per token (vLLM's default max_logprobs)
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -95,7 +96,7 @@ class SamplingParams:
     seed: int | None = None                   # per-request generator: same tokens in any batch
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False                    # return the log-probability of each chosen token
+    logprobs: int | None = None               # None: off; N >= 0: the sampled token's log-prob + the top N (vLLM)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()   # token sequences that must not be generated
     stop: tuple[str, ...] = field(default=())  # stop strings: applied by the detokenizing layer
 
@@ -116,8 +117,9 @@ class SamplingParams:
                "must be a list of non-empty lists of non-negative integers")
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be a list of non-empty strings")
-        for name in ("ignore_eos", "logprobs"):
-            _check(isinstance(getattr(self, name), bool), name, "must be a boolean")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+               f"must be None or an integer in [0, {MAX_LOGPROBS}] (the number of top tokens), got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

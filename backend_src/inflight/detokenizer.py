@@ -81,11 +81,13 @@ class IncrementalDetokenizer:
 
 
 class StopStrings:
-    """Cuts streamed text before the earliest stop string. The last len(longest) - 1 characters
-    are held back until the request ends, so a stop string can only begin inside held text."""
+    """Cuts streamed text before the earliest stop string (after it with include=True, vLLM's
+    include_stop_str_in_output). The last len(longest) - 1 characters are held back until the
+    request ends, so a stop string can only begin inside held text."""
 
-    def __init__(self, stop: Sequence[str]):
+    def __init__(self, stop: Sequence[str], include: bool = False):
         self.stop = tuple(stop)
+        self.include = include
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""
         self.stopped = False
@@ -94,10 +96,11 @@ class StopStrings:
         if self.stopped:
             return ""
         pending = self.pending + text
-        hits = [i for i in (pending.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((pending.find(s), s) for s in self.stop) if i >= 0]
         if hits:
             self.pending, self.stopped = "", True
-            return pending[:min(hits)]
+            start, length = min(hits)
+            return pending[:start + length if self.include else start]
         cut = len(pending) if final else max(len(pending) - self.hold, 0)
         self.pending = pending[cut:]
         return pending[:cut]

@@ -140,11 +140,12 @@ class LLMEngine:
         if len(out):
             logits = self.runner.execute(out, table)
             sample_rows = out.sample_rows
-            tokens, token_logprobs = self.sampler(logits, table, sample_rows)
+            tokens, step_logprobs = self.sampler(logits, table, sample_rows)
             request_ids = table.request_ids[sample_rows].tolist()
-            if token_logprobs is not None:
-                logprobs = token_logprobs.tolist()
-                for i in np.flatnonzero(table.want_logprobs[sample_rows]).tolist():
+            if step_logprobs is not None:
+                logprobs = [None] * len(tokens)
+                for j, i in enumerate(step_logprobs.index.tolist()):
+                    logprobs[i] = step_logprobs.entry(j, int(tokens[i]))
                     table.requests[int(sample_rows[i])].logprobs.append(logprobs[i])
             scheduler.update(out, tokens)
             token_ids = tokens.tolist()
@@ -209,4 +210,4 @@ class LLMEngine:
 
 def to_output(req: Request) -> RequestOutput:
     return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids, req.finish_reason,
-                         list(req.logprobs) if req.params.logprobs else None, req.num_preemptions)
+                         list(req.logprobs) if req.params.logprobs is not None else None, req.num_preemptions)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import SamplingParams
+from .logprobs import TokenLogprobs
 
 
 class Status(enum.IntEnum):
@@ -36,7 +37,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of full blocks
     num_cached_tokens: int = 0        # prompt tokens found in the prefix cache at first admission
     first_scheduled_time: float | None = None
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)   # per output token, if params.logprobs
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -53,7 +54,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]              # generated ids only
     finish_reason: str | None         # "stop" | "length" | "abort" | "error"
-    logprobs: list[float] | None = None
+    logprobs: list[TokenLogprobs] | None = None   # per token: {token id: Logprob}, sampled token first
     num_preemptions: int = 0
 
 
@@ -66,7 +67,7 @@ class StepOutput:
     """
     request_ids: list[str]
     token_ids: list[int]
-    logprobs: list[float] | None
+    logprobs: list[TokenLogprobs | None] | None    # per advancing request; None when nobody asked
     finished: dict[str, str]          # request id -> finish reason, for every request that ended
     errors: dict[str, str] = field(default_factory=dict)   # request id -> message, reason "error"
 

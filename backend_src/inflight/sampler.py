@@ -3,7 +3,7 @@
 Greedy rows take the argmax. Sampled rows apply temperature, top-k and top-p, then draw with the
 exponential-race trick (argmax of p / E, E ~ Exp(1)), which needs exactly one noise vector per
 token: a seeded request draws it from its own generator, so its tokens do not depend on what else
-is in the batch. Log-probabilities are those of the model's own distribution.
+is in the batch. Log-probabilities (logprobs.py) are those of the model's own distribution.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .batch_table import BatchTable
+from .logprobs import StepLogprobs, step_logprobs
 
 
 class Sampler:
@@ -19,8 +20,8 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray | None]:
-        """logits [len(rows), vocab] -> (token ids, log-probs or None if no row asked for them)."""
+                 ) -> tuple[np.ndarray, StepLogprobs | None]:
+        """logits [len(rows), vocab] -> (token ids, log-probs of the rows that asked, or None)."""
         if logits.dtype != torch.float64:   # float64 stays: exactness tests compare argmaxes
             logits = logits.float()
         raw = logits
@@ -34,10 +35,7 @@ class Sampler:
                                 table.top_p[rows[sampled]])
             noise = self._noise(probs, table, rows[sampled])
             tokens[index] = (probs / noise).argmax(dim=-1)
-        logprobs = None
-        if table.want_logprobs[rows].any():
-            logprobs = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1).float().cpu().numpy()
-        return tokens.cpu().numpy(), logprobs
+        return tokens.cpu().numpy(), step_logprobs(raw, tokens, table.num_logprobs[rows])
 
     def _apply_bans(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> torch.Tensor:
         """-inf for stop tokens before min_tokens is reached, and for the last token of any bad

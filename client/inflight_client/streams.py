@@ -21,7 +21,7 @@ class Completion:
     start: float = 0.0
     token_ids: list[int] = field(default_factory=list)       # with return_token_ids=True
     finish_reason: str | None = None
-    num_output_tokens: int | None = None
+    num_output_tokens: int | None = None                     # the sum of the responses' counts
     error: str | None = None
     cancelled: bool = False
 
@@ -57,12 +57,15 @@ def grpc_inputs(prompt: str | list[int], stream: bool = True, sampling: dict | N
     return inputs
 
 
-async def grpc_stream(client, model: str, inputs, parameters: dict | None = None,
-                      cancel_after: int | None = None, on_chunk: Callable[[str], None] | None = None,
-                      request_id: str = "") -> Completion:
-    """One request on its own bidirectional stream; `client` is a tritonclient.grpc.aio client.
-    cancel_after=N cancels the stream after N responses (the server must abort the request)."""
-    out = Completion(start=time.monotonic())
+async def grpc_responses(client, model: str, inputs, parameters: dict | None = None, request_id: str = ""):
+    """One request on its own bidirectional stream (`client` is a tritonclient.grpc.aio client);
+    yields (outputs, final, error) per response, outputs being {name: numpy array}.
+
+    After the final response the stream is half-closed and read until the server ends it: a
+    client that drops the stream right after its final response can leave Triton 2.51's gRPC
+    frontend holding the request, and the model then outlives shutdown's timeout. Leaving
+    before the final response (break, an exception, task cancellation) cancels the stream, so
+    the server aborts the request and frees its KV blocks."""
     done = asyncio.Event()
 
     async def requests():
@@ -74,33 +77,52 @@ async def grpc_stream(client, model: str, inputs, parameters: dict | None = None
     try:
         async for result, error in stream:
             if error is not None:        # the request's one (final) response
-                out.error = str(error)
                 done.set()
+                yield {}, True, str(error)
                 continue
             response = result.get_response()
-            if any(o.name == "text_output" for o in response.outputs):
-                chunk = b"".join(result.as_numpy("text_output").reshape(-1)).decode("utf-8")
+            final = response.parameters["triton_final_response"].bool_param
+            if final:
+                done.set()
+            yield {o.name: result.as_numpy(o.name) for o in response.outputs}, final, None
+    finally:
+        if not done.is_set():
+            stream.cancel()
+        else:
+            async for _ in stream:     # read to the end (normally nothing is left)
+                pass
+        done.set()
+
+
+async def grpc_stream(client, model: str, inputs, parameters: dict | None = None,
+                      cancel_after: int | None = None, on_chunk: Callable[[str], None] | None = None,
+                      request_id: str = "") -> Completion:
+    """One request's responses gathered into a Completion; cancel_after=N cancels the stream
+    after N responses (the server must abort the request)."""
+    out = Completion(start=time.monotonic())
+    responses = grpc_responses(client, model, inputs, parameters, request_id)
+    try:
+        async for outputs, final, error in responses:
+            if error is not None:
+                out.error = error
+                continue
+            if "text_output" in outputs:
+                chunk = b"".join(outputs["text_output"].reshape(-1)).decode("utf-8")
                 out.chunks.append(chunk)
                 out.chunk_times.append(time.monotonic())
                 if on_chunk is not None:
                     on_chunk(chunk)
-                if any(o.name == "token_ids" for o in response.outputs):
-                    out.token_ids.extend(result.as_numpy("token_ids").reshape(-1).tolist())
-                if any(o.name == "finish_reason" for o in response.outputs):
-                    out.finish_reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
-                if any(o.name == "num_output_tokens" for o in response.outputs):
-                    out.num_output_tokens = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
-            if cancel_after is not None and len(out.chunks) >= cancel_after:
-                stream.cancel()
+                if "token_ids" in outputs:
+                    out.token_ids.extend(outputs["token_ids"].reshape(-1).tolist())
+                if "finish_reason" in outputs:
+                    out.finish_reason = outputs["finish_reason"].reshape(-1)[0].decode()
+                if "num_output_tokens" in outputs:
+                    out.num_output_tokens = (out.num_output_tokens or 0) + int(outputs["num_output_tokens"].sum())
+            if cancel_after is not None and len(out.chunks) >= cancel_after and not final:
                 out.cancelled = True
                 break
-            if response.parameters["triton_final_response"].bool_param:
-                # half-close and read on until the server ends the stream: a client that drops
-                # the stream right after its final response can leave Triton 2.51's gRPC
-                # frontend holding the request, and the model then outlives shutdown's timeout
-                done.set()
     finally:
-        done.set()
+        await responses.aclose()
     out.text = "".join(out.chunks)
     return out
 

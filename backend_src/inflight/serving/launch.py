@@ -398,6 +398,21 @@ def wait_ready(triton: subprocess.Popen, children: Children, output: TritonOutpu
     return False
 
 
+def start_openai_server(children: Children, model_repository: str, endpoints: Endpoints) -> bool:
+    """The OpenAI-compatible server (inflight_client.openai_server) for the checkpoint `llm` serves,
+    started once tritonserver is ready and stopped with it. False (and why) if it did not start."""
+    from inflight_client.openai_server.process import OpenAIServerProcess
+
+    openai = OpenAIServerProcess(f"localhost:{endpoints.grpc_port}", served_model(model_repository),
+                                 port=endpoints.openai_port, host="0.0.0.0")
+    try:
+        children.processes.append(openai.start(wait=True, timeout_s=60).process)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"inflight: the OpenAI server did not start ({exc}); tritonserver goes on without it", flush=True)
+        return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-repository", help="serve this model repository (default: model_repository/)")
@@ -409,6 +424,8 @@ def main() -> None:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--production", action="store_true", help="the production-profile flags (see README)")
+    parser.add_argument("--openai-port", type=int, default=9000, help="the OpenAI-compatible server's port")
+    parser.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible server")
     args, extra = parser.parse_known_args()
     overrides = engine_overrides(args.engine)
     if (args.model or overrides) and args.model_repository:
@@ -425,7 +442,8 @@ def main() -> None:
         note = f"{written}/llm/1/model.json holds --model and --engine; it is removed on exit"
     try:
         code = serve(server, written or args.model_repository or DEFAULT_REPOSITORY,
-                     Endpoints(args.http_port, args.grpc_port, args.metrics_port), extra, note)
+                     Endpoints(args.http_port, args.grpc_port, args.metrics_port,
+                               None if args.no_openai else args.openai_port), extra, note)
     finally:
         if written:
             shutil.rmtree(written, ignore_errors=True)
@@ -451,6 +469,11 @@ def serve(server: Server, model_repository: str, endpoints: Endpoints, extra: li
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
     ready = wait_ready(triton, children, output, endpoints.http_port)
+    if ready and endpoints.openai_port:
+        if not start_openai_server(children, model_repository, endpoints):
+            endpoints.openai_port = None
+        elif stopping:                  # asked to stop while it started
+            children.processes[-1].send_signal(stopping[0])
     if ready:
         print("\n".join(endpoints.banner(served_model(model_repository), model_names(model_repository))),
               flush=True)

@@ -8,52 +8,25 @@ response: finished, aborted, cancelled, refused or failed.
 """
 from __future__ import annotations
 
-import json
+import itertools
 import logging
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
-
-import numpy as np
 
 from ..config import SamplingParams
 from ..detokenizer import IncrementalDetokenizer, StopStrings, decode
 from ..engine import LLMEngine, QueueFullError
+from .job import Job, ResponseSink, Sample
+from .outputs import response_outputs
 from .protocol import GenerateRequest, RequestError
 
 log = logging.getLogger("inflight")
 
 
 MAX_BYTES_PER_TOKEN = 32     # a prompt of more bytes than max_model_len x this is refused untokenized
-
-
-class ResponseSink(Protocol):
-    """Where a request's responses go (a Triton response sender, in production)."""
-
-    def send(self, outputs: dict[str, np.ndarray] | None, final: bool, error: str | None = None) -> None: ...
-
-    def is_cancelled(self) -> bool: ...
-
-
-@dataclass(eq=False)
-class Job:
-    request_id: str
-    request: GenerateRequest
-    sink: ResponseSink
-    prompt_ids: list[int]
-    params: SamplingParams
-    arrival: float
-    detokenizer: IncrementalDetokenizer
-    stops: StopStrings | None
-    output_ids: list[int] = field(default_factory=list)
-    pending_logprobs: list[float] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)            # non-streaming: accumulated output text
-    first_token_time: float | None = None
-    done: bool = False
 
 
 class EngineLoop:
@@ -74,6 +47,7 @@ class EngineLoop:
         self.failure: str | None = None          # set once the loop can no longer serve
         self._ids = 0
         self._id_lock = threading.Lock()
+        self._token_texts: dict[int, str] = {}      # response thread: token id -> its text alone
         self._engine_thread = threading.Thread(target=self._run_engine, name="inflight-engine", daemon=True)
         self._response_thread = threading.Thread(target=self._run_responses, name="inflight-responses", daemon=True)
 
@@ -115,14 +89,22 @@ class EngineLoop:
         if request.bad_words:
             words = tuple(tuple(self.tokenizer(w, add_special_tokens=False)["input_ids"]) for w in request.bad_words)
             params = _replace(params, bad_words_ids=params.bad_words_ids + words)
-        if request.return_logprobs and not params.logprobs:
-            params = _replace(params, logprobs=True)
+        if request.return_cumulative_logprob and params.logprobs is None:
+            params = _replace(params, logprobs=0)      # the sum needs each token's log-probability
         with self._id_lock:
             self._ids += 1
-            request_id = f"req-{self._ids}"
-        stops = StopStrings(params.stop) if params.stop else None
-        return Job(request_id, request, sink, prompt_ids, params, time.monotonic(),
-                   IncrementalDetokenizer(self.tokenizer), stops)
+            job_id = f"req-{self._ids}"
+        samples = [self._make_sample(job_id if request.n == 1 else f"{job_id}.{i}", params, i, request)
+                   for i in range(request.n)]
+        return Job(job_id, request, sink, prompt_ids, time.monotonic(), samples)
+
+    def _make_sample(self, request_id: str, params: SamplingParams, index: int, request: GenerateRequest) -> Sample:
+        """Output `index` of n runs with seed + index (vLLM's rule): n seeded outputs differ from
+        each other, and the same seed gives the same n outputs again."""
+        if index and params.seed is not None:
+            params = _replace(params, seed=params.seed + index)
+        stops = StopStrings(params.stop, request.include_stop_str_in_output) if params.stop else None
+        return Sample(request_id, params, IncrementalDetokenizer(self.tokenizer), stops)
 
     def shutdown(self, timeout: float = 20.0) -> None:
         """Finish every request in flight with a final response, then stop both threads."""
@@ -173,14 +155,19 @@ class EngineLoop:
         if kind == "add":
             job: Job = payload
             if self.failure is not None:
-                self.outbox.put(("error", (job.request_id, self.failure)))
+                self.outbox.put(("error", (job, self.failure)))
                 return
+            added = []
             try:
-                self.engine.add_request(job.request_id, job.prompt_ids, job.params, job.request.priority,
-                                        job.request.cache_salt, arrival_time=job.arrival)
+                for sample in job.samples:
+                    self.engine.add_request(sample.request_id, job.prompt_ids, sample.params, job.request.priority,
+                                            job.request.cache_salt, arrival_time=job.arrival)
+                    added.append(sample)
             except (ValueError, QueueFullError) as exc:
+                for sample in added:
+                    self.engine.abort(sample.request_id)
                 name = "input_ids" if job.request.prompt_ids is not None else "text_input"
-                self.outbox.put(("error", (job.request_id, str(exc).replace("'prompt_token_ids'", f"'{name}'"))))
+                self.outbox.put(("error", (job, str(exc).replace("'prompt_token_ids'", f"'{name}'"))))
         elif kind == "abort":
             self.engine.abort(payload)
 
@@ -211,7 +198,9 @@ class EngineLoop:
 
     # ---- response thread ------------------------------------------------------------------------------
     def _run_responses(self) -> None:
-        jobs: dict[str, Job] = {}
+        jobs: dict[str, Job] = {}            # by job id: for cancellation polls
+        samples: dict[str, Sample] = {}      # by engine request id
+        owner: dict[str, Job] = {}           # engine request id -> its job
         last_poll = time.monotonic()
         while True:
             try:
@@ -219,17 +208,18 @@ class EngineLoop:
             except queue.Empty:
                 kind, payload = "poll", None
             if kind == "register":
-                jobs[payload.request_id] = payload
+                jobs[payload.job_id] = payload
+                for sample in payload.samples:
+                    samples[sample.request_id] = sample
+                    owner[sample.request_id] = payload
             elif kind == "step":
-                self._deliver(jobs, payload)
+                self._deliver(samples, owner, payload)
             elif kind == "error":
-                request_id, message = payload
-                job = jobs.pop(request_id, None)
-                if job is not None:
-                    self._finish(job, None, error=message)
+                job, message = payload
+                self._fail(job, message)
             elif kind in ("fail", "drain"):
                 for job in jobs.values():
-                    self._finish(job, None, error=payload)
+                    self._fail(job, payload)
                 jobs.clear()
                 if kind == "fail" and self.on_failure is not None:
                     self.on_failure(payload)
@@ -237,94 +227,84 @@ class EngineLoop:
                 self.metrics.publish(payload)
             elif kind == "stop":
                 for job in jobs.values():
-                    self._finish(job, None, error=self.failure or "the model is being unloaded")
+                    self._fail(job, self.failure or "the model is being unloaded")
                 return
             now = time.monotonic()
             if now - last_poll >= self.cancel_poll_s:
                 last_poll = now
                 self._poll_cancelled(jobs)
 
-    def _deliver(self, jobs: dict[str, Job], out) -> None:
-        logprobs = out.logprobs or [None] * len(out.token_ids)
-        for request_id, token, logprob in zip(out.request_ids, out.token_ids, logprobs):
-            job = jobs.get(request_id)
-            if job is None or job.done:
+    def _deliver(self, samples: dict[str, Sample], owner: dict[str, Job], out) -> None:
+        touched: dict[Job, None] = {}        # jobs with news, in order
+        logprobs = out.logprobs or itertools.repeat(None)
+        for request_id, token, entry in zip(out.request_ids, out.token_ids, logprobs):
+            sample = samples.get(request_id)
+            job = owner.get(request_id)
+            if sample is None or sample.finished or job.done:
                 continue
             if job.first_token_time is None:
                 job.first_token_time = time.monotonic()
-            job.output_ids.append(token)
-            if logprob is not None and job.params.logprobs:
-                job.pending_logprobs.append(logprob)
-            self._on_tokens(job, [token], out.finished.get(request_id))
+            if sample.add(token, entry, out.finished.get(request_id)):
+                self.inbox.put(("abort", request_id))      # a stop string; its later "abort" is ignored
+            touched[job] = None
         for request_id, reason in out.finished.items():
-            job = jobs.pop(request_id, None)
-            if job is not None and not job.done:     # ended without a token this step (abort, expiry)
-                self._finish(job, reason, error=out.errors.get(request_id))
+            sample, job = samples.pop(request_id, None), owner.pop(request_id, None)
+            if sample is None or sample.finished or job.done:
+                continue
+            if reason in ("abort", "error") or request_id in out.errors:   # ended without a token
+                self._fail(job, out.errors.get(request_id))
+                continue
+            sample.finish_reason = reason
+            sample.ready = True
+            touched[job] = None
+        for job in touched:
+            self._respond(job)
 
-    def _on_tokens(self, job: Job, tokens: list[int], finish: str | None) -> None:
-        delta = job.detokenizer.add(tokens, final=finish is not None)
-        text = delta.text if delta else ""
-        if job.stops is not None:
-            text = job.stops.feed(text, final=finish is not None)
-            if job.stops.stopped and finish is None:
-                finish = "stop"
-                self.inbox.put(("abort", job.request_id))     # its later "abort" finish is ignored
-        if not job.request.stream:
-            job.text.append(text)
-            if finish is not None:
-                self._finish(job, finish)
-            return
-        # one response per engine step, as the vLLM backend sends, even while a character is
-        # incomplete (empty text): a client timing responses sees the engine's pace
-        outputs = self._outputs(job, text, delta.context_ids if delta else [], delta.new_ids if delta else [],
-                                finish)
-        self._send(job, outputs, final=finish is not None)
-        if finish is not None:
-            self._record(job, finish)
-
-    def _outputs(self, job: Job, text: str, context_ids, new_ids, finish: str | None) -> dict:
-        request = job.request
-        outputs = {"text_output": np.array([text.encode("utf-8")], dtype=object)}
-        if request.return_token_ids:
-            outputs["token_ids"] = np.asarray(new_ids, dtype=np.int32)
-            outputs["context_ids"] = np.asarray(context_ids, dtype=np.int32)
-        if request.return_finish_reason and finish is not None:
-            outputs["finish_reason"] = np.array([finish.encode()], dtype=object)
-        if request.return_num_input_tokens:
-            outputs["num_input_tokens"] = np.array([len(job.prompt_ids)], dtype=np.uint32)
-        if request.return_num_output_tokens:
-            outputs["num_output_tokens"] = np.array([len(job.output_ids)], dtype=np.uint32)
-        if request.return_logprobs:
-            outputs["logprobs"] = np.array([json.dumps(job.pending_logprobs).encode()], dtype=object)
-            job.pending_logprobs = []
-        return outputs
-
-    def _finish(self, job: Job, reason: str | None, error: str | None = None) -> None:
-        """The request's one final response."""
+    def _respond(self, job: Job) -> None:
+        """A stream: one response per step that brought something (new text or an end); the
+        last one is final once every output has ended. Otherwise one response at the end."""
         if job.done:
             return
-        if error is not None or reason == "abort" or reason == "error":
-            self._send(job, None, final=True, error=error if reason != "abort" else None)
-            self._record(job, reason or "error")
-            return
         request = job.request
-        if request.stream:          # normally the last token carried the final flag already
-            self._send(job, None, final=True)
-            self._record(job, reason)
+        if request.stream:
+            if not any(sample.ready for sample in job.samples):
+                return                      # only incomplete characters so far
+        elif not job.finished:
             return
-        text = "".join(job.text)
-        ids = job.output_ids
+        prompt = None
         if not request.exclude_input_in_output:
             prompt = request.prompt_text if request.prompt_text is not None else decode(self.tokenizer, job.prompt_ids)
-            text, ids = prompt + text, job.prompt_ids + ids
-        self._send(job, self._outputs(job, text, [], ids, reason), final=True)
-        self._record(job, reason)
+        pieces = [sample.take() for sample in job.samples]
+        final = job.finished
+        self._send(job, response_outputs(job, pieces, self._token_text, prompt), final=final)
+        if final:
+            self._record(job, job.samples[0].finish_reason)
+
+    def _token_text(self, token: int) -> str:
+        """A token decoded alone (vLLM's `decoded_token`), cached."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
+
+    def _fail(self, job: Job, error: str | None) -> None:
+        """End a job now with an error (or, error None, with an empty final response: an abort)."""
+        if job.done:
+            return
+        for sample in job.samples:
+            if not sample.finished:
+                self.inbox.put(("abort", sample.request_id))
+        self._send(job, None, final=True, error=error)
+        self._record(job, "error" if error is not None else "abort")
 
     def _send(self, job: Job, outputs, final: bool, error: str | None = None) -> None:
         try:
             job.sink.send(outputs, final=final, error=error)
         except Exception:          # the client is gone: stop generating for it
-            log.warning("inflight: sending a response for %s failed; aborting it", job.request_id, exc_info=True)
+            log.warning("inflight: sending a response for %s failed; aborting it", job.job_id, exc_info=True)
+            if not final:
+                for sample in job.samples:
+                    self.inbox.put(("abort", sample.request_id))
             final = True
         if final:
             job.done = True
@@ -337,23 +317,24 @@ class EngineLoop:
             return True
 
     def _cancel(self, job: Job) -> None:
-        self.inbox.put(("abort", job.request_id))
+        for sample in job.samples:
+            self.inbox.put(("abort", sample.request_id))
         try:
             job.sink.send(None, final=True)
         except Exception:
-            log.debug("inflight: final flag after cancellation failed for %s", job.request_id, exc_info=True)
+            log.debug("inflight: final flag after cancellation failed for %s", job.job_id, exc_info=True)
         job.done = True
         self._record(job, "cancelled")
 
     def _poll_cancelled(self, jobs: dict[str, Job]) -> None:
         """Every cancel_poll_s, not after every send: each check is a round trip to the server
         (with 16 streams, checking after each token took half the response thread's time)."""
-        for request_id, job in list(jobs.items()):
+        for job_id, job in list(jobs.items()):
             if job.done:
-                jobs.pop(request_id)
+                jobs.pop(job_id)
             elif self._cancelled(job):
                 self._cancel(job)
-                jobs.pop(request_id)
+                jobs.pop(job_id)
 
     def _record(self, job: Job, reason: str) -> None:
         if self.metrics is not None:

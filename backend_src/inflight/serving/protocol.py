@@ -3,7 +3,8 @@
 Sampling knobs arrive as a `sampling_parameters` JSON object and/or as request parameters (the
 HTTP generate endpoint turns unknown JSON keys into parameters). Clients such as genai-perf send
 numbers as strings ({"max_tokens": "128"}), so numeric strings are accepted; anything else that
-does not fit raises RequestError with a message naming the field.
+does not fit raises RequestError with a message naming the field. A JSON null means "not given".
+Triton's OpenAI frontend always sends `n`, `frequency_penalty` and `presence_penalty` (1, 0, 0).
 """
 from __future__ import annotations
 
@@ -21,16 +22,19 @@ class RequestError(ValueError):
 
 
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-               "return_num_output_tokens", "return_logprobs", "return_token_ids")
+               "return_num_output_tokens", "return_logprobs", "return_token_ids", "return_cumulative_logprob")
+MAX_N = 128         # outputs per request (the OpenAI API's limit)
 
 # sampling knob -> the kind of value it takes
 KNOBS = {
     "max_tokens": "int", "min_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
-    "seed": "int", "stop": "strings", "stop_token_ids": "ints", "ignore_eos": "bool", "logprobs": "bool",
+    "seed": "int", "stop": "strings", "stop_token_ids": "ints", "ignore_eos": "bool", "logprobs": "int",
     "bad_words": "strings", "bad_words_ids": "int_lists",
 }
 # per-request settings that may also come through the same channels
-SETTINGS = {"priority": "str", "cache_salt": "str"}
+SETTINGS = {"priority": "str", "cache_salt": "str", "n": "int", "include_stop_str_in_output": "bool"}
+# vLLM knobs accepted at their neutral value only (the engine has no penalties)
+NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
 # request parameters Triton or its clients set on their own; never sampling knobs
 IGNORED_PARAMETERS = {"triton_enable_empty_final_response", "sequence_id", "sequence_start", "sequence_end",
                       "priority_level", "timeout", "headers", "binary_data_output"}
@@ -44,13 +48,16 @@ class GenerateRequest:
     priority: str = "normal"
     cache_salt: str | None = None
     stream: bool = False
-    exclude_input_in_output: bool = False
+    exclude_input_in_output: bool = False     # resolved: the vLLM default is true when streaming
     return_finish_reason: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_logprobs: bool = False
     return_token_ids: bool = False
+    return_cumulative_logprob: bool = False
     bad_words: tuple[str, ...] = ()
+    n: int = 1                                # outputs, each its own engine request (seed + i)
+    include_stop_str_in_output: bool = False
 
 
 def _one(name: str, array: np.ndarray):
@@ -155,9 +162,14 @@ def _knobs(sampling_parameters: str | None, parameters: dict) -> dict:
         if key in merged:
             raise RequestError(f"'{key}' is given both in 'sampling_parameters' and as a request parameter")
         merged[key] = value
-    unknown = sorted(set(merged) - set(KNOBS) - set(SETTINGS))
+    merged = {key: value for key, value in merged.items() if value is not None}
+    unknown = sorted(set(merged) - set(KNOBS) - set(SETTINGS) - set(NEUTRAL))
     if unknown:
-        raise RequestError(f"unknown sampling parameter(s) {unknown}; known: {sorted(KNOBS) + sorted(SETTINGS)}")
+        raise RequestError(f"unknown sampling parameter(s) {unknown}; known: "
+                           f"{sorted(KNOBS) + sorted(SETTINGS) + sorted(NEUTRAL)}")
+    for key, neutral in NEUTRAL.items():
+        if key in merged and _coerce(key, "float", merged.pop(key)) != neutral:
+            raise RequestError(f"'{key}' is not supported; only {neutral:g} (no penalty) is accepted")
     return {key: _coerce(key, (KNOBS | SETTINGS)[key], value) for key, value in merged.items()}
 
 
@@ -196,9 +208,28 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
     bad_words = knobs.pop("bad_words", ())
     if any(not word for word in bad_words):
         raise RequestError("'bad_words' must hold non-empty strings")
+    n = knobs.pop("n", 1)
+    if not 1 <= n <= MAX_N:
+        raise RequestError(f"'n' must be an integer in [1, {MAX_N}], got {n}")
+    include_stop = knobs.pop("include_stop_str_in_output", False)
     try:
         params = SamplingParams(**knobs)
     except ValueError as exc:
         raise RequestError(str(exc)) from None
+    _resolve_exclude_input(flags)
+    if n > 1 and flags.get("return_token_ids"):
+        raise RequestError("'return_token_ids' needs 'n' = 1")
     return GenerateRequest(prompt_text, prompt_ids, params, (priority or "normal").lower(), cache_salt,
-                           bad_words=bad_words, **flags)
+                           bad_words=bad_words, n=n, include_stop_str_in_output=include_stop, **flags)
+
+
+def _resolve_exclude_input(flags: dict) -> None:
+    """The vLLM backend's rule: the prompt is repeated in a non-streaming response unless
+    excluded, never in a stream, and asking for it in a stream is an error. The ensemble (which
+    sets return_token_ids) keeps TensorRT-LLM's rule: a stream ignores the flag."""
+    stream = flags.get("stream", False)
+    given = flags.get("exclude_input_in_output")
+    if stream and given is False and not flags.get("return_token_ids"):
+        raise RequestError("'exclude_input_in_output' = false is not allowed when streaming "
+                           "(a stream never repeats the prompt)")
+    flags["exclude_input_in_output"] = stream if given is None else given or stream

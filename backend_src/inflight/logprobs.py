@@ -1,0 +1,60 @@
+"""Log-probabilities as vLLM reports them: for each generated token, the sampled token's
+log-probability and rank plus the N most likely tokens (`SamplingParams.logprobs = N`).
+
+Values are those of the model's own distribution (log_softmax of the raw logits, before
+temperature, top-k/top-p and bans), as vLLM's default `raw_logprobs` mode. A rank counts the
+tokens at least as likely as the token (1 = the most likely; ties share the larger rank), as
+vLLM counts it. Only the rows that asked are computed: a step where nobody asked costs nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True, frozen=True)
+class Logprob:
+    logprob: float
+    rank: int
+
+
+# one generated position: token id -> Logprob; the sampled token first, then the top N by rank
+# (N + 1 entries when the sampled token is not among the top N), like vLLM's per-position dict
+TokenLogprobs = dict[int, Logprob]
+
+
+@dataclass(slots=True)
+class StepLogprobs:
+    """The log-probabilities of the rows of one step that asked for them."""
+    index: np.ndarray          # [k] positions, within the step's sampled rows, of the rows that asked
+    sampled: np.ndarray        # [k] log-probability of each row's sampled token
+    ranks: np.ndarray          # [k] its rank
+    top_ids: np.ndarray        # [k, max N] the most likely tokens, best first
+    top_logprobs: np.ndarray   # [k, max N]
+    num: np.ndarray            # [k] N asked for by each row
+
+    def entry(self, i: int, token_id: int) -> TokenLogprobs:
+        """Row i's dict (sampled token first)."""
+        out = {token_id: Logprob(float(self.sampled[i]), int(self.ranks[i]))}
+        for rank, (top_id, top_logprob) in enumerate(zip(self.top_ids[i, :self.num[i]].tolist(),
+                                                         self.top_logprobs[i, :self.num[i]].tolist()), start=1):
+            out.setdefault(top_id, Logprob(top_logprob, rank))
+        return out
+
+
+def step_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: np.ndarray) -> StepLogprobs | None:
+    """raw_logits [rows, vocab] and sampled tokens [rows] of a step; num_logprobs [rows] is N per
+    row, -1 where the row did not ask. None when no row asked."""
+    index = np.flatnonzero(num_logprobs >= 0)
+    if not index.size:
+        return None
+    rows = torch.from_numpy(index).to(raw_logits.device)
+    logprobs = torch.log_softmax(raw_logits[rows], dim=-1)
+    sampled = logprobs.gather(1, tokens[rows][:, None])
+    ranks = (logprobs >= sampled).sum(dim=-1)
+    num = num_logprobs[index]
+    top_logprobs, top_ids = logprobs.topk(int(num.max()), dim=-1)
+    return StepLogprobs(index, sampled.squeeze(1).cpu().numpy(), ranks.cpu().numpy(), top_ids.cpu().numpy(),
+                        top_logprobs.cpu().numpy(), num)

@@ -1,0 +1,107 @@
+"""What the response thread keeps per request: a Job per Triton request, and a Sample per output
+(`n` of them; each is an engine request of its own, with its own detokenizer and stop strings).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ..config import SamplingParams
+from ..detokenizer import IncrementalDetokenizer, StopStrings
+from ..logprobs import TokenLogprobs
+from .protocol import GenerateRequest
+
+
+class ResponseSink(Protocol):
+    """Where a request's responses go (a Triton response sender, in production)."""
+
+    def send(self, outputs: dict[str, np.ndarray] | None, final: bool, error: str | None = None) -> None: ...
+
+    def is_cancelled(self) -> bool: ...
+
+
+@dataclass(slots=True)
+class Piece:
+    """What one response carries for one output: everything since the previous response (a
+    stream), or everything (one response)."""
+    text: str
+    num_tokens: int
+    logprobs: list[TokenLogprobs]
+    new_ids: list[int]
+    context_ids: list[int]
+
+
+@dataclass(eq=False)
+class Sample:
+    request_id: str
+    params: SamplingParams                  # as the engine runs it (its own seed; log-probs if needed)
+    detokenizer: IncrementalDetokenizer
+    stops: StopStrings | None
+    output_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    ready: bool = False                     # got tokens (or its end) since the last response
+    _text: list[str] = field(default_factory=list)          # not sent yet
+    _logprobs: list[TokenLogprobs] = field(default_factory=list)
+    _num_tokens: int = 0
+    _new_ids: list[int] = field(default_factory=list)       # tokens of the text not sent yet
+    _context_ids: list[int] = field(default_factory=list)   # and the tokens decoded before them
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, token: int, logprobs: TokenLogprobs | None, finish: str | None) -> bool:
+        """One generated token (finish: the engine's reason when it was the last). True when a
+        stop string ended the sample here, so the engine must abort it."""
+        self.output_ids.append(token)
+        self._num_tokens += 1
+        if logprobs is not None:
+            self._logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token].logprob
+        delta = self.detokenizer.add([token], final=finish is not None)
+        if delta is not None:             # None: the text ends inside a character; wait for more
+            text = delta.text
+            if self.stops is not None:
+                text = self.stops.feed(text, final=finish is not None)
+            self._text.append(text)
+            if not self._new_ids:
+                self._context_ids = delta.context_ids
+            self._new_ids = self._new_ids + delta.new_ids
+        # a stream gets one response per engine step, as the vLLM backend sends, even while a
+        # character is incomplete (empty text): a client timing responses sees the engine's pace
+        self.ready = True
+        if self.stops is not None and self.stops.stopped:
+            self.finish_reason = "stop"
+            return finish is None
+        self.finish_reason = finish
+        return False
+
+    def take(self) -> Piece:
+        piece = Piece("".join(self._text), self._num_tokens, self._logprobs, self._new_ids, self._context_ids)
+        self._text, self._logprobs, self._num_tokens, self._new_ids, self._context_ids = [], [], 0, [], []
+        self.ready = False
+        return piece
+
+
+@dataclass(eq=False)
+class Job:
+    job_id: str
+    request: GenerateRequest
+    sink: ResponseSink
+    prompt_ids: list[int]
+    arrival: float
+    samples: list[Sample]
+    first_token_time: float | None = None
+    done: bool = False                      # its final response went out
+
+    @property
+    def finished(self) -> bool:
+        return all(sample.finished for sample in self.samples)
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The longest output (what the latency metrics count)."""
+        return max((sample.output_ids for sample in self.samples), key=len)

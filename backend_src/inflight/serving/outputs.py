@@ -1,0 +1,52 @@
+"""A response's output tensors, built as Triton's vLLM backend builds them (src/utils/request.py
+there): one element per output (`n`); in a stream, `text_output`, `num_output_tokens` and
+`logprobs` cover what is new since the previous response, `cumulative_logprob` the whole output
+so far; `finish_reason` is "None" until an output ends. The `logprobs` JSON is per token a map
+token id -> {"logprob", "rank", "decoded_token"} (sampled token first), or `null` when the
+request's sampling parameters did not ask for log-probabilities.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import numpy as np
+
+from .job import Job, Piece
+
+
+def _strings(values: list[str]) -> np.ndarray:
+    return np.array([value.encode("utf-8") for value in values], dtype=object)
+
+
+def logprobs_json(piece: Piece, token_text: Callable[[int], str]) -> str:
+    return json.dumps([{str(token): {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": token_text(token)}
+                        for token, entry in position.items()} for position in piece.logprobs])
+
+
+def response_outputs(job: Job, pieces: list[Piece], token_text: Callable[[int], str],
+                     prompt_text: str | None = None) -> dict[str, np.ndarray]:
+    """pieces: one per sample, in order; prompt_text: prepended to every text (the non-streaming
+    default, exclude_input_in_output = false)."""
+    request = job.request
+    texts = [piece.text if prompt_text is None else prompt_text + piece.text for piece in pieces]
+    outputs = {"text_output": _strings(texts)}
+    if request.return_finish_reason:
+        outputs["finish_reason"] = _strings([str(sample.finish_reason) for sample in job.samples])
+    if request.return_cumulative_logprob:
+        outputs["cumulative_logprob"] = np.array([sample.cumulative_logprob for sample in job.samples], dtype=np.float32)
+    if request.return_logprobs:
+        asked = request.params.logprobs is not None
+        outputs["logprobs"] = _strings([logprobs_json(piece, token_text) if asked else "null" for piece in pieces])
+    if request.return_num_input_tokens:
+        outputs["num_input_tokens"] = np.array([len(job.prompt_ids)], dtype=np.uint32)
+    if request.return_num_output_tokens:
+        outputs["num_output_tokens"] = np.array([piece.num_tokens for piece in pieces], dtype=np.uint32)
+    if request.return_token_ids:      # inflight's own (n = 1): what the ensemble's postprocessing decodes
+        if request.stream:
+            ids, context = pieces[0].new_ids, pieces[0].context_ids
+        else:
+            ids, context = ([] if prompt_text is None else job.prompt_ids) + job.samples[0].output_ids, []
+        outputs["token_ids"] = np.asarray(ids, dtype=np.int32)
+        outputs["context_ids"] = np.asarray(context, dtype=np.int32)
+    return outputs

@@ -1,0 +1,136 @@
+"""The FastAPI application: routes, request bodies parsed into schemas.py's models, and every
+failure answered in the OpenAI error shape (errors.py) — a bug is a 500 with a one-line message,
+its traceback only in this server's log."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from .chat_completions import create_chat_completion
+from .chat_template import ChatTemplate
+from .completions import create_completion
+from .context import Context
+from .errors import APIError
+from .models import ServedModels
+from .schemas import ChatCompletionRequest, CompletionRequest
+from .triton import TritonLLM
+
+log = logging.getLogger("inflight.openai")
+
+
+@dataclass(slots=True)
+class Settings:
+    triton_url: str
+    tokenizer_dir: str
+    served_model_name: str
+    triton_model: str = "llm"
+    chat_template: str | None = None
+    default_max_tokens: int = 16
+
+
+def _validation_error(error: ValidationError) -> APIError:
+    first = error.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    name = loc[0] if loc else None
+    # the field and any list positions; union member names (prompt.list[int]) say nothing to a user
+    where = (name or "") + "".join(f"[{part}]" for part in loc[1:] if part.isdigit())
+    message = "unknown parameter" if first["type"] == "extra_forbidden" else first["msg"]
+    return APIError(400, f"'{where}': {message}" if where else message, name)
+
+
+async def _body(request: Request, schema: type[BaseModel]):
+    try:
+        raw = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return schema.model_validate(raw)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, handler):
+    """Run a handler (for a stream, up to its first response; otherwise to the end) but cancel
+    it, and with it the Triton requests, if the client goes away first: a request still waiting
+    in the engine's queue is aborted there instead of being computed for nobody."""
+    work = asyncio.ensure_future(handler)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if work not in done:
+        log.info("inflight-openai: the client left before the response; cancelling its request")
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)     # its streams are cancelled on the way out
+        return Response(status_code=499)      # nobody is listening
+    return work.result()
+
+
+def create_app(settings: Settings) -> FastAPI:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
+    ctx = Context(TritonLLM(settings.triton_url, settings.triton_model), tokenizer,
+                  ChatTemplate(tokenizer, settings.chat_template), ServedModels(settings.served_model_name),
+                  settings.default_max_tokens)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await ctx.triton.start()
+        yield
+        await ctx.triton.close()
+
+    app = FastAPI(title="inflight OpenAI-compatible server", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(_request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request, exc: HTTPException):      # unknown path, wrong method
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request, exc: Exception):
+        log.exception("inflight-openai: unexpected error")
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not await ctx.triton.ready():
+            raise APIError(503, f"Triton at {ctx.triton.url} or its model '{ctx.triton.model}' is not ready")
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse(ctx.models.listing())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _unless_disconnected(request, create_completion(await _body(request, CompletionRequest), ctx))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _body(request, ChatCompletionRequest)
+        return await _unless_disconnected(request, create_chat_completion(body, ctx))
+
+    return app

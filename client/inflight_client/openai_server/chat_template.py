@@ -1,0 +1,45 @@
+"""Chat messages -> prompt token ids, with the checkpoint's own chat template
+(tokenizer_config.json, rendered by transformers' apply_chat_template) or a --chat-template file.
+
+The rendered prompt is tokenized without adding special tokens, as vLLM does: chat templates
+write their own BOS (a second one would change the model's output)."""
+from __future__ import annotations
+
+from .errors import APIError
+from .schemas import ChatMessage
+
+
+def _text(message: ChatMessage, index: int) -> str:
+    """String content, or the text parts of list content joined by newlines (vLLM's way)."""
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, f"'messages[{index}].content': only text parts are supported, got "
+                           f"{part.get('type')!r}", "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+class ChatTemplate:
+    def __init__(self, tokenizer, template_path: str | None = None):
+        self.tokenizer = tokenizer
+        self.template = None
+        if template_path is not None:
+            with open(template_path, encoding="utf-8") as f:
+                self.template = f.read()
+
+    def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
+        if self.template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "the model has no chat template (tokenizer_config.json 'chat_template'); "
+                           "start the server with --chat-template FILE", "messages")
+        conversation = [{**message.model_dump(exclude_none=True), "content": _text(message, i)}
+                        for i, message in enumerate(messages)]
+        try:
+            prompt = self.tokenizer.apply_chat_template(conversation, chat_template=self.template, tokenize=False,
+                                                        add_generation_prompt=True)
+        except Exception as exc:      # the template's own checks (raise_exception(...)) or a syntax error
+            raise APIError(400, f"'messages': the chat template failed: {exc}", "messages") from None
+        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,51 @@
+"""inflight-openai: the OpenAI-compatible server in front of a Triton `llm` model.
+
+  inflight-openai --triton-url localhost:8001 --model-dir model_repository/llm/1/inflight-tiny
+  inflight-openai --triton-url triton:8001 --tokenizer /ckpt/Llama-3-8B-Instruct \\
+      --served-model-name llama-3-8b --chat-template chat.jinja --port 9000
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from .app import Settings, create_app
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
+    parser = argparse.ArgumentParser(prog="inflight-openai", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--triton-url", default="localhost:8001", help="Triton's gRPC address (host:port)")
+    parser.add_argument("--triton-model", default="llm", help="the Triton model with the vLLM backend's tensors")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model-dir", help="the checkpoint directory Triton serves (its tokenizer; its name "
+                                            "is the model id)")
+    source.add_argument("--tokenizer", help="a directory with the model's tokenizer files")
+    parser.add_argument("--served-model-name", help="the model id clients use (default: the directory's name)")
+    parser.add_argument("--chat-template", help="a Jinja chat template file, instead of the tokenizer's own")
+    parser.add_argument("--default-max-tokens", type=int, default=16,
+                        help="max_tokens when a request gives none (as Triton's OpenAI frontend)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    directory = args.model_dir or args.tokenizer
+    if not os.path.isdir(directory):
+        parser.error(f"{directory!r} is not a directory")
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        parser.error(f"--chat-template {args.chat_template!r} is not a file")
+    name = args.served_model_name or os.path.basename(os.path.normpath(directory))
+    settings = Settings(args.triton_url, directory, name, args.triton_model, args.chat_template,
+                        args.default_max_tokens)
+    return settings, args
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    settings, args = parse_args(argv)
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""POST /v1/completions: one `llm` request per prompt (a string, a token array, or a list of
+either); choice i * n + j is prompt i's output j. `echo` prepends the prompt here, so a stream
+can echo too (`llm` never repeats a prompt in a stream, as the vLLM backend)."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.responses import JSONResponse
+
+from . import generation
+from .context import Context
+from .logprobs import completion_logprobs
+from .sampling import completion_sampling
+from .schemas import CompletionRequest
+from .sse import event, sse_response
+
+
+async def create_completion(body: CompletionRequest, ctx: Context):
+    ctx.models.check(body.model)
+    sampling = completion_sampling(body, ctx.default_max_tokens)
+    prompts = body.prompts()
+    calls = [ctx.triton.generate(prompt, sampling, body.stream) for prompt in prompts]
+    echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": body.model}
+    if body.stream:
+        responses = await generation.stream(calls)
+        return sse_response(_chunks(head, body, responses, echoes))
+    outputs, usage = await generation.gather(calls, body.n)
+    choices = []
+    for index, out in enumerate(outputs):
+        echo = echoes[index // body.n]
+        logprobs = None if out.logprobs is None else completion_logprobs(out.logprobs, len(echo))
+        choices.append({"index": index, "text": echo + "".join(out.text), "logprobs": logprobs,
+                        "finish_reason": out.finish_reason})
+    return JSONResponse({**head, "choices": choices, "usage": usage.body()})
+
+
+async def _chunks(head: dict, body: CompletionRequest, responses, echoes: list[str]):
+    n = body.n
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    usage = generation.Usage()
+    offsets = [0] * (len(echoes) * n)          # each choice's text so far, for text_offset
+    seen = set()                                # prompts with a response
+    try:
+        async for prompt_index, response in responses:
+            first = prompt_index not in seen
+            seen.add(prompt_index)
+            usage.add(response, first)
+            for j, generated in enumerate(response.texts):
+                index = prompt_index * n + j
+                text = echoes[prompt_index] + generated if first else generated
+                reason, positions = response.finish_reasons[j], response.logprobs[j]
+                if not text and reason is None and not positions:
+                    continue
+                logprobs = None
+                if positions is not None:
+                    logprobs = completion_logprobs(positions, offsets[index] + len(text) - len(generated))
+                offsets[index] += len(text)
+                yield event({**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                                  "finish_reason": reason}]})
+    finally:
+        await responses.aclose()
+    if include_usage:
+        yield event({**head, "choices": [], "usage": usage.body()})

@@ -1,0 +1,25 @@
+"""What the request handlers share: the Triton channel, the tokenizer and chat template, the
+served model ids and the defaults the command line set."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .chat_template import ChatTemplate
+from .models import ServedModels
+from .triton import TritonLLM
+
+
+@dataclass(slots=True)
+class Context:
+    triton: TritonLLM
+    tokenizer: object
+    chat: ChatTemplate
+    models: ServedModels
+    default_max_tokens: int
+
+    def prompt_text(self, prompt: str | list[int]) -> str:
+        """A prompt as text (for echo): a token prompt decoded as `llm` decodes its outputs
+        (inflight.detokenizer.decode; not imported, as the engine package would load torch)."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(prompt, skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -1,0 +1,56 @@
+"""Errors in the OpenAI API's JSON shape ({"error": {"message", "type", "param", "code"}}) with
+the HTTP status a client can act on: 400 a bad parameter (named), 404 an unknown model, 429 the
+engine's queue is full, 503 Triton or the model is not ready. Never a traceback."""
+from __future__ import annotations
+
+import re
+
+import grpc
+
+TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+         500: "internal_error", 503: "service_unavailable"}
+
+# `llm` errors that are the server's state, not the request's fault (see serving/loop.py)
+UNAVAILABLE = ("the engine failed", "the server is shutting down", "the model is being unloaded",
+               "timed out in queue", "Request for unknown model", "is not ready", "is not found")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": TYPES.get(self.status, "error"), "param": self.param,
+                          "code": self.code or self.status}}
+
+
+# `llm` input names -> the OpenAI parameter they came from
+PARAMS = {"text_input": "prompt", "input_ids": "prompt"}
+
+
+def _named_field(message: str) -> str | None:
+    match = re.search(r"'([A-Za-z_]+)'", message)
+    return PARAMS.get(match.group(1), match.group(1)) if match else None
+
+
+def from_triton(message: str) -> APIError:
+    """An error response from Triton for one request. The `llm` model's request errors name the
+    field, so anything that is not the server's state is the request's fault."""
+    if message.startswith("queue full"):
+        return APIError(429, message, code="queue_full")
+    if any(marker in message for marker in UNAVAILABLE):
+        return APIError(503, message)
+    return APIError(400, message, param=_named_field(message))
+
+
+def from_grpc(error: grpc.RpcError, url: str) -> APIError:
+    """The gRPC call itself failed: Triton unreachable, or going away."""
+    code = error.code() if hasattr(error, "code") else None
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return APIError(503, f"Triton at {url} is not reachable")
+    details = error.details() if hasattr(error, "details") else str(error)
+    return APIError(503, f"Triton at {url} failed the request: {details}")

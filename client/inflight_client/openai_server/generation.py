@@ -1,0 +1,125 @@
+"""One OpenAI request as `llm` requests (one per prompt; `n` outputs each, fanned out by `llm`),
+gathered into whole outputs or streamed as they come."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from .errors import APIError
+from .triton import LLMResponse
+
+
+@dataclass(slots=True)
+class Output:
+    """One choice, put together from its responses."""
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, response: LLMResponse, first: bool) -> None:
+        if first:                   # every response repeats it
+            self.prompt_tokens += response.num_input_tokens
+        self.completion_tokens += sum(response.num_output_tokens)
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+async def _collect(call: AsyncIterator[LLMResponse]) -> list[LLMResponse]:
+    return [response async for response in call]
+
+
+async def gather(calls: list[AsyncIterator[LLMResponse]], n: int) -> tuple[list[Output], Usage]:
+    """Run the calls to the end: outputs in choice order (prompt i, output j -> i * n + j). The
+    first error cancels the others and is raised."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_collect(call)) for call in calls]
+    except* APIError as errors:
+        raise errors.exceptions[0] from None
+    outputs = [Output() for _ in range(len(calls) * n)]
+    usage = Usage()
+    for i, task in enumerate(tasks):
+        for k, response in enumerate(task.result()):
+            usage.add(response, first=k == 0)
+            for j in range(n):
+                out = outputs[i * n + j]
+                out.text.append(response.texts[j])
+                if response.logprobs[j] is not None:
+                    out.logprobs = (out.logprobs or []) + response.logprobs[j]
+                out.finish_reason = response.finish_reasons[j] or out.finish_reason
+    return outputs, usage
+
+
+async def stream(calls: list[AsyncIterator[LLMResponse]]) -> AsyncIterator[tuple[int, LLMResponse]]:
+    """Wait for every call's first response (so that an error, such as a full queue or a bad
+    parameter, becomes the HTTP status), then return an iterator of (prompt index, response) as
+    they arrive. Closing it (or cancelling its consumer) cancels every call still running."""
+    if len(calls) == 1:         # the common case, without tasks and a queue
+        call = calls[0]
+        first = await anext(call, None)
+        if first is None:
+            raise APIError(503, "Triton ended the request without a response")
+        return _chain(first, call)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, call: AsyncIterator[LLMResponse]) -> None:
+        try:
+            async for response in call:
+                queue.put_nowait((index, response))
+            queue.put_nowait((index, None))
+        except APIError as exc:
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, call)) for i, call in enumerate(calls)]
+    buffered, started = [], set()
+    try:
+        while len(started) < len(calls):
+            index, item = await queue.get()
+            if isinstance(item, APIError):
+                raise item
+            started.add(index)
+            buffered.append((index, item))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+    return _merged(buffered, queue, tasks, len(calls))
+
+
+async def _chain(first: LLMResponse, call: AsyncIterator[LLMResponse]) -> AsyncIterator[tuple[int, LLMResponse]]:
+    try:
+        yield 0, first
+        async for response in call:
+            yield 0, response
+    finally:
+        await call.aclose()
+
+
+async def _merged(buffered: list, queue: asyncio.Queue, tasks: list, num_calls: int):
+    try:
+        running = num_calls
+        for index, item in buffered:
+            if item is None:
+                running -= 1
+            else:
+                yield index, item
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,36 @@
+"""`llm`'s logprobs JSON (per token {token id: {logprob, rank, decoded_token}}, the sampled token
+first) in the OpenAI API's two shapes. -inf becomes -9999.0, as OpenAI and vLLM send it."""
+from __future__ import annotations
+
+
+def _value(entry: dict) -> float:
+    return max(entry["logprob"], -9999.0)
+
+
+def completion_logprobs(positions: list[dict], text_offset: int = 0) -> dict:
+    """/v1/completions: tokens, token_logprobs, top_logprobs (the sampled token and the top N,
+    by text), text_offset (from `text_offset`, the length of the text before these tokens)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for position in positions:
+        sampled = next(iter(position.values()))
+        out["tokens"].append(sampled["decoded_token"])
+        out["token_logprobs"].append(_value(sampled))
+        out["top_logprobs"].append({entry["decoded_token"]: _value(entry) for entry in position.values()})
+        out["text_offset"].append(text_offset)
+        text_offset += len(sampled["decoded_token"])
+    return out
+
+
+def _token(entry: dict) -> dict:
+    text = entry["decoded_token"]
+    return {"token": text, "logprob": _value(entry), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(positions: list[dict], top_n: int) -> dict:
+    """/v1/chat/completions: per token the sampled token and the `top_n` most likely, by rank."""
+    content = []
+    for position in positions:
+        sampled = next(iter(position.values()))
+        top = sorted((entry for entry in position.values() if entry["rank"] <= top_n), key=lambda e: e["rank"])
+        content.append({**_token(sampled), "top_logprobs": [_token(entry) for entry in top[:top_n]]})
+    return {"content": content}

@@ -1,0 +1,34 @@
+"""Server-sent events as the OpenAI API streams them: one `data: {json}` per chunk, an error as
+`data: {"error": ...}`, and `data: [DONE]` at the end."""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from starlette.responses import StreamingResponse
+
+from .errors import APIError
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(chunk: dict) -> bytes:
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+async def _with_errors(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A failure after the first chunk (the status is already sent) ends the stream with an
+    error event, then [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except APIError as exc:
+        yield event(exc.body())
+    finally:
+        await chunks.aclose()
+    yield DONE
+
+
+def sse_response(chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(_with_errors(chunks), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,158 @@
+"""The OpenAI server's overhead (`make bench-openai`): the same streamed workload sent to Triton's
+HTTP `generate_stream` directly and through the OpenAI-compatible server (/v1/completions with
+token-array prompts), at 1 and 64 concurrent streams, the two alternated over rounds against one
+tritonserver; medians over rounds of generated tokens/s (and their ratio) and TTFT p50 (and the
+difference). Both paths use the same HTTP client (httpx) and parse every event, so the client's
+own cost is the same on both sides. The model is serve_bench's ~30M Llama, big enough that a
+step's compute sets the pace as it would on a GPU with a real model.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATHS = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"), REPO]
+sys.path[:0] = PATHS
+
+from inflight.serving.launch import ServerProcess, make_repository  # noqa: E402
+from inflight_client.openai_server.process import OpenAIServerProcess  # noqa: E402
+from perf import workloads  # noqa: E402
+from perf.bench_stats import RequestRecord, summarize  # noqa: E402
+from perf.serve_bench import build_serve_model  # noqa: E402
+
+ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
+
+
+async def triton_stream(http, url: str, item, record: RequestRecord) -> None:
+    body = {"input_ids": item.prompt_token_ids, "stream": True, "max_tokens": item.max_tokens, "ignore_eos": True,
+            "temperature": 0, "return_num_output_tokens": True}
+    record.sent = time.monotonic()
+    async with http.stream("POST", f"{url}/v2/models/llm/generate_stream", json=body) as response:
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                record.error = event["error"]
+                return
+            record.response_times.append(time.monotonic())
+            record.num_output_tokens += event["num_output_tokens"]
+
+
+async def openai_stream(http, url: str, model: str, item, record: RequestRecord) -> None:
+    body = {"model": model, "prompt": item.prompt_token_ids, "stream": True, "max_tokens": item.max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+    record.sent = time.monotonic()
+    async with http.stream("POST", f"{url}/completions", json=body) as response:
+        if response.status_code != 200:
+            record.error = (await response.aread()).decode()
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                record.error = chunk["error"]["message"]
+                return
+            if chunk["choices"]:
+                record.response_times.append(time.monotonic())
+            elif chunk.get("usage"):
+                record.num_output_tokens = chunk["usage"]["completion_tokens"]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc), to attribute the overhead."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run(send, items, concurrency: int) -> list[RequestRecord]:
+    import httpx
+    records = [RequestRecord(sent=0.0) for _ in items]
+    slots = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        async def one(item, record):
+            async with slots:
+                await send(http, item, record)
+        await asyncio.gather(*(one(i, r) for i, r in zip(items, records)))
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--requests", type=int, default=128, help="requests per run at the highest concurrency")
+    parser.add_argument("--out", default=os.path.join(REPO, "perf", "results", "openai_bench.json"))
+    args = parser.parse_args()
+
+    model_dir = build_serve_model()
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    tmp = tempfile.mkdtemp(prefix="openai-bench-")
+    repo = make_repository(os.path.join(tmp, "repo"), model_dir, ENGINE)
+    model = os.path.basename(model_dir)
+    results = {}
+    with ServerProcess(repo, log_path=os.path.join(tmp, "tritonserver.log")) as triton, \
+            OpenAIServerProcess(triton.grpc_url, model_dir, log_path=os.path.join(tmp, "openai.log"),
+                                env={"PYTHONPATH": os.pathsep.join(PATHS)}) as api:
+        paths = {
+            "triton": lambda http, item, record: triton_stream(http, f"http://{triton.http_url}", item, record),
+            "openai": lambda http, item, record: openai_stream(http, api.base_url, model, item, record),
+        }
+        warm = workloads.uniform(8, vocab_size, seed=99, prompt=(32, 128), output=(8, 16))
+        for send in paths.values():
+            asyncio.run(run(send, warm, 8))
+        for concurrency in args.concurrency:
+            n = max(8, args.requests * concurrency // max(args.concurrency))
+            items = workloads.uniform(n, vocab_size, seed=concurrency, prompt=(32, 256), output=(64, 128))
+            rounds = {name: [] for name in paths}
+            for r in range(args.rounds):
+                order = list(paths) if r % 2 == 0 else list(reversed(paths))
+                for name in order:
+                    cpu = cpu_seconds(api.process.pid)
+                    records = asyncio.run(run(paths[name], items, concurrency))
+                    summary = summarize(records)
+                    assert summary["errors"] == 0, [rec.error for rec in records if rec.error][:3]
+                    summary["openai_server_cpu_s"] = cpu_seconds(api.process.pid) - cpu
+                    rounds[name].append(summary)
+                    print(f"  c={concurrency} round {r + 1} {name:6s} {summary['generated_tokens_per_s']:7.1f} tok/s "
+                          f"TTFT p50 {summary['ttft']['p50'] * 1000:7.1f} ms, OpenAI server CPU "
+                          f"{summary['openai_server_cpu_s']:.2f} s of {summary['makespan_s']:.1f} s",
+                          file=sys.stderr, flush=True)
+            results[concurrency] = rounds
+    print(f"{'streams':>7}  {'Triton tok/s':>12}  {'OpenAI tok/s':>12}  {'ratio':>6}  "
+          f"{'Triton TTFT p50':>15}  {'OpenAI TTFT p50':>15}  {'added':>8}")
+    report = {}
+    for concurrency, rounds in results.items():
+        tps = {name: [s["generated_tokens_per_s"] for s in runs] for name, runs in rounds.items()}
+        ttft = {name: [s["ttft"]["p50"] * 1000 for s in runs] for name, runs in rounds.items()}
+        ratio = statistics.median(o / t for o, t in zip(tps["openai"], tps["triton"]))
+        added = statistics.median(o - t for o, t in zip(ttft["openai"], ttft["triton"]))
+        cpu = statistics.median(s["openai_server_cpu_s"] / s["generated_tokens"] * 1000 for s in rounds["openai"])
+        report[concurrency] = {"tokens_per_s": tps, "ttft_p50_ms": ttft, "ratio": ratio, "added_ttft_ms": added,
+                               "openai_server_cpu_ms_per_token": cpu}
+        print(f"{concurrency:>7}  {statistics.median(tps['triton']):>12.1f}  {statistics.median(tps['openai']):>12.1f}  "
+              f"{ratio:>6.3f}  {statistics.median(ttft['triton']):>12.1f} ms  "
+              f"{statistics.median(ttft['openai']):>12.1f} ms  {added:>5.1f} ms")
+    print("(ratio: median over rounds of OpenAI / Triton tokens/s; added: median over rounds of the TTFT p50 "
+          "difference; targets >= 0.95 and <= 5 ms)")
+    for concurrency, row in report.items():
+        print(f"OpenAI server CPU at {concurrency} streams: {row['openai_server_cpu_ms_per_token']:.3f} ms per "
+              f"generated token")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"engine": ENGINE, "model": model_dir, "results": report}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

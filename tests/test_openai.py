@@ -1,0 +1,294 @@
+"""The official `openai` SDK against the OpenAI-compatible server (a subprocess) in front of a real
+tritonserver: completions and chat, streamed and not, token-array prompts, n > 1, stop strings,
+seeds, logprobs, usage, 50 concurrent streams, a dropped stream's KV blocks, and every error
+status with its message."""
+import asyncio
+import os
+import time
+
+import httpx
+import openai
+import pytest
+
+from inflight import SamplingParams
+from inflight.detokenizer import decode
+from inflight.serving.launch import ServerProcess, make_repository
+from inflight_client.openai_server.process import OpenAIServerProcess
+
+from .conftest import DEFAULT_MODEL, REPO, TEST_ENGINE
+from .helpers import wait_for_metric
+
+pytestmark = pytest.mark.server
+
+MODEL = os.path.basename(DEFAULT_MODEL)
+ENV = {"PYTHONPATH": os.pathsep.join(os.path.join(REPO, p) for p in ("backend_src", "client", ""))}
+PROMPTS = ["The assert statement", "A class definition defines a class object", "Boolean operations",
+           "The import system", "Exceptions can be raised", "The with statement is used"]
+
+
+def openai_server(triton_url: str, tmp_path, *extra) -> OpenAIServerProcess:
+    """Started and stopped by `with`."""
+    return OpenAIServerProcess(triton_url, DEFAULT_MODEL, extra=list(extra), env=ENV,
+                               log_path=str(tmp_path / f"openai-{time.monotonic_ns()}.log"))
+
+
+@pytest.fixture(scope="module")
+def api(server, tmp_path_factory):
+    with openai_server(server.grpc_url, tmp_path_factory.mktemp("openai")) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    return openai.OpenAI(base_url=api.base_url, api_key="unused", max_retries=0)
+
+
+def reference(engine, tokenizer, prompts, max_tokens, **params) -> list[str]:
+    ids = [p if isinstance(p, list) else tokenizer(p)["input_ids"] for p in prompts]
+    outs = engine.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0, **params))
+    return [decode(tokenizer, out.token_ids) for out in outs]
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_models_and_health(api, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(api.base_url.removesuffix("/v1") + "/health").status_code == 200
+
+
+def test_completions_streamed_and_not_equal_the_engine(client, reference_engine, tokenizer):
+    expected = reference(reference_engine, tokenizer, PROMPTS[:1], 24)[0]
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "length"
+    n_prompt = len(tokenizer(PROMPTS[0])["input_ids"])
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (n_prompt, 24)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert len([c for c in chunks if c.choices]) > 1, "one chunk per delta"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert chunks[-1].usage.prompt_tokens == n_prompt
+    echoed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPTS[0] + expected
+
+
+def test_token_array_prompts_and_lists_of_prompts(client, reference_engine, tokenizer):
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    expected = reference(reference_engine, tokenizer, ids, 12)
+    one = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=12, temperature=0)
+    assert one.choices[0].text == expected[0]
+    many = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(many.choices, key=lambda c: c.index)] == expected
+    texts = client.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=12, temperature=0, stream=True)
+    streamed = [""] * 3
+    for chunk in texts:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == expected
+    assert many.usage.prompt_tokens == sum(map(len, ids)) and many.usage.completion_tokens == 36
+
+
+def test_chat_streamed_and_not_with_the_checkpoints_template(client, reference_engine, tokenizer):
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a tuple?"}]
+    expected = reference(reference_engine, tokenizer, [chat_ids(tokenizer, messages)], 20)[0]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=20, temperature=0)
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content == expected
+    assert whole.usage.completion_tokens == 20
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    content = [c.choices[0].delta.content for c in chunks[1:] if c.choices]
+    assert "".join(content) == expected and len(content) > 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, reference_engine, tokenizer):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}")
+    messages = [{"role": "user", "content": "Lists"}]
+    ids = tokenizer("<s><user> Lists ", add_special_tokens=False)["input_ids"]
+    with openai_server(server.grpc_url, tmp_path, "--chat-template", str(template)) as other:
+        reply = openai.OpenAI(base_url=other.base_url, api_key="-").chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content == reference(reference_engine, tokenizer, [ids], 8)[0]
+
+
+def test_n_seeds_and_stop_strings(client, reference_engine, tokenizer):
+    kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=7)
+    first = client.completions.create(n=3, **kwargs)
+    again = client.completions.create(n=3, **kwargs)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)], "same seed, same texts"
+    assert len(set(texts)) > 1, "the n outputs differ (seed + index)"
+    assert first.usage.completion_tokens == 48
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(n=3, stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          max_tokens=8, seed=3)
+    assert len(chat.choices) == 2 and chat.usage.completion_tokens == 16
+    full = reference(reference_engine, tokenizer, PROMPTS[2:3], 30)[0]
+    stop = full[10:13]
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    kept = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=stop,
+                                     stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in kept) == full[:full.index(stop) + len(stop)]
+
+
+def test_logprobs_in_both_shapes(client, reference_engine, tokenizer):
+    ids = tokenizer(PROMPTS[3])["input_ids"]
+    ref = reference_engine.generate([ids], SamplingParams(max_tokens=6, temperature=0, logprobs=3))[0]
+    sampled = [entry[t].logprob for t, entry in zip(ref.token_ids, ref.logprobs)]
+    tokens = [tokenizer.decode([t]) for t in ref.token_ids]
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=6, temperature=0, logprobs=3)
+    lp = whole.choices[0].logprobs
+    assert lp.tokens == tokens and lp.token_logprobs == pytest.approx(sampled, abs=1e-9)
+    assert [len(top) for top in lp.top_logprobs] == [3] * 6       # greedy: the sampled token is the top one
+    assert lp.text_offset == [sum(map(len, tokens[:i])) for i in range(6)]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[3], max_tokens=6, temperature=0, logprobs=3, stream=True)]
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    messages = [{"role": "user", "content": PROMPTS[3]}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob and c.bytes == list(c.token.encode())
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_50_concurrent_async_streams_are_all_correct(api, reference_engine, tokenizer):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]}{' ' * (i // len(PROMPTS))}" for i in range(50)]
+    lengths = [4 + (i * 7) % 29 for i in range(50)]
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    refs = reference_engine.generate(ids, [SamplingParams(max_tokens=n, temperature=0) for n in lengths])
+    expected = [decode(tokenizer, r.token_ids) for r in refs]
+
+    async def one(client, prompt, n):
+        text, usage = "", None
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        return text, usage.completion_tokens
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=api.base_url, api_key="-", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths)))
+
+    results = asyncio.run(main())
+    assert [text for text, _ in results] == expected
+    assert [count for _, count in results] == [len(r.token_ids) for r in refs]
+
+
+def test_a_dropped_stream_frees_its_kv_blocks(api, client, server):
+    cancelled = server.metric("inflight_requests_total", finish_reason="cancelled")
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=900, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = [next(iter(stream)) for _ in range(3)]
+    assert all(c.choices[0].text is not None for c in chunks)
+    deadline = time.monotonic() + 10          # metrics are published every 50 ms while running
+    while server.metric("inflight_kv_blocks_used") == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("inflight_kv_blocks_used") > 0, "the request holds blocks while it runs"
+    stream.close()                                  # the client goes away mid-stream
+    assert wait_for_metric(server, "inflight_requests_total", cancelled + 1, finish_reason="cancelled") \
+        == cancelled + 1
+    assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
+    assert client.completions.create(model=MODEL, prompt="The", max_tokens=2).choices[0].text
+
+
+BAD = [
+    ("completions", {"model": "gpt-4", "prompt": "x"}, 404, "'gpt-4' does not exist", "model"),
+    ("chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "'gpt-4'", "model"),
+    ("completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "'temperature'", "temperature"),
+    ("completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "'top_p' must be in (0, 1]", "top_p"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "exceeds max_model_len", "max_tokens"),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "'n'", "n"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "'logprobs'", "logprobs"),
+    ("completions", {"model": MODEL, "prompt": "x", "temprature": 0}, 400, "'temprature': unknown parameter",
+     "temprature"),
+    ("completions", {"model": MODEL, "prompt": ""}, 400, "'prompt' must not be empty", "prompt"),
+    ("completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "token id 99999", "prompt"),
+    ("completions", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "'presence_penalty'",
+     "presence_penalty"),
+    ("completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "'echo'", "echo"),
+    ("completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "'stream_options'", "stream_options"),
+    ("completions", {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 0}, 400, "'max_tokens'",
+     "max_tokens"),
+    ("chat/completions", {"model": MODEL, "messages": []}, 400, "'messages'", "messages"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "'top_logprobs' needs 'logprobs'", "top_logprobs"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                          "response_format": {"type": "json_object"}}, 400, "'response_format'", "response_format"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "only text parts", "messages"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, message, param", BAD, ids=[b[3] for b in BAD])
+def test_errors_have_the_openai_shape_status_and_a_message_naming_the_parameter(api, path, body, status, message,
+                                                                                 param):
+    reply = httpx.post(f"{api.base_url}/{path}", json=body, timeout=60)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert message in error["message"] and error["param"] == param
+    assert "Traceback" not in reply.text and "At:" not in reply.text
+    assert httpx.post(f"{api.base_url}/completions", content=b"{nope", timeout=60).status_code == 400
+
+
+def test_the_sdk_raises_its_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_p=2)
+
+
+def test_queue_full_is_429_and_triton_gone_is_503(tmp_path):
+    """One seat and one waiting place: with one request running and one waiting, the next is
+    refused at once. Then tritonserver goes away under the OpenAI server."""
+    repo = make_repository(str(tmp_path / "repo"), DEFAULT_MODEL,
+                           {**TEST_ENGINE, "max_num_seqs": 1, "max_queue_size": 1})
+    triton = ServerProcess(repo).start()
+    try:
+        with openai_server(triton.grpc_url, tmp_path) as api:
+            async def main():
+                body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 500, "ignore_eos": True, "stream": True}
+                async with httpx.AsyncClient(base_url=api.base_url, timeout=120) as http:
+                    async with http.stream("POST", "/completions", json=body) as running:
+                        lines = running.aiter_lines()       # kept: dropping it would close the stream
+                        assert (await anext(lines)).startswith("data:"), "it has a seat"
+                        waiting = asyncio.create_task(http.post("/completions", json=body))
+                        assert await asyncio.to_thread(wait_for_metric, triton, "inflight_requests_waiting", 1) == 1
+                        refused = await http.post("/completions", json={**body, "stream": False})
+                        waiting.cancel()          # both clients leave: both requests are aborted
+                return refused
+
+            refused = asyncio.run(main())
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["message"].startswith("queue full: 1 requests are already waiting")
+            assert wait_for_metric(triton, "inflight_requests_waiting", 0) == 0
+            assert wait_for_metric(triton, "inflight_kv_blocks_used", 0) == 0
+            triton.stop()
+            health = httpx.get(api.base_url.removesuffix("/v1") + "/health")
+            assert health.status_code == 503 and "not ready" in health.json()["error"]["message"]
+            gone = httpx.post(f"{api.base_url}/chat/completions",
+                              json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True})
+            assert gone.status_code == 503 and gone.json()["error"]["type"] == "service_unavailable"
+            assert "not reachable" in gone.json()["error"]["message"]
+    finally:
+        triton.stop()

@@ -1,0 +1,213 @@
+"""The `llm` tensor contract pinned to Triton's vLLM backend (src/utils/request.py there), through
+a real tritonserver: num_output_tokens deltas, the logprobs JSON checked against a full softmax of
+the model, cumulative_logprob, finish_reason strings, exclude_input_in_output, stop strings, `n`;
+and the exact requests Triton's OpenAI frontend builds (engine/utils/triton.py), read as it reads
+them."""
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from inflight import SamplingParams
+from inflight.detokenizer import decode
+from inflight_client.streams import grpc_inputs, grpc_responses
+
+from .conftest import DEFAULT_MODEL
+
+pytestmark = pytest.mark.server
+
+PROMPT = "The assert statement"
+ALL_OUTPUTS = dict(return_finish_reason=True, return_num_input_tokens=True, return_num_output_tokens=True,
+                   return_logprobs=True, return_cumulative_logprob=True)
+
+
+def llm(server, inputs) -> list[tuple[dict, bool]]:
+    """Every response of one request: (outputs, final); fails on an error response."""
+    import tritonclient.grpc.aio as grpcclient
+
+    async def main():
+        async with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            return [r async for r in grpc_responses(client, "llm", inputs)]
+
+    results = asyncio.run(main())
+    errors = [error for _, _, error in results if error is not None]
+    assert not errors, errors
+    return [(outputs, final) for outputs, final, _ in results]
+
+
+def llm_error(server, inputs) -> str:
+    import tritonclient.grpc.aio as grpcclient
+
+    async def main():
+        async with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            return [r async for r in grpc_responses(client, "llm", inputs)]
+
+    return next(error for _, _, error in asyncio.run(main()) if error is not None)
+
+
+def strings(array) -> list[str]:
+    return [v.decode() for v in array.reshape(-1)]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float64)
+
+
+def full_logprobs(hf_model, prompt_ids, output_ids) -> torch.Tensor:
+    """[len(output_ids), vocab]: the model's log-softmax at each generated position."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt_ids + output_ids])).logits[0, len(prompt_ids) - 1:-1]
+    return torch.log_softmax(logits, -1)
+
+
+def test_a_stream_carries_deltas_logprobs_and_the_cumulative_logprob(server, tokenizer, hf_model):
+    top = 4
+    sampling = {"max_tokens": 20, "temperature": 0.8, "seed": 5, "logprobs": top, "ignore_eos": True}
+    responses = llm(server, grpc_inputs(PROMPT, True, sampling, return_token_ids=True, **ALL_OUTPUTS))
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    ids = sum((o["token_ids"].tolist() for o, _ in responses), [])
+    deltas = [int(o["num_output_tokens"][0]) for o, _ in responses]
+    assert len(responses) > 1 and sum(deltas) == len(ids) == 20, "num_output_tokens: this response's tokens"
+    assert [final for _, final in responses] == [False] * (len(responses) - 1) + [True]
+    assert [strings(o["finish_reason"]) for o, _ in responses] == [["None"]] * (len(responses) - 1) + [["length"]]
+    assert all(o["num_input_tokens"].tolist() == [len(prompt_ids)] for o, _ in responses)
+    positions = []
+    cumulative = 0.0
+    for outputs, _ in responses:
+        chunk = json.loads(strings(outputs["logprobs"])[0])
+        assert len(chunk) == int(outputs["num_output_tokens"][0]), "one entry per token of this response"
+        positions += chunk
+        cumulative += sum(next(iter(p.values()))["logprob"] for p in chunk)
+        assert outputs["cumulative_logprob"].dtype == np.float32
+        assert float(outputs["cumulative_logprob"][0]) == pytest.approx(cumulative, rel=1e-5)
+    rows = full_logprobs(hf_model, prompt_ids, ids)
+    for token, position, row in zip(ids, positions, rows):
+        entries = {int(t): e for t, e in position.items()}
+        assert next(iter(entries)) == token, "the sampled token comes first"
+        assert all(set(e) == {"logprob", "rank", "decoded_token"} for e in entries.values())
+        assert entries[token]["logprob"] == pytest.approx(row[token].item(), abs=1e-9)
+        assert entries[token]["rank"] == int((row >= row[token]).sum()), "rank in the model's own distribution"
+        best = torch.topk(row, top)
+        for rank, (t, value) in enumerate(zip(best.indices.tolist(), best.values.tolist()), start=1):
+            assert entries[t]["rank"] == rank and entries[t]["logprob"] == pytest.approx(value, abs=1e-9)
+        assert len(entries) == top + (entries[token]["rank"] > top)
+        assert all(e["decoded_token"] == tokenizer.decode([t]) for t, e in entries.items())
+    assert any(entries[token]["rank"] > 1 for token, entries in
+               zip(ids, ({int(t): e for t, e in p.items()} for p in positions))), "sampled, not greedy"
+
+
+def test_one_response_defaults_to_the_prompt_and_the_full_counts(server, tokenizer, reference_engine):
+    sampling = {"max_tokens": 10, "temperature": 0}
+    ref = reference_engine.generate([tokenizer(PROMPT)["input_ids"]],
+                                    SamplingParams(max_tokens=10, temperature=0, logprobs=0))[0]
+    text = decode(tokenizer, ref.token_ids)
+    [(outputs, final)] = llm(server, grpc_inputs(PROMPT, False, sampling, **ALL_OUTPUTS))
+    assert final and strings(outputs["text_output"]) == [PROMPT + text], "exclude_input_in_output defaults to false"
+    assert outputs["num_output_tokens"].tolist() == [10] and strings(outputs["finish_reason"]) == ["length"]
+    assert strings(outputs["logprobs"]) == ["null"], "no 'logprobs' in sampling_parameters: null"
+    expected = sum(entry[t].logprob for t, entry in zip(ref.token_ids, ref.logprobs))
+    assert float(outputs["cumulative_logprob"][0]) == pytest.approx(expected, rel=1e-5)
+    [(excluded, _)] = llm(server, grpc_inputs(PROMPT, False, sampling, exclude_input_in_output=True))
+    assert strings(excluded["text_output"]) == [text]
+    streamed = llm(server, grpc_inputs(PROMPT, True, sampling))
+    assert "".join(strings(o["text_output"])[0] for o, _ in streamed) == text, "a stream never repeats the prompt"
+    error = llm_error(server, grpc_inputs(PROMPT, True, sampling, exclude_input_in_output=False))
+    assert "'exclude_input_in_output' = false is not allowed when streaming" in error
+
+
+def test_stop_strings_with_and_without_include_stop_str_in_output(server, tokenizer, reference_engine):
+    ref = reference_engine.generate([tokenizer(PROMPT)["input_ids"]], SamplingParams(max_tokens=30, temperature=0))[0]
+    full = decode(tokenizer, ref.token_ids)
+    stop = full[12:15]
+    for include, expected in ((False, full[:full.index(stop)]), (True, full[:full.index(stop) + len(stop)])):
+        sampling = {"max_tokens": 30, "temperature": 0, "stop": [stop], "include_stop_str_in_output": include}
+        for stream in (True, False):
+            responses = llm(server, grpc_inputs(PROMPT, stream, sampling, exclude_input_in_output=True,
+                                                return_finish_reason=True))
+            assert "".join(strings(o["text_output"])[0] for o, _ in responses) == expected
+            assert strings(responses[-1][0]["finish_reason"]) == ["stop"]
+
+
+def test_n_outputs_are_elements_of_every_tensor_with_seed_plus_index(server):
+    sampling = {"max_tokens": 12, "temperature": 1.0, "seed": 11, "n": 3, "ignore_eos": True}
+    flags = dict(exclude_input_in_output=True, return_finish_reason=True, return_num_output_tokens=True)
+    [(whole, _)] = llm(server, grpc_inputs(PROMPT, False, sampling, **flags))
+    texts = strings(whole["text_output"])
+    assert len(texts) == 3 and len(set(texts)) == 3
+    assert whole["num_output_tokens"].tolist() == [12] * 3 and strings(whole["finish_reason"]) == ["length"] * 3
+    streamed = llm(server, grpc_inputs(PROMPT, True, sampling, **flags))
+    assert all(o["text_output"].shape == (3,) for o, _ in streamed)
+    assert ["".join(strings(o["text_output"])[i] for o, _ in streamed) for i in range(3)] == texts
+    assert np.sum([o["num_output_tokens"] for o, _ in streamed], axis=0).tolist() == [12] * 3
+    for i in range(3):                        # output i is the request with seed + i, alone
+        [(alone, _)] = llm(server, grpc_inputs(PROMPT, False, {**sampling, "n": 1, "seed": 11 + i}, **flags))
+        assert strings(alone["text_output"]) == [texts[i]]
+
+
+def openai_frontend_request(prompt: str, stream: bool, sampling: dict, logprobs: bool):
+    """The tensors _create_vllm_generate_request builds: sampling_parameters is the request's
+    model_dump(exclude=..., exclude_none=True), so its defaults arrive too (n, penalties,
+    ignore_eos, temperature, top_p), then max_tokens and logprobs."""
+    import tritonclient.grpc as grpcclient
+    tensors = {"return_logprobs": np.bool_([logprobs]), "text_input": np.array([prompt.encode()], dtype=object),
+               "stream": np.bool_([stream]), "exclude_input_in_output": np.bool_([True]),
+               "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=object),
+               "return_num_input_tokens": np.bool_([True]), "return_num_output_tokens": np.bool_([True])}
+    inputs = []
+    for name, value in tensors.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), "BYTES" if value.dtype == object else "BOOL")
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs
+
+
+def read_like_the_openai_frontend(responses, stream: bool):
+    """What engine/triton_engine.py reads: text_output as one string, num_input_tokens and
+    num_output_tokens (summed over a stream for usage), logprobs JSON (null -> None) whose
+    lowest-rank entry it takes as the chosen token, and the final flag."""
+    if not stream:
+        assert 1 <= len(responses) <= 2 and responses[-1][1]
+        responses = responses[:1]
+    text, prompt_tokens, completion_tokens, chosen = "", None, 0, []
+    for outputs, _ in responses:
+        assert outputs["text_output"].size == 1, "the frontend reads exactly one string"
+        text += strings(outputs["text_output"])[0]
+        assert outputs["num_input_tokens"].dtype == outputs["num_output_tokens"].dtype == np.uint32
+        prompt_tokens = int(outputs["num_input_tokens"].reshape(-1)[0])
+        completion_tokens += int(outputs["num_output_tokens"].reshape(-1)[0])
+        parsed = json.loads(strings(outputs["logprobs"])[0])
+        for position in parsed or []:
+            chosen.append(min(position.values(), key=lambda e: e["rank"])["decoded_token"])
+    assert responses[-1][1], "the last response is final"
+    return text, prompt_tokens, completion_tokens, chosen
+
+
+@pytest.mark.parametrize("kind, stream", [("completions", False), ("completions", True), ("chat", True),
+                                          ("chat", False)])
+def test_the_requests_tritons_openai_frontend_builds(server, tokenizer, reference_engine, kind, stream):
+    if kind == "chat":     # the frontend renders the template and sends the text
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is a dict?"}], tokenize=False,
+                                               add_generation_prompt=True)
+        # CreateChatCompletionRequest(logprobs=True, max_completion_tokens=16, temperature=0, stop=["\n\n"])
+        sampling = {"frequency_penalty": 0, "ignore_eos": False, "n": 1, "presence_penalty": 0, "stop": ["\n\n"],
+                    "temperature": 0.0, "top_p": 1, "max_tokens": 16, "logprobs": 1}
+    else:                  # CreateCompletionRequest(prompt=..., max_tokens=16, temperature=0, logprobs=2, seed=4)
+        prompt = PROMPT
+        sampling = {"frequency_penalty": 0, "ignore_eos": False, "n": 1, "presence_penalty": 0, "seed": 4,
+                    "temperature": 0.0, "top_p": 1, "max_tokens": 16, "logprobs": 2}
+    responses = llm(server, openai_frontend_request(prompt, stream, sampling, logprobs=True))
+    text, prompt_tokens, completion_tokens, chosen = read_like_the_openai_frontend(responses, stream)
+    prompt_ids = tokenizer(prompt)["input_ids"]       # `llm` tokenizes text_input as the vLLM backend does
+    ref = reference_engine.generate([prompt_ids], SamplingParams(max_tokens=16, temperature=0))[0]
+    expected = decode(tokenizer, ref.token_ids)
+    stopped = "stop" in sampling and "\n\n" in expected
+    if stopped:
+        expected = expected[:expected.index("\n\n")]
+    assert text == expected and prompt_tokens == len(prompt_ids)
+    assert completion_tokens == len(chosen) and (stopped or completion_tokens == len(ref.token_ids))
+    # greedy: the rank-1 entry the frontend picks is the sampled token, each decoded alone
+    assert chosen == [tokenizer.decode([t]) for t in ref.token_ids[:completion_tokens]]
