@@ -10,7 +10,8 @@ Bytes that never become a character (a model can emit any byte tokens) must not 
 while the text ends in U+FFFD, everything up to the last cut that no later token can change is
 released (invalid bytes as U+FFFD, as the full decode gives them), and only the tokens of the one
 character still incomplete are held: at most 3 with byte-level BPE, where a character is at most
-4 bytes and every token carries at least one.
+4 bytes and every token carries at least one (special tokens, which the decode skips, are held
+too: bytes on both sides of one still join).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class Delta:
 class IncrementalDetokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.special_ids = frozenset(tokenizer.all_special_ids)   # decoded to nothing
         self.token_ids: list[int] = []
         self.prefix_offset = 0          # first token of the decode window
         self.read_offset = 0            # tokens before this are already released
@@ -74,6 +76,8 @@ class IncrementalDetokenizer:
         before = decode(self.tokenizer, context)
         full = decode(self.tokenizer, context + new)
         for n in range(len(new) - 1, max(0, len(new) - MAX_LOOKBACK - 1), -1):
+            if self.special_ids.issuperset(new[n:]):
+                continue            # only skipped tokens after the cut: a later byte may still join
             part = decode(self.tokenizer, context + new[:n])
             if full == part + decode(self.tokenizer, new[n:]):
                 return n, part[len(before):]
