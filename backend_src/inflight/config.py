@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from .structured import GrammarSpec, parse_spec
+
 POLICIES = ("continuous", "dynamic", "static")
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
@@ -98,6 +100,8 @@ class SamplingParams:
     logprobs: bool = False                    # return the log-probability of each chosen token
     bad_words_ids: tuple[tuple[int, ...], ...] = ()   # token sequences that must not be generated
     stop: tuple[str, ...] = field(default=())  # stop strings: applied by the detokenizing layer
+    # vLLM's {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ebnf} | {"json_object": True}
+    structured_outputs: GrammarSpec | dict | str | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
@@ -118,6 +122,10 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be a list of non-empty strings")
         for name in ("ignore_eos", "logprobs"):
             _check(isinstance(getattr(self, name), bool), name, "must be a boolean")
+        if self.structured_outputs is not None:
+            self.structured_outputs = parse_spec(self.structured_outputs)
+            # the grammar decides where the output ends; banning EOS before that could leave no token
+            _check(self.min_tokens == 0, "min_tokens", "cannot be combined with 'structured_outputs'")
 
     @property
     def greedy(self) -> bool:

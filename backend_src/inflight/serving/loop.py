@@ -54,6 +54,7 @@ class Job:
     text: list[str] = field(default_factory=list)            # non-streaming: accumulated output text
     first_token_time: float | None = None
     done: bool = False
+    grammar: object = None        # structured outputs: compiled on the request's thread, not the engine's
 
 
 class EngineLoop:
@@ -122,7 +123,17 @@ class EngineLoop:
             request_id = f"req-{self._ids}"
         stops = StopStrings(params.stop) if params.stop else None
         return Job(request_id, request, sink, prompt_ids, params, time.monotonic(),
-                   IncrementalDetokenizer(self.tokenizer), stops)
+                   IncrementalDetokenizer(self.tokenizer), stops, grammar=self._compile(params))
+
+    def _compile(self, params: SamplingParams):
+        """A new schema compiles here, on Triton's thread, while the engine thread keeps stepping
+        (xgrammar releases the GIL); the engine thread only looks the grammar up."""
+        if params.structured_outputs is None:
+            return None
+        try:
+            return self.engine.structured.compile(params.structured_outputs)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
 
     def shutdown(self, timeout: float = 20.0) -> None:
         """Finish every request in flight with a final response, then stop both threads."""
@@ -177,7 +188,7 @@ class EngineLoop:
                 return
             try:
                 self.engine.add_request(job.request_id, job.prompt_ids, job.params, job.request.priority,
-                                        job.request.cache_salt, arrival_time=job.arrival)
+                                        job.request.cache_salt, arrival_time=job.arrival, grammar=job.grammar)
             except (ValueError, QueueFullError) as exc:
                 name = "input_ids" if job.request.prompt_ids is not None else "text_input"
                 self.outbox.put(("error", (job.request_id, str(exc).replace("'prompt_token_ids'", f"'{name}'"))))
