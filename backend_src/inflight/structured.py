@@ -167,8 +167,11 @@ class StructuredOutputs:
             except Exception as exc:           # a checkpoint without a tokenizer
                 raise ValueError(f"'{name}' needs the model's tokenizer, which could not be loaded from "
                                  f"{self._tokenizer!r}: {exc}") from None
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                  stop_token_ids=list(self.stop_token_ids) or None)
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=list(self.stop_token_ids) or None)
+        except Exception as exc:               # a tokenizer xgrammar cannot read
+            raise ValueError(f"'{name}' cannot be enforced with this model's tokenizer: {exc}") from None
         # without any stop token a matcher ends as soon as its grammar is complete
         self._terminate_without_stop = not info.stop_token_ids
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
