@@ -340,4 +340,24 @@ def test_fuzzed_constraints_parse_or_fail_naming_the_field(value):
     except ValueError as exc:
         assert str(exc).startswith("'guided_decoding"), str(exc)
         return
-    assert spec.kind in structured.KINDS and spec.field == "guided_decoding"
+    assert spec.kind in structured.KINDS and spec.param == "guided_decoding"
+
+
+def test_sampling_parameters_take_the_constraint_as_an_object_or_its_json_text():
+    import numpy as np
+
+    from inflight.serving.protocol import RequestError, parse_request
+
+    def parse(sampling: dict):
+        return parse_request({"text_input": np.array([b"hi"], dtype=object),
+                              "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=object)}, {})
+
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    as_object = parse({"structured_outputs": {"json": schema}}).params.structured_outputs
+    as_text = parse({"structured_outputs": json.dumps({"json": json.dumps(schema, indent=2)})}).params.structured_outputs
+    alias = parse({"guided_decoding": {"json": schema, "backend": "xgrammar"}}).params.structured_outputs
+    assert as_object == as_text == alias and as_object.kind == "json"
+    assert list(json.loads(as_object.text)["properties"]) == ["b", "a"], "key order is kept: it orders the output"
+    assert not parse({"guided_decoding": {"regex": "a+", "disable_any_whitespace": True}}).params.structured_outputs.any_whitespace
+    with pytest.raises(RequestError, match="'guided_decoding.choice' is empty"):
+        parse({"guided_decoding": {"choice": []}})

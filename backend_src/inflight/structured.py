@@ -42,7 +42,7 @@ class GrammarSpec:
     kind: str
     text: str
     any_whitespace: bool = True
-    field: str = field(default="structured_outputs", compare=False)   # for error messages
+    param: str = field(default="structured_outputs", compare=False)   # the parameter's name, for errors
 
     @property
     def key(self) -> tuple[str, str, bool]:
@@ -146,7 +146,7 @@ class StructuredOutputs:
             if compiled is not None:
                 self._cache.move_to_end(spec.key)
                 return compiled
-            compiler = self._compiler or self._make_compiler(spec.field)
+            compiler = self._compiler or self._make_compiler(spec.param)
         compiled = self._compile(compiler, spec)           # outside the lock: compiles run in parallel
         with self._lock:
             self.num_compiled += 1
@@ -194,7 +194,7 @@ class StructuredOutputs:
             return compiler.compile_lark(spec.text)         # vLLM takes Lark grammars too
         except Exception as exc:          # xgrammar raises RuntimeError/ValueError with a parser message
             message = _LOG_PREFIX.sub("", str(exc).strip())
-            raise ValueError(f"'{spec.field}.{spec.kind}' is not {what}: {message}") from None
+            raise ValueError(f"'{spec.param}.{spec.kind}' is not {what}: {message}") from None
 
     def new_matcher(self, compiled):
         import xgrammar as xgr
