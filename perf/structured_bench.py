@@ -160,8 +160,8 @@ def main() -> None:
     items = workloads.uniform(args.requests, vocab_size, seed=3)
     mixes = {percent: params_for(items, percent) for percent in MIXES}
     runs = {percent: [] for percent in MIXES}
-    # warm-up, untimed: the first run over the workload touches the KV pool's pages for the first time
-    # and ran 25-60% slower than the rest in every measured round 1
+    # warm-up, untimed: in three runs of this script, the first pass over the workload was 25-80%
+    # slower than every later one (a 16-request warm-up did not remove it)
     run(engine, items, mixes[50])
     print(f"\n2. throughput, {args.requests} requests, max batch {args.max_num_seqs}, uniform workload, greedy")
     for r in range(args.repeats):                 # interleaved, so drift hits every mix alike
