@@ -49,7 +49,7 @@ clean:
 bench-prefix: venv
 	$(PY) perf/prefix_bench.py $(BENCH_ARGS)
 
-# structured outputs: mask cost at a full batch, 0/50/100% constrained throughput (about 10 minutes on 2 cores)
+# structured outputs: mask cost at a full batch, 0/50/100% constrained throughput (about 4 minutes on 2 cores)
 .PHONY: bench-structured
 bench-structured: venv
 	$(PY) perf/structured_bench.py $(BENCH_ARGS)
