@@ -9,7 +9,8 @@ the GIL, so the serving loop compiles on the request's thread and the engine thr
 for a new schema. Each constrained request owns a matcher; per step, `step_mask` fills one bitmask
 for the constrained rows only, the sampler applies it before any sampling, and `advance` feeds each
 accepted token back, reporting the rows whose grammar has terminated (their EOS was accepted).
-Steps without constrained rows never reach this module.
+While no constrained request is in the engine, steps never reach this module; steps whose
+constrained requests are all waiting stop at one numpy lookup.
 
 Preemption needs nothing: a recomputed request keeps its output tokens, and its matcher, which
 has accepted exactly those tokens, stays with it.
