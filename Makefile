@@ -70,3 +70,8 @@ bench-cpu-attention: venv
 # the OpenAI server's overhead against Triton's generate_stream, 1 and 64 streams (about 15 minutes on 2 cores)
 bench-openai: venv
 	$(PY) perf/openai_bench.py $(BENCH_ARGS)
+
+# structured outputs: mask cost at a full batch, 0/50/100% constrained throughput (about 4 minutes on 2 cores)
+.PHONY: bench-structured
+bench-structured: venv
+	$(PY) perf/structured_bench.py $(BENCH_ARGS)

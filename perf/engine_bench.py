@@ -380,8 +380,8 @@ def main() -> None:
         print(f"\n   continuous/static = {c / st:.2f}x   continuous/dynamic = {c / d:.2f}x")
 
     if "host" in sections:
-        print(f"\n4. a decode step's host time (outside the matmuls and attention kernels), bf16, "
-              f"medians of 20 steps", flush=True)
+        print("\n4. a decode step's host time (outside the matmuls and attention kernels), bf16, "
+              "medians of 20 steps", flush=True)
         host = summary["host_overhead"] = [host_overhead(model_dir, "bfloat16", n) for n in (64, 256)]
         for h in host:
             p = h["phases_us"]

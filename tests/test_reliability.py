@@ -1,7 +1,6 @@
 """What happens when clients misbehave, memory runs out, load spikes, the engine fails or the
 server stops: nothing lost, nothing leaked, nothing hung, clear errors. Real tritonservers."""
 import json
-import os
 import signal
 import socket
 import time

@@ -31,6 +31,7 @@ class BatchTable:
         self.top_p = np.ones(rows, dtype=np.float32)
         self.num_logprobs = np.full(rows, -1, dtype=np.int32)   # -1: none; N: sampled token + top N
         self.has_bad_words = np.zeros(rows, dtype=bool)
+        self.constrained = np.zeros(rows, dtype=bool)          # has structured outputs (a grammar matcher)
         self.request_ids = np.empty(rows, dtype=object)
         self.requests: list[Request | None] = [None] * rows
         self._free_rows = list(range(rows - 1, -1, -1))
@@ -62,6 +63,7 @@ class BatchTable:
         self.top_p[row] = params.top_p
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.has_bad_words[row] = bool(params.bad_words_ids)
+        self.constrained[row] = req.matcher is not None
         self.request_ids[row] = req.request_id
         self.requests[row] = req
         req.row = row

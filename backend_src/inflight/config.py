@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from .structured import GrammarSpec, parse_spec
+
 POLICIES = ("continuous", "dynamic", "static")
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
@@ -99,6 +101,8 @@ class SamplingParams:
     logprobs: int | None = None               # None: off; N >= 0: the sampled token's log-prob + the top N (vLLM)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()   # token sequences that must not be generated
     stop: tuple[str, ...] = field(default=())  # stop strings: applied by the detokenizing layer
+    # vLLM's {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ebnf} | {"json_object": True}
+    structured_outputs: GrammarSpec | dict | str | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
@@ -120,6 +124,10 @@ class SamplingParams:
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
                f"must be None or an integer in [0, {MAX_LOGPROBS}] (the number of top tokens), got {self.logprobs!r}")
+        if self.structured_outputs is not None:
+            self.structured_outputs = parse_spec(self.structured_outputs)
+            # the grammar decides where the output ends; banning EOS before that could leave no token
+            _check(self.min_tokens == 0, "min_tokens", "cannot be combined with 'structured_outputs'")
 
     @property
     def greedy(self) -> bool:

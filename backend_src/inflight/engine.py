@@ -21,6 +21,7 @@ from .request import Request, RequestOutput, Status, StepOutput
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
+from .structured import StructuredOutputs
 
 log = logging.getLogger("inflight")
 
@@ -31,7 +32,9 @@ class QueueFullError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, config: EngineConfig, eos_token_ids: tuple[int, ...],
-                 model_key: bytes):
+                 model_key: bytes, tokenizer=None):
+        """tokenizer: a transformers tokenizer or the directory to load it from, needed only by
+        requests with structured outputs (loaded on the first one)."""
         self.config = config
         self.runner = runner
         self.max_model_len = runner.max_model_len
@@ -42,6 +45,9 @@ class LLMEngine:
         self.kv = KVCacheManager(runner.num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(config, self.max_model_len, self.kv, eos_token_ids)
         self.sampler = Sampler(runner.device, config.seed)
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size, eos_token_ids, config.max_num_seqs,
+                                            runner.device)
+        self.num_constrained = 0                     # unfinished requests with structured outputs
         self.requests: dict[str, Request] = {}       # unfinished requests by id
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -65,14 +71,16 @@ class LLMEngine:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         runner = ModelRunner(model_dir, hf_config, config)
         model_key = hashlib.blake2b(f"{os.path.realpath(model_dir)}|{runner.dtype}".encode(), digest_size=16).digest()
-        return cls(runner, config, eos_ids, model_key)
+        return cls(runner, config, eos_ids, model_key, tokenizer=model_dir)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     priority: str | int = "normal", cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, grammar=None) -> Request:
         """Queue a request; raises ValueError (naming the field) for anything that could never run,
-        QueueFullError when the waiting queue is full. Returns the request's (read-only) state."""
+        QueueFullError when the waiting queue is full. Returns the request's (read-only) state.
+        With structured outputs, `grammar` is its grammar compiled ahead (self.structured.compile,
+        on another thread); without it the grammar is compiled here."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("'params' must be a SamplingParams")
@@ -90,6 +98,10 @@ class LLMEngine:
         limit = self.config.max_queue_size
         if limit is not None and self.scheduler.num_waiting >= limit:
             raise QueueFullError(f"queue full: {limit} requests are already waiting (max_queue_size)")
+        matcher = None
+        if params.structured_outputs is not None:
+            compiled = grammar if grammar is not None else self.structured.compile(params.structured_outputs)
+            matcher = self.structured.new_matcher(compiled)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device)
@@ -99,7 +111,9 @@ class LLMEngine:
                       priority=parse_priority(priority), arrival_seq=next(self._arrivals),
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                       generator=generator,
-                      cache_key=hashlib.blake2b(self.model_key + b"|" + salt, digest_size=16).digest())
+                      cache_key=hashlib.blake2b(self.model_key + b"|" + salt, digest_size=16).digest(),
+                      matcher=matcher)
+        self.num_constrained += matcher is not None
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -140,24 +154,46 @@ class LLMEngine:
         if len(out):
             logits = self.runner.execute(out, table)
             sample_rows = out.sample_rows
-            tokens, step_logprobs = self.sampler(logits, table, sample_rows)
+            mask = self.structured.step_mask(table, sample_rows) if self.num_constrained else None
+            tokens, step_logprobs = self.sampler(logits, table, sample_rows, mask)
+            grammar_done = mask.advance(tokens) if mask is not None else None
             request_ids = table.request_ids[sample_rows].tolist()
             if step_logprobs is not None:
                 logprobs = [None] * len(tokens)
                 for j, i in enumerate(step_logprobs.index.tolist()):
                     logprobs[i] = step_logprobs.entry(j, int(tokens[i]))
                     table.requests[int(sample_rows[i])].logprobs.append(logprobs[i])
-            scheduler.update(out, tokens)
+            scheduler.update(out, tokens, grammar_done)
             token_ids = tokens.tolist()
+            if mask is not None and mask.rejected:
+                request_ids, token_ids, logprobs = self._fail_rejected(mask.rejected, request_ids, token_ids,
+                                                                       logprobs, errors)
             self.num_computed_tokens += out.num_tokens
             self.num_padding_tokens += out.num_padding_tokens
             self.num_generated_tokens += len(token_ids)
             self.num_steps += 1
         finished, scheduler.finished = scheduler.finished, {}
         for request_id in finished:
-            self.requests.pop(request_id, None)
+            req = self.requests.pop(request_id, None)
+            if req is not None and req.matcher is not None:
+                self.num_constrained -= 1
         self.last_step_s = time.perf_counter() - started
         return StepOutput(request_ids, token_ids, logprobs, finished, errors)
+
+    def _fail_rejected(self, rejected: list[int], request_ids: list[str], token_ids: list[int],
+                       logprobs: list | None, errors: dict[str, str]):
+        """Requests whose sampled token their grammar refused (every token it allowed was banned,
+        by bad_words): already finished by update(); report them as errors, without the token."""
+        finished = self.scheduler.finished
+        for i in rejected:
+            req = self.requests[request_ids[i]]
+            req.finish_reason = finished[req.request_id] = "error"
+            req.error = errors[req.request_id] = (
+                "'structured_outputs': no token allowed by the grammar was left to sample "
+                "(all of them are banned, e.g. by 'bad_words')")
+        keep = sorted(set(range(len(request_ids))) - set(rejected))
+        return ([request_ids[i] for i in keep], [token_ids[i] for i in keep],
+                None if logprobs is None else [logprobs[i] for i in keep])
 
     def _expire_waiting(self) -> dict[str, str]:
         limit = self.config.max_queue_wait_s

@@ -38,6 +38,7 @@ class Request:
     num_cached_tokens: int = 0        # prompt tokens found in the prefix cache at first admission
     first_scheduled_time: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)   # per output token, if params.logprobs
+    matcher: object | None = None     # structured outputs: the grammar matcher (structured.py)
 
     @property
     def prompt_token_ids(self) -> list[int]:

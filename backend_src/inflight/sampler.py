@@ -7,6 +7,8 @@ is in the batch. Log-probabilities (logprobs.py) are those of the model's own di
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -19,13 +21,19 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray
+    def __call__(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray,
+                 grammar_mask: Callable[[torch.Tensor], torch.Tensor] | None = None
                  ) -> tuple[np.ndarray, StepLogprobs | None]:
-        """logits [len(rows), vocab] -> (token ids, log-probs of the rows that asked, or None)."""
+        """logits [len(rows), vocab] -> (token ids, log-probs of the rows that asked, or None).
+        grammar_mask (structured outputs) sets the tokens outside each constrained row's grammar
+        to -inf, in place, before any sampling."""
         if logits.dtype != torch.float64:   # float64 stays: exactness tests compare argmaxes
             logits = logits.float()
         raw = logits
         logits = self._apply_bans(logits, table, rows)
+        if grammar_mask is not None:
+            wants_raw = logits is raw and (table.num_logprobs[rows] >= 0).any()
+            logits = grammar_mask(logits.clone() if wants_raw else logits)
         temperature = table.temperature[rows]
         tokens = logits.argmax(dim=-1)
         sampled = np.flatnonzero(temperature > 0)

@@ -301,9 +301,10 @@ class Scheduler:
         self.held_rows.clear()
 
     # ---- after the step ---------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: np.ndarray) -> None:
+    def update(self, out: SchedulerOutput, sampled: np.ndarray, grammar_done: np.ndarray | None = None) -> None:
         """Advance the scheduled rows, append each sampling row's token (`sampled`, in the order
-        of out.sample_rows), and finish the requests that stop."""
+        of out.sample_rows), and finish the requests that stop (also those whose grammar ended:
+        `grammar_done`, in the same order)."""
         table = self.table
         rows = out.rows
         table.num_computed[rows] = out.start + out.num_scheduled
@@ -320,6 +321,8 @@ class Scheduler:
         length += 1
         table.num_tokens[sample_rows] = length
         stopped = (table.stop_ids[sample_rows] == sampled[:, None]).any(axis=1)
+        if grammar_done is not None:
+            stopped |= grammar_done
         done = stopped | (length >= table.max_total[sample_rows])
         if done.any():
             done_rows = sample_rows[done].tolist()

@@ -96,6 +96,7 @@ class Job:
     samples: list[Sample]
     first_token_time: float | None = None
     done: bool = False                      # its final response went out
+    grammar: object = None                  # structured outputs: compiled on the request's thread, not the engine's
 
     @property
     def finished(self) -> bool:

@@ -96,7 +96,7 @@ class EngineLoop:
             job_id = f"req-{self._ids}"
         samples = [self._make_sample(job_id if request.n == 1 else f"{job_id}.{i}", params, i, request)
                    for i in range(request.n)]
-        return Job(job_id, request, sink, prompt_ids, time.monotonic(), samples)
+        return Job(job_id, request, sink, prompt_ids, time.monotonic(), samples, grammar=self._compile(params))
 
     def _make_sample(self, request_id: str, params: SamplingParams, index: int, request: GenerateRequest) -> Sample:
         """Output `index` of n runs with seed + index (vLLM's rule): n seeded outputs differ from
@@ -105,6 +105,16 @@ class EngineLoop:
             params = _replace(params, seed=params.seed + index)
         stops = StopStrings(params.stop, request.include_stop_str_in_output) if params.stop else None
         return Sample(request_id, params, IncrementalDetokenizer(self.tokenizer), stops)
+
+    def _compile(self, params: SamplingParams):
+        """A new schema compiles here, on Triton's thread, while the engine thread keeps stepping
+        (xgrammar releases the GIL); the engine thread only looks the grammar up."""
+        if params.structured_outputs is None:
+            return None
+        try:
+            return self.engine.structured.compile(params.structured_outputs)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
 
     def shutdown(self, timeout: float = 20.0) -> None:
         """Finish every request in flight with a final response, then stop both threads."""
@@ -161,7 +171,8 @@ class EngineLoop:
             try:
                 for sample in job.samples:
                     self.engine.add_request(sample.request_id, job.prompt_ids, sample.params, job.request.priority,
-                                            job.request.cache_salt, arrival_time=job.arrival)
+                                            job.request.cache_salt, arrival_time=job.arrival,
+                                            grammar=job.grammar)
                     added.append(sample)
             except (ValueError, QueueFullError) as exc:
                 for sample in added:

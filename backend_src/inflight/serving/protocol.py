@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import PRIORITIES, SamplingParams
+from ..structured import parse_spec
 
 
 class RequestError(ValueError):
@@ -30,6 +31,8 @@ KNOBS = {
     "max_tokens": "int", "min_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
     "seed": "int", "stop": "strings", "stop_token_ids": "ints", "ignore_eos": "bool", "logprobs": "int",
     "bad_words": "strings", "bad_words_ids": "int_lists",
+    # vLLM's constraint object (or its JSON text); guided_decoding is its older name
+    "structured_outputs": "constraint", "guided_decoding": "constraint",
 }
 # per-request settings that may also come through the same channels
 SETTINGS = {"priority": "str", "cache_salt": "str", "n": "int", "include_stop_str_in_output": "bool"}
@@ -139,6 +142,11 @@ def _coerce(name: str, kind: str, value):
         if isinstance(value, list):
             return tuple(_coerce(name, "int", v) for v in value)
         fail("a list of integers")
+    if kind == "constraint":
+        try:
+            return parse_spec(value, name)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
     if kind == "int_lists":
         if isinstance(value, list) and all(isinstance(v, list) for v in value):
             return tuple(tuple(_coerce(name, "int", t) for t in v) for v in value)
@@ -205,6 +213,10 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
     cache_salt = knobs.pop("cache_salt", None)
     if "cache_salt" in inputs:
         cache_salt = _string_input("cache_salt", inputs["cache_salt"])
+    if "guided_decoding" in knobs:
+        if "structured_outputs" in knobs:
+            raise RequestError("give 'structured_outputs' or its older name 'guided_decoding', not both")
+        knobs["structured_outputs"] = knobs.pop("guided_decoding")
     bad_words = knobs.pop("bad_words", ())
     if any(not word for word in bad_words):
         raise RequestError("'bad_words' must hold non-empty strings")

@@ -199,6 +199,8 @@ TRTLLM_KNOBS = {
     "top_p": ("top_p", float), "min_tokens": ("min_tokens", int), "min_length": ("min_tokens", int),
     "seed": ("seed", int), "random_seed": ("seed", int),
 }
+# TensorRT-LLM guided_decoding_guide_type -> the llm's structured_outputs key (None: needs no guide)
+GUIDE_TYPES = {"json": None, "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
 
 
 class TokenizerModel:
@@ -220,7 +222,8 @@ class PreprocessingModel(TokenizerModel):
         pb = self.pb
         try:
             inputs = read_inputs(pb, request, ("text_input", "stop_words", "bad_words", "end_id", "pad_id",
-                                               "return_log_probs", "priority", "cache_salt", *TRTLLM_KNOBS))
+                                               "return_log_probs", "priority", "cache_salt", "guided_decoding_guide_type",
+                                               "guided_decoding_guide", *TRTLLM_KNOBS))
             input_ids, sampling = self.translate(inputs)
         except RequestError as exc:
             return pb.InferenceResponse(error=pb.TritonError(str(exc)))
@@ -265,7 +268,37 @@ class PreprocessingModel(TokenizerModel):
         for name in ("priority", "cache_salt"):
             if name in inputs:
                 sampling[name] = _scalar(name, inputs[name]).decode("utf-8", "replace")
+        constraint = _guided_decoding(inputs)
+        if constraint is not None:
+            sampling["structured_outputs"] = constraint
         return self.tokenizer(prompt)["input_ids"], sampling
+
+
+def _guided_decoding(inputs: dict) -> dict | None:
+    """TensorRT-LLM's (guided_decoding_guide_type, guided_decoding_guide) -> structured_outputs.
+    'json' is any JSON value, as in TensorRT-LLM."""
+    guide = None
+    if "guided_decoding_guide" in inputs:
+        guide = _scalar("guided_decoding_guide", inputs["guided_decoding_guide"]).decode("utf-8", "replace")
+    if "guided_decoding_guide_type" not in inputs:
+        if guide:
+            raise RequestError("'guided_decoding_guide' needs 'guided_decoding_guide_type'")
+        return None
+    kind = _scalar("guided_decoding_guide_type", inputs["guided_decoding_guide_type"]).decode("utf-8", "replace")
+    if kind not in GUIDE_TYPES:
+        raise RequestError(f"'guided_decoding_guide_type' must be one of {sorted(GUIDE_TYPES)}, got {kind!r}")
+    if GUIDE_TYPES[kind] is None:
+        if guide:
+            raise RequestError("'guided_decoding_guide' is not used with guide type 'json' (any JSON value)")
+        return {"json": {}}
+    if not guide:
+        raise RequestError(f"guide type {kind!r} needs 'guided_decoding_guide'")
+    if kind == "json_schema":
+        try:
+            return {"json": json.loads(guide)}
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"'guided_decoding_guide' is not valid JSON: {exc.msg}") from None
+    return {GUIDE_TYPES[kind]: guide}
 
 
 def _scalar(name: str, array: np.ndarray):

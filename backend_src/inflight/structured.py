@@ -1,0 +1,270 @@
+"""Structured outputs: JSON schema, regex, choice, grammar and JSON-object constraints, enforced
+with xgrammar inside continuous batching.
+
+A request's constraint arrives as the vLLM `structured_outputs` object (`GrammarSpec` after
+`parse_spec` checks its shape). `StructuredOutputs`, one per engine, turns specs into compiled
+grammars: the tokenizer's vocabulary is compiled once (on the first constrained request), each
+grammar once, kept in an LRU keyed by its canonical text. Compiling is thread-safe and releases
+the GIL, so the serving loop compiles on the request's thread and the engine thread never waits
+for a new schema. Each constrained request owns a matcher; per step, `step_mask` fills one bitmask
+for the constrained rows only, the sampler applies it before any sampling, and `advance` feeds each
+accepted token back, reporting the rows whose grammar has terminated (their EOS was accepted).
+While no constrained request is in the engine, steps never reach this module; steps whose
+constrained requests are all waiting stop at one numpy lookup.
+
+Preemption needs nothing: a recomputed request keeps its output tokens, and its matcher, which
+has accepted exactly those tokens, stays with it.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+BOOLEAN_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
+# vLLM's names for the library it enforces constraints with; anything else is refused
+BACKENDS = ("xgrammar", "xgrammar:no-fallback", "xgrammar:_auto", "auto")
+UNSUPPORTED = {"structural_tag": "is not supported (give one of json, regex, choice, grammar, json_object)",
+               "whitespace_pattern": "is not supported by xgrammar (use 'disable_any_whitespace')"}
+CACHE_SIZE = 256                 # compiled grammars kept per engine
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")     # "[15:12:11] /project/cpp/x.cc:94: "
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """One constraint in canonical form: `text` is the compact JSON of a schema or of a choice
+    list, the regex, or the grammar ('' for json_object)."""
+    kind: str
+    text: str
+    any_whitespace: bool = True
+    param: str = field(default="structured_outputs", compare=False)   # the parameter's name, for errors
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        return self.kind, self.text, self.any_whitespace
+
+
+def parse_spec(value, name: str = "structured_outputs") -> GrammarSpec:
+    """Check the shape of a `structured_outputs` value (an object, or its JSON text) and return
+    its canonical spec. Raises ValueError naming the field; grammars are checked by compiling."""
+    if isinstance(value, GrammarSpec):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"'{name}' is not valid JSON: {exc.msg}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"'{name}' must be an object with one of the keys {', '.join(KINDS)}; "
+                         f"got {type(value).__name__}")
+    value = {k: v for k, v in value.items() if v is not None}
+    unknown = sorted(set(value) - set(KINDS) - set(BOOLEAN_OPTIONS) - set(UNSUPPORTED) - {"backend"})
+    if unknown:
+        raise ValueError(f"'{name}' has unknown key(s) {unknown}; known: "
+                         f"{sorted(KINDS + BOOLEAN_OPTIONS) + ['backend']}")
+    for key, problem in UNSUPPORTED.items():
+        if key in value:
+            raise ValueError(f"'{name}.{key}' {problem}")
+    backend = value.get("backend", "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"'{name}.backend' must be 'xgrammar' or 'auto' (constraints are enforced with "
+                         f"xgrammar here), got {backend!r}")
+    for option in BOOLEAN_OPTIONS:
+        if not isinstance(value.get(option, False), bool):
+            raise ValueError(f"'{name}.{option}' must be a boolean, got {value[option]!r}")
+    kinds = [k for k in KINDS if k in value]
+    if len(kinds) != 1:
+        raise ValueError(f"'{name}' must give exactly one of {', '.join(KINDS)}; got "
+                         f"{', '.join(kinds) if kinds else 'none'}")
+    kind = kinds[0]
+    text = _canonical_text(kind, value[kind], f"{name}.{kind}")
+    return GrammarSpec(kind, text, not value.get("disable_any_whitespace", False), name)
+
+
+def _canonical_text(kind: str, value, name: str) -> str:
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"'{name}' is not valid JSON: {exc.msg}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"'{name}' must be a JSON schema object, got {type(value).__name__}")
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)   # key order kept: it orders the output
+    if kind == "json_object":
+        if value is not True:
+            raise ValueError(f"'{name}' must be true, got {value!r}")
+        return ""
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise ValueError(f"'{name}' must be a list of strings")
+        if not value:
+            raise ValueError(f"'{name}' is empty: give at least one string")
+        return json.dumps(value, ensure_ascii=False)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"'{name}' must be a non-empty string")
+    return value
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar matching exactly one of the strings (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class StructuredOutputs:
+    """Per engine: the compiler (built on first use from the model's tokenizer), the LRU of
+    compiled grammars, and the step's bitmask buffer."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], max_num_seqs: int,
+                 device=None):
+        self._tokenizer = tokenizer          # a transformers tokenizer, or the directory to load it from
+        self.vocab_size = vocab_size         # the model's (logits) vocabulary, maybe padded past the tokenizer's
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.max_num_seqs = max_num_seqs
+        self.device = device
+        self._lock = threading.Lock()
+        self._compiler = None
+        self._terminate_without_stop = False
+        self._cache: OrderedDict = OrderedDict()
+        self._bitmask = None                 # [max_num_seqs, ceil(vocab / 32)] int32, allocated on first use
+        self._batch = None
+        self.num_compiled = 0                # grammars compiled (cache misses)
+        self.mask_seconds = 0.0              # time spent filling, applying and advancing masks
+        self.mask_steps = 0
+
+    # ---- compiling (any thread) ------------------------------------------------------------------
+    def compile(self, spec: GrammarSpec):
+        """The compiled grammar for a spec, from the cache or compiled now (on the calling thread).
+        Raises ValueError naming the field, with xgrammar's message."""
+        with self._lock:
+            compiled = self._cache.get(spec.key)
+            if compiled is not None:
+                self._cache.move_to_end(spec.key)
+                return compiled
+            compiler = self._compiler or self._make_compiler(spec.param)
+        compiled = self._compile(compiler, spec)           # outside the lock: compiles run in parallel
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[spec.key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _make_compiler(self, name: str):
+        import xgrammar as xgr
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            raise ValueError(f"'{name}' needs the model's tokenizer, and this engine has none")
+        if isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            except Exception as exc:           # a checkpoint without a tokenizer
+                raise ValueError(f"'{name}' needs the model's tokenizer, which could not be loaded from "
+                                 f"{self._tokenizer!r}: {exc}") from None
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=list(self.stop_token_ids) or None)
+        except Exception as exc:               # a tokenizer xgrammar cannot read
+            raise ValueError(f"'{name}' cannot be enforced with this model's tokenizer: {exc}") from None
+        # without any stop token a matcher ends as soon as its grammar is complete
+        self._terminate_without_stop = not info.stop_token_ids
+        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        return self._compiler
+
+    @staticmethod
+    def _compile(compiler, spec: GrammarSpec):
+        what = {"json": "a valid JSON schema", "json_object": "valid", "regex": "a valid regex",
+                "grammar": "a valid grammar", "choice": "a valid choice list"}[spec.kind]
+        try:
+            if spec.kind in ("json", "json_object"):
+                schema = spec.text if spec.kind == "json" else '{"type": "object"}'
+                return compiler.compile_json_schema(schema, any_whitespace=spec.any_whitespace)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.text)
+            if spec.kind == "choice":
+                return compiler.compile_grammar(choice_grammar(json.loads(spec.text)))
+            if "::=" in spec.text:
+                return compiler.compile_grammar(spec.text)
+            return compiler.compile_lark(spec.text)         # vLLM takes Lark grammars too
+        except Exception as exc:          # xgrammar raises RuntimeError/ValueError with a parser message
+            message = _LOG_PREFIX.sub("", str(exc).strip())
+            raise ValueError(f"'{spec.param}.{spec.kind}' is not {what}: {message}") from None
+
+    def new_matcher(self, compiled):
+        import xgrammar as xgr
+        return xgr.GrammarMatcher(compiled, terminate_without_stop_token=self._terminate_without_stop)
+
+    # ---- the step (engine thread) ------------------------------------------------------------------
+    def step_mask(self, table, sample_rows: np.ndarray) -> "StepMask | None":
+        """The bitmask of this step's constrained sampling rows, or None if it has none."""
+        positions = np.flatnonzero(table.constrained[sample_rows])
+        if not positions.size:
+            return None
+        started = time.perf_counter()
+        if self._bitmask is None:
+            self._allocate()
+        positions = positions.tolist()
+        matchers = [table.requests[int(sample_rows[i])].matcher for i in positions]
+        self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, positions)
+        bitmask = self._bitmask[:len(sample_rows)]
+        if self.device is not None and self.device.type != "cpu":
+            bitmask = bitmask.to(self.device, non_blocking=True)
+        mask = StepMask(positions, matchers, bitmask, self)
+        self.mask_seconds += time.perf_counter() - started
+        self.mask_steps += 1
+        return mask
+
+    def _allocate(self) -> None:
+        import xgrammar as xgr
+        bitmask = xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
+        if self.device is not None and self.device.type == "cuda":
+            bitmask = bitmask.pin_memory()
+        self._bitmask = bitmask
+        self._batch = xgr.BatchGrammarMatcher()
+
+
+@dataclass(slots=True, eq=False)
+class StepMask:
+    """One step's constraint: which sampling rows are constrained, their matchers, their bitmask.
+    Called by the sampler on the logits; then `advance` with the sampled tokens."""
+    positions: list[int]             # indices into the step's sampling rows
+    matchers: list
+    bitmask: object                  # torch int32 [num sampling rows, ceil(vocab / 32)]
+    owner: StructuredOutputs
+    rejected: list[int] = field(default_factory=list)   # positions whose token the grammar refused
+
+    def __call__(self, logits):
+        """Set every token outside each constrained row's grammar to -inf, in place."""
+        import torch
+        import xgrammar as xgr
+        started = time.perf_counter()
+        if logits.dtype in (torch.float32, torch.float16, torch.bfloat16):     # what xgrammar's kernels take
+            xgr.apply_token_bitmask_inplace(logits, self.bitmask, indices=self.positions)
+        else:    # float64 (exactness runs): the kernel writes the -inf pattern into a float32 bias
+            bias = torch.zeros((len(self.positions), logits.shape[1]), dtype=torch.float32, device=logits.device)
+            xgr.apply_token_bitmask_inplace(bias, self.bitmask[self.positions])
+            index = torch.tensor(self.positions, device=logits.device)
+            logits[index] += bias.to(logits.dtype)
+        self.owner.mask_seconds += time.perf_counter() - started
+        return logits
+
+    def advance(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed each constrained row its sampled token; True for rows whose grammar has terminated
+        (or that produced a token the grammar refused: see `rejected`), in sampling-row order."""
+        started = time.perf_counter()
+        done = np.zeros(len(tokens), dtype=bool)
+        for i, matcher in zip(self.positions, self.matchers):
+            if not matcher.accept_token(int(tokens[i])):
+                self.rejected.append(i)
+                done[i] = True
+            elif matcher.is_terminated():
+                done[i] = True
+        self.owner.mask_seconds += time.perf_counter() - started
+        return done

@@ -1,0 +1,363 @@
+"""Structured outputs in the engine: constrained sampling with the shipped model at temperature 1.0
+gives text that parses and validates (JSON schemas with jsonschema, regex, choice, EBNF and Lark
+grammars), unconstrained neighbours are untouched, preemption keeps a matcher's state, a new
+schema compiles without stalling running requests, and every bad constraint is refused with a
+message that names the field."""
+import json
+import re
+import threading
+import time
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inflight import EngineConfig, LLMEngine, SamplingParams
+from inflight import structured
+from inflight.detokenizer import decode
+from inflight.serving.loop import EngineLoop
+from inflight.serving.protocol import GenerateRequest
+from inflight.structured import parse_spec
+
+from .conftest import DEFAULT_MODEL
+
+PROMPTS = ["The assert statement", "A class definition", "Boolean operations", "def", "The import system",
+           "JSON:", "Exceptions can be raised", "The with statement"]
+
+# nested objects, arrays with min/max items, enums, numbers with bounds, required/optional keys,
+# string patterns; strings are bounded so that a sampled string cannot run past max_tokens
+SCHEMAS = [
+    {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city"]}},
+     "required": ["name", "address"]},
+    {"type": "object", "properties": {"scores": {"type": "array", "minItems": 2, "maxItems": 4,
+                                                 "items": {"type": "integer", "minimum": 0, "maximum": 100}}},
+     "required": ["scores"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                      "size": {"type": "string", "enum": ["S", "M", "L", "XL"]}},
+     "required": ["color", "size"]},
+    {"type": "object", "properties": {"temperature": {"type": "number", "minimum": -50, "maximum": 60},
+                                      "humidity": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 100}},
+     "required": ["temperature", "humidity"]},
+    {"type": "object", "properties": {"date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+                                      "code": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"}},
+     "required": ["date", "code"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": ["string", "null"], "maxLength": 10},
+                                      "retries": {"type": "integer", "minimum": 0, "maximum": 5}},
+     "required": ["ok"]},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 999},
+                                         "label": {"type": "string", "maxLength": 8}},
+        "required": ["id", "label"]}}},
+     "required": ["items"]},
+    {"type": "array", "items": {"enum": ["yes", "no", "maybe"]}, "minItems": 1, "maxItems": 5},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
+        "c": {"type": "integer", "minimum": 10, "maximum": 20}}, "required": ["c"]}}, "required": ["b"]}},
+     "required": ["a"]},
+    {"type": "object", "properties": {"value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9},
+                                                          {"type": "string", "maxLength": 5}]}},
+     "required": ["value"]},
+    {"type": "object", "properties": {"kind": {"const": "event"},
+                                      "title": {"type": "string", "minLength": 3, "maxLength": 12},
+                                      "priority": {"type": "integer", "minimum": 1, "maximum": 3}},
+     "required": ["kind", "title", "priority"]},
+    {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                                                  "role": {"enum": ["admin", "editor", "viewer"]}},
+                 "required": ["id", "role"]},
+        "values": {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1}, "minItems": 1, "maxItems": 4}},
+     "required": ["user", "values"]},
+]
+
+
+def prompt_ids(tokenizer, i):
+    return tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"]
+
+
+def json_params(i, schema, **extra):
+    # compact JSON: with any whitespace allowed, a small model sampled at temperature 1 wanders into
+    # whitespace for hundreds of tokens (allowed by the schema, but it never stops)
+    return SamplingParams(max_tokens=256, temperature=1.0, seed=i, **extra,
+                          structured_outputs={"json": schema, "disable_any_whitespace": True})
+
+
+def text_of(tokenizer, out):
+    return decode(tokenizer, out.token_ids)
+
+
+def test_200_sampled_requests_over_12_schemas_all_stop_and_validate(reference_engine, tokenizer):
+    engine = reference_engine
+    compiled_before = engine.structured.num_compiled
+    params = [json_params(i, SCHEMAS[i % len(SCHEMAS)]) for i in range(200)]
+    outs = engine.generate([prompt_ids(tokenizer, i) for i in range(200)], params)
+    assert [o.finish_reason for o in outs] == ["stop"] * 200, "max_tokens must be large enough that all stop"
+    for i, out in enumerate(outs):
+        assert out.token_ids[-1] in engine.eos_token_ids         # the grammar ended, then EOS
+        jsonschema.validate(json.loads(text_of(tokenizer, out)), SCHEMAS[i % len(SCHEMAS)])
+    assert len({text_of(tokenizer, o) for o in outs}) > 150, "temperature 1.0 should vary the outputs"
+    assert engine.structured.num_compiled - compiled_before <= len(SCHEMAS), "each schema compiles once"
+    assert engine.kv.num_used_blocks == 0 and engine.num_constrained == 0 and not engine.requests
+
+
+def test_regex_choice_json_object_ebnf_and_lark(reference_engine, tokenizer):
+    cases = [
+        ({"regex": r"[0-9]{4}-(0[1-9]|1[0-2])-[0-3][0-9]"},
+         lambda t: re.fullmatch(r"[0-9]{4}-(0[1-9]|1[0-2])-[0-3][0-9]", t)),
+        ({"regex": r"(yes|no), because [a-z ]{1,20}\."}, lambda t: re.fullmatch(r"(yes|no), because [a-z ]{1,20}\.", t)),
+        ({"choice": ["positive", "negative", "neutral", "it's \"mixed\""]},
+         lambda t: t in ("positive", "negative", "neutral", "it's \"mixed\"")),
+        # any object: nothing bounds its strings or numbers, so some samples run to max_tokens
+        ({"json_object": True, "disable_any_whitespace": True}, lambda t: isinstance(json.loads(t), dict)),
+        ({"grammar": 'root ::= term | term op term | term op term op term\nop ::= "+" | "-" | "*"\n'
+                     'term ::= [0-9] | [1-9] [0-9]'},
+         lambda t: re.fullmatch(r"([0-9]|[1-9][0-9])([-+*]([0-9]|[1-9][0-9])){0,2}", t)),
+        ({"grammar": 'start: NAME "=" NUMBER\nNAME: /[a-z]{1,6}/\nNUMBER: /[0-9]{1,3}/'},      # Lark, as vLLM takes
+         lambda t: re.fullmatch(r"[a-z]{1,6}=[0-9]{1,3}", t)),
+    ]
+    params = [SamplingParams(max_tokens=128, temperature=1.0, seed=10 * c + i, structured_outputs=spec)
+              for c, (spec, _) in enumerate(cases) for i in range(8)]
+    outs = reference_engine.generate([prompt_ids(tokenizer, i) for i in range(len(params))], params)
+    for j, out in enumerate(outs):
+        spec, check = cases[j // 8]
+        text = text_of(tokenizer, out)
+        if "json_object" in spec and out.finish_reason == "length":
+            continue
+        assert out.finish_reason == "stop" and check(text), (spec, text)
+    assert sum(o.finish_reason == "stop" for o in outs[24:32]) >= 4
+    choices = {text_of(tokenizer, o) for o in outs[16:24]}
+    assert len(choices) > 1, "sampling still applies within the allowed set"
+
+
+def test_unconstrained_requests_are_unchanged_by_constrained_neighbours(reference_engine, tokenizer):
+    engine = reference_engine
+    plain = [SamplingParams(max_tokens=24, temperature=t, seed=100 + i, ignore_eos=True, top_k=k)
+             for i, (t, k) in enumerate([(1.0, -1), (0.0, -1), (0.8, 20), (1.3, -1)] * 2)]
+    plain_prompts = [prompt_ids(tokenizer, i) for i in range(len(plain))]
+    alone = engine.generate(plain_prompts, plain)
+    constrained = [json_params(300 + i, SCHEMAS[i]) for i in range(12)]
+    constrained_alone = engine.generate([prompt_ids(tokenizer, i + 3) for i in range(12)], constrained)
+    mixed = engine.generate(plain_prompts + [prompt_ids(tokenizer, i + 3) for i in range(12)], plain + constrained)
+    assert [o.token_ids for o in mixed[:len(plain)]] == [o.token_ids for o in alone]
+    assert [o.token_ids for o in mixed[len(plain):]] == [o.token_ids for o in constrained_alone]
+    assert engine.structured.mask_steps > 0
+
+
+def test_steps_without_constrained_rows_do_no_mask_work(tiny_checkpoint):
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=64))
+    engine.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert engine.structured.mask_steps == 0 and engine.structured._bitmask is None
+    assert engine.structured._compiler is None, "no tokenizer is loaded for unconstrained requests"
+
+
+def test_preempted_constrained_requests_resume_the_same_structure(reference_engine, tokenizer):
+    """A pool of 10 blocks for 16 requests forces recompute preemptions mid-structure; the outputs
+    are token for token those of the roomy engine, and all validate."""
+    small = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float64", num_kv_blocks=10, max_num_seqs=16,
+                                                                  max_num_batched_tokens=256, cpu_threads=1))
+    schema = SCHEMAS[6]                                          # an array of up to 3 objects: long outputs
+    prompts = [prompt_ids(tokenizer, i) for i in range(16)]
+    params = [SamplingParams(max_tokens=10 * 16 - len(p), temperature=1.0, seed=500 + i,
+                             structured_outputs={"json": schema, "disable_any_whitespace": True})
+              for i, p in enumerate(prompts)]
+    outs = small.generate(prompts, params)
+    assert sum(o.num_preemptions for o in outs) >= 5 and small.stats()["preemptions"] >= 5
+    roomy = reference_engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+    for out in outs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(text_of(tokenizer, out)), schema)
+    assert small.kv.num_used_blocks == 0 and small.num_constrained == 0
+
+
+class RecordingSink:
+    """Collects what the serving loop sends for one request (Triton's response sender, in a server)."""
+
+    def __init__(self):
+        self.sends: list[tuple[float, str, bool, str | None]] = []
+        self.finished = threading.Event()
+
+    def send(self, outputs, final, error=None):
+        text = b"".join(outputs["text_output"].reshape(-1)).decode() if outputs else ""
+        self.sends.append((time.monotonic(), text, final, error))
+        if final:
+            self.finished.set()
+
+    def is_cancelled(self):
+        return False
+
+    @property
+    def text(self):
+        return "".join(s[1] for s in self.sends)
+
+
+def large_schema(n):
+    return {"type": "object", "properties": {f"field{j}": {"type": "array", "items": {"type": "object", "properties": {
+        "x": {"type": "number", "minimum": j}, "y": {"type": "string", "pattern": "[a-z]{2,9}@[a-z]{3}"},
+        "z": {"enum": [f"v{k}" for k in range(20)]}}}} for j in range(n)}}
+
+
+def test_compiling_a_new_schema_does_not_stall_running_requests(tokenizer):
+    """The serving loop compiles on the submitting (Triton execute) thread: a stream that is already
+    running keeps receiving tokens while a large new schema compiles."""
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(max_num_seqs=8, num_kv_blocks=256, cpu_threads=1))
+    engine.structured.compile(parse_spec({"json_object": True}))        # the tokenizer's vocabulary, up front
+    loop = EngineLoop(engine, tokenizer).start()
+    try:
+        running = RecordingSink()
+        loop.submit(GenerateRequest(None, prompt_ids(tokenizer, 0), SamplingParams(max_tokens=800, ignore_eos=True),
+                                    stream=True), running)
+        while len(running.sends) < 5:
+            time.sleep(0.01)
+        constrained = RecordingSink()
+        schema = large_schema(300)
+        started = time.monotonic()
+        loop.submit(GenerateRequest(None, prompt_ids(tokenizer, 1), SamplingParams(
+            max_tokens=64, temperature=1.0, seed=1, structured_outputs={"json": schema, "disable_any_whitespace": True}),
+            exclude_input_in_output=True), constrained)
+        compiled = time.monotonic()
+        compile_s = compiled - started
+        times = [s[0] for s in running.sends if started <= s[0] <= compiled]
+        gaps = [b - a for a, b in zip([started] + times, times + [compiled])]
+        assert compile_s > 0.3, f"the schema compiled in {compile_s:.2f} s: too fast to show anything"
+        assert len(times) >= 5 and max(gaps) < compile_s / 2, (compile_s, gaps)
+        assert constrained.finished.wait(60) and constrained.sends[-1][3] is None
+        text = constrained.text
+        if text.endswith("}"):                # finished by its grammar (else max_tokens)
+            jsonschema.validate(json.loads(text), schema)
+    finally:
+        loop.shutdown()
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_grammar_cache_is_lru_by_canonical_text(monkeypatch):
+    cache = structured.StructuredOutputs(DEFAULT_MODEL, 4096, (2,), 8)
+    monkeypatch.setattr(structured, "CACHE_SIZE", 2)
+    first = cache.compile(parse_spec({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}))
+    # the same schema as JSON text with other spacing: the same canonical text, compiled once
+    assert cache.compile(parse_spec('{"json": "{ \\"type\\": \\"object\\", \\"properties\\": {\\"a\\": {\\"type\\": \\"integer\\"}}}"}')) is first
+    assert cache.num_compiled == 1
+    cache.compile(parse_spec({"regex": "[a-z]+"}))
+    cache.compile(parse_spec({"choice": ["x", "y"]}))           # evicts the least recently used: the schema
+    assert cache.compile(parse_spec({"regex": "[a-z]+"})) is not None and cache.num_compiled == 3
+    cache.compile(parse_spec({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}))
+    assert cache.num_compiled == 4
+
+
+SHAPE_ERRORS = [
+    ({"json": {"type": "object"}, "regex": "a+"}, "'structured_outputs' must give exactly one of json, regex, choice, grammar, json_object; got json, regex"),
+    ({}, "'structured_outputs' must give exactly one of json, regex, choice, grammar, json_object; got none"),
+    ({"choice": []}, "'structured_outputs.choice' is empty"),
+    ({"choice": ["a", 3]}, "'structured_outputs.choice' must be a list of strings"),
+    ({"json": "{not json"}, "'structured_outputs.json' is not valid JSON"),
+    ({"json": [1, 2]}, "'structured_outputs.json' must be a JSON schema object"),
+    ({"regex": ""}, "'structured_outputs.regex' must be a non-empty string"),
+    ({"grammar": 5}, "'structured_outputs.grammar' must be a non-empty string"),
+    ({"json_object": False}, "'structured_outputs.json_object' must be true"),
+    ({"regex": "a", "backend": "outlines"}, "'structured_outputs.backend' must be 'xgrammar' or 'auto'"),
+    ({"regex": "a", "disable_any_whitespace": "yes"}, "'structured_outputs.disable_any_whitespace' must be a boolean"),
+    ({"structural_tag": "{}"}, "'structured_outputs.structural_tag' is not supported"),
+    ({"json": {}, "whitespace_pattern": " *"}, "'structured_outputs.whitespace_pattern' is not supported by xgrammar"),
+    ({"jsn": {}}, "'structured_outputs' has unknown key(s) ['jsn']"),
+    ("[1]", "'structured_outputs' must be an object with one of the keys"),
+    ("{oops", "'structured_outputs' is not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("value, message", SHAPE_ERRORS, ids=[m[:60] for _, m in SHAPE_ERRORS])
+def test_malformed_constraints_are_refused_at_construction(value, message):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(structured_outputs=value)
+    assert message in str(info.value)
+
+
+def test_min_tokens_cannot_be_combined_with_a_constraint():
+    with pytest.raises(ValueError, match="'min_tokens' cannot be combined with 'structured_outputs'"):
+        SamplingParams(min_tokens=3, structured_outputs={"regex": "a+"})
+
+
+COMPILE_ERRORS = [
+    ({"json": {"type": "foo"}}, "'structured_outputs.json' is not a valid JSON schema: Unsupported type \"foo\""),
+    ({"json": {"type": "array", "minItems": 3, "maxItems": 1}},
+     "'structured_outputs.json' is not a valid JSON schema: minItems is greater than maxItems: 3 > 1"),
+    ({"regex": "(ab"}, "'structured_outputs.regex' is not a valid regex: Regex parsing error at position"),
+    ({"grammar": "root ::= foo"}, "'structured_outputs.grammar' is not a valid grammar: EBNF parser error at line 1, column 10: Rule \"foo\" is not defined"),
+    ({"grammar": "start: foo"}, "'structured_outputs.grammar' is not a valid grammar: Lark error at line 1"),
+]
+
+
+@pytest.mark.parametrize("spec, message", COMPILE_ERRORS, ids=[m[:50] for _, m in COMPILE_ERRORS])
+def test_invalid_grammars_are_refused_at_submission_with_xgrammars_message(reference_engine, spec, message):
+    with pytest.raises(ValueError) as info:
+        reference_engine.add_request("bad-grammar", [1, 5, 6], SamplingParams(structured_outputs=spec))
+    assert message in str(info.value) and "/project/" not in str(info.value)
+    assert "bad-grammar" not in reference_engine.requests and reference_engine.num_constrained == 0
+
+
+def test_a_model_without_a_tokenizer_refuses_constraints_clearly(tiny_checkpoint):
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=64))
+    with pytest.raises(ValueError, match="'structured_outputs' needs the model's tokenizer, which could not be loaded"):
+        engine.add_request("r", [1, 2, 3], SamplingParams(structured_outputs={"regex": "a+"}))
+    assert not engine.requests
+
+
+def test_a_grammar_whose_every_token_is_banned_ends_with_an_error(reference_engine, tokenizer):
+    """bad_words can ban every token the grammar allows: the request fails with a clear message
+    instead of emitting text outside its grammar."""
+    vocab = tokenizer.get_vocab()
+    starts = [[i] for i in vocab.values() if decode(tokenizer, [i]) and "yes".startswith(decode(tokenizer, [i]))]
+    engine = reference_engine
+    req = engine.add_request("all-banned", prompt_ids(tokenizer, 0), SamplingParams(
+        max_tokens=8, structured_outputs={"choice": ["yes"]}, bad_words_ids=starts))
+    emitted, finished, errors = [], {}, {}
+    while engine.has_unfinished():
+        out = engine.step()
+        emitted += [t for r, t in zip(out.request_ids, out.token_ids) if r == "all-banned"]
+        finished.update(out.finished)
+        errors.update(out.errors)
+    assert emitted == [] and finished["all-banned"] == req.finish_reason == "error"
+    assert "no token allowed by the grammar" in errors["all-banned"] == req.error
+    assert engine.kv.num_used_blocks == 0 and engine.num_constrained == 0
+
+
+constraint_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=6),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=6)
+constraint_keys = st.sampled_from(["json", "regex", "choice", "grammar", "json_object", "backend",
+                                   "disable_any_whitespace", "structural_tag", "other"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=st.one_of(st.dictionaries(constraint_keys, constraint_values, max_size=3), constraint_values,
+                       st.text(max_size=12)))
+def test_fuzzed_constraints_parse_or_fail_naming_the_field(value):
+    try:
+        spec = parse_spec(value, "guided_decoding")
+    except ValueError as exc:
+        assert str(exc).startswith("'guided_decoding"), str(exc)
+        return
+    assert spec.kind in structured.KINDS and spec.param == "guided_decoding"
+
+
+def test_sampling_parameters_take_the_constraint_as_an_object_or_its_json_text():
+    import numpy as np
+
+    from inflight.serving.protocol import RequestError, parse_request
+
+    def parse(sampling: dict):
+        return parse_request({"text_input": np.array([b"hi"], dtype=object),
+                              "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=object)}, {})
+
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    as_object = parse({"structured_outputs": {"json": schema}}).params.structured_outputs
+    as_text = parse({"structured_outputs": json.dumps({"json": json.dumps(schema, indent=2)})}).params.structured_outputs
+    alias = parse({"guided_decoding": {"json": schema, "backend": "xgrammar"}}).params.structured_outputs
+    assert as_object == as_text == alias and as_object.kind == "json"
+    assert list(json.loads(as_object.text)["properties"]) == ["b", "a"], "key order is kept: it orders the output"
+    assert not parse({"guided_decoding": {"regex": "a+", "disable_any_whitespace": True}}).params.structured_outputs.any_whitespace
+    with pytest.raises(RequestError, match="'guided_decoding.choice' is empty"):
+        parse({"guided_decoding": {"choice": []}})
