@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -48,14 +50,21 @@ class AttentionBackend:
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """'triton' (the Triton-language kernels; default on CUDA) or 'torch' (grouped_paged_attention;
-    default on CPU, and for float64, which the kernels do not cover). With TRITON_INTERPRET=1 the
-    triton backend also runs on CPU."""
+    """'triton' (the Triton-language kernels; default on CUDA), 'cpu' (the compiled CPU kernel for
+    decodes, `compiled_paged_attention`; default on CPU in float32 and bfloat16 where it builds) or
+    'torch' (grouped_paged_attention; the CPU fallback, and float64, which no kernel covers). With
+    TRITON_INTERPRET=1 the triton backend also runs on CPU."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and dtype != torch.float64 else "torch"
+        if device.type == "cuda":
+            name = "triton" if dtype != torch.float64 else "torch"
+        else:
+            # cpu_kernels.load() logs why when the kernels cannot be had
+            name = "cpu" if dtype in cpu_kernels.DTYPES and cpu_kernels.load() is not None else "torch"
     if name == "triton" and dtype == torch.float64:
         raise ValueError("'attention_backend' 'triton' supports float16, bfloat16 and float32, not float64; "
                          "use 'torch'")
+    if name == "cpu":
+        return AttentionBackend("cpu", write_kv, _compiled_backend(device, dtype))
     if name == "torch":
         return AttentionBackend("torch", write_kv, grouped_paged_attention)
     from .kernels import unified_attention, write_kv as triton_write_kv
@@ -165,13 +174,15 @@ class CpuAttentionPlan:
     prefills: list[tuple[int, int, int]]        # (sequence, first query row, end row) of the others
 
 
-def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> CpuAttentionPlan:
+def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor, decode_groups: bool = True) -> CpuAttentionPlan:
+    """The prefill chunks, and with decode_groups the decodes cut into groups (not needed by the
+    compiled kernel, which reads the block table itself)."""
     block_size, kv_heads, dim = k_cache.shape[1:]
     device = k_cache.device          # the torch backend also runs on CUDA when asked for
     starts = meta.cu_seqlens_q.cpu().numpy()
     lens = meta.seq_lens.cpu().numpy().astype(np.int64)
     one_token = np.diff(starts) == 1
-    decode = np.flatnonzero(one_token)
+    decode = np.flatnonzero(one_token) if decode_groups else np.zeros(0, dtype=np.int64)
     order = decode[np.argsort(lens[decode], kind="stable")]
     group_tokens = max(block_size, GROUP_KV_BYTES // (2 * kv_heads * dim * k_cache.element_size()))
     groups, i = [], 0
@@ -207,10 +218,56 @@ def grouped_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         folded = q.index_select(0, g.token_idx).view(n, kv_heads, heads // kv_heads, dim)
         o = F.scaled_dot_product_attention(folded, k, v, attn_mask=g.mask, scale=scale)
         out.index_copy_(0, g.token_idx, o.reshape(n, heads, dim))
+    _prefill_attention(q, k_cache, v_cache, out, meta, scale)
+    return out
+
+
+def _compiled_backend(device: torch.device, dtype: torch.dtype) -> Callable:
+    if device.type != "cpu" or dtype not in cpu_kernels.DTYPES:
+        raise ValueError(f"'attention_backend' 'cpu' runs float32 and bfloat16 on the CPU, not {dtype} on {device}; "
+                         "use 'torch'")
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise ValueError("'attention_backend' 'cpu' needs the compiled CPU kernels, which could not be built here "
+                         "(the log says why); use 'torch' or 'auto'")
+
+    def attention(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float):
+        return compiled_paged_attention(kernels, q, k_cache, v_cache, out, meta, scale)
+    return attention
+
+
+def compiled_paged_attention(kernels: "cpu_kernels.CpuKernels", q: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
+                             scale: float) -> torch.Tensor:
+    """The CPU backend with the compiled kernel: every one-token query reads its K/V in place
+    through the block table (cpu_kernels.cpp); prefill chunks take SDPA as in the torch path."""
+    kv_heads, dim = k_cache.shape[2:]
+    if not kernels.supports(q.dtype, q.shape[1], kv_heads, dim):
+        return grouped_paged_attention(q, k_cache, v_cache, out, meta, scale)
+    if meta.cpu_plan is None:
+        meta.cpu_plan = plan_cpu_attention(meta, k_cache, decode_groups=False)
+    kernels.paged_decode_attention(q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_table,
+                                   scale)
+    _prefill_attention(q, k_cache, v_cache, out, meta, scale)
+    return out
+
+
+def _prefill_attention(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float) -> None:
+    """SDPA per prefill chunk over its gathered context. bfloat16 runs it in float32, which this
+    kind of CPU (AVX-512 without AMX) computes faster; a chunk with no context before it takes the
+    mask-free causal call."""
+    block_size = k_cache.shape[1]
     block_table, lens = meta.block_table, meta.seq_lens
     for seq, start, end in meta.cpu_plan.prefills:
         seq_len = int(lens[seq])
         blocks = block_table[seq, :-(-seq_len // block_size)]
         k, v = gather_kv(k_cache, blocks, seq_len), gather_kv(v_cache, blocks, seq_len)
-        out[start:end] = _attend(q[start:end], k, v, scale, causal_offset=seq_len - (end - start))
-    return out
+        chunk = q[start:end]
+        if chunk.dtype == torch.bfloat16:
+            chunk, k, v = chunk.float(), k.float(), v.float()
+        if end - start == seq_len:
+            o = F.scaled_dot_product_attention(chunk.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+        else:
+            o = _attend(chunk, k, v, scale, causal_offset=seq_len - (end - start))
+        out[start:end] = o

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 POLICIES = ("continuous", "dynamic", "static")
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -1,0 +1,266 @@
+// CPU kernels for the engine's hot path, compiled at first use by cpu_kernels.py (g++ -O3
+// -march=native -fopenmp) and called through ctypes with raw pointers and element strides.
+//
+// paged_decode_attention: one query token per sequence against its K/V read in place from the
+// paged cache through the block table (no gather copy). A KV head's query heads are handled
+// together, so each K/V row is loaded and converted once for the whole group; the softmax is
+// online, in float32, a tile of keys at a time. Work items are (sequence, KV head) pairs spread
+// over OpenMP threads; each item is computed by one thread in a fixed order, so results do not
+// depend on the thread count or the schedule.
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+namespace {
+
+constexpr int TILE = 128;          // keys per online-softmax step
+constexpr int PREFETCH = 16;       // keys ahead to fetch from memory
+constexpr int MAX_DIM = 256;       // head_dim limit (the loader checks it)
+constexpr int MAX_GROUP = 16;      // query heads per KV head limit
+
+typedef uint16_t bf16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline void from_float(float x, float *dst) { *dst = x; }
+inline void from_float(float x, bf16 *dst) {      // round to nearest even, as torch does
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) { *dst = (bf16)((bits >> 16) | 0x40); return; }
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    *dst = (bf16)(bits >> 16);
+}
+
+// a head's row as NC vectors of 16 floats, lanes past dim zero (GCC vector extensions: AVX-512
+// registers with -march=native where the CPU has them, pairs of AVX2 registers elsewhere)
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+inline v16f load16(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
+inline v16f load16(const bf16 *p) {
+    v16h h;
+    memcpy(&h, p, 32);
+    const v16u bits = __builtin_convertvector(h, v16u) << 16;
+    v16f v;
+    memcpy(&v, &bits, 64);
+    return v;
+}
+
+template <typename T, int NC>
+inline void load_row(const T *p, int dim, v16f *row) {
+    for (int c = 0; c < NC; ++c) {
+        if (16 * (c + 1) <= dim) {
+            row[c] = load16(p + 16 * c);
+        } else {
+            v16f tail = {};
+            for (int d = 16 * c; d < dim; ++d) tail[d - 16 * c] = to_float(p[d]);
+            row[c] = tail;
+        }
+    }
+}
+
+// exp of x <= 0 lane by lane (softmax arguments): Cephes' expf polynomial after reducing by
+// powers of two; exactly 0 below -87 (and for -inf)
+inline v16f exp_nonpositive(v16f x) {
+    const v16f clamped = x < -87.0f ? (v16f){} - 87.0f : x;
+    const v16f magic = (v16f){} + 12582912.0f;          // 1.5 * 2^23: adding it rounds to an integer
+    const v16f n = (clamped * 1.44269504088896341f + magic) - magic;
+    const v16f r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+    v16f p = (v16f){} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &bits, 64);
+    return x < -87.0f ? (v16f){} : p * scale;
+}
+
+inline float exp_nonpositive(float x) { return exp_nonpositive((v16f){} + x)[0]; }
+
+template <typename T>
+inline void prefetch_row(const T *p, int dim) {
+    for (int offset = 0; offset < dim * (int)sizeof(T); offset += 64) __builtin_prefetch((const char *)p + offset);
+}
+
+// lanes 0, 4, 8, 12 = the sums of a, b, c, d
+inline v16f hsum4(v16f a, v16f b, v16f c, v16f d) {
+    const v16u low = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16u high = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16f ab = __builtin_shuffle(a, b, low) + __builtin_shuffle(a, b, high);
+    const v16f cd = __builtin_shuffle(c, d, low) + __builtin_shuffle(c, d, high);
+    v16f v = __builtin_shuffle(ab, cd, (v16u){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+             __builtin_shuffle(ab, cd, (v16u){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+    v += __builtin_shuffle(v, (v16u){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (v16u){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v;
+}
+
+inline float hsum(v16f v) {
+    v += __builtin_shuffle(v, (v16u){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (v16u){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (v16u){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (v16u){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+template <typename T, int NC>
+void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_cache,
+                const int64_t *k_strides, const int64_t *v_strides, T *out, int64_t out_head_stride,
+                const int32_t *blocks, int seq_len, int kv_head, int group, int dim, int block_size,
+                float scale) {
+    v16f qf[MAX_GROUP][NC], acc[MAX_GROUP][NC], row[NC];
+    alignas(64) float scores[MAX_GROUP][TILE];
+    float running_max[MAX_GROUP], running_sum[MAX_GROUP];
+    for (int g = 0; g < group; ++g) {
+        load_row<T, NC>(q + (int64_t)(kv_head * group + g) * q_head_stride, dim, qf[g]);
+        for (int c = 0; c < NC; ++c) { qf[g][c] *= scale; acc[g][c] = (v16f){}; }
+        running_max[g] = -INFINITY;
+        running_sum[g] = 0.0f;
+    }
+    const T *k_head = k_cache + kv_head * k_strides[2], *v_head = v_cache + kv_head * v_strides[2];
+    for (int first = 0; first < seq_len; first += TILE) {
+        const int n = seq_len - first < TILE ? seq_len - first : TILE;
+        // scores four keys at a time, so one joint reduction yields four sums
+        for (int t = 0; t < n; t += 4) {
+            v16f rows[4][NC];
+            const int quad = n - t < 4 ? n - t : 4;
+            for (int i = 0; i < 4; ++i) {
+                const int pos = first + t + (i < quad ? i : 0);
+                // blocks sit anywhere in the pool: fetch the K row PREFETCH keys ahead, and this
+                // key's V row for the pass below, so the loads do not wait on memory
+                if (pos + PREFETCH < seq_len) {
+                    const int ahead = pos + PREFETCH;
+                    prefetch_row(k_head + blocks[ahead / block_size] * k_strides[0] +
+                                 (ahead % block_size) * k_strides[1], dim);
+                }
+                prefetch_row(v_head + blocks[pos / block_size] * v_strides[0] + (pos % block_size) * v_strides[1],
+                             dim);
+                load_row<T, NC>(k_head + blocks[pos / block_size] * k_strides[0] + (pos % block_size) * k_strides[1],
+                                dim, rows[i]);
+            }
+            for (int g = 0; g < group; ++g) {
+                v16f s[4];
+                for (int i = 0; i < 4; ++i) {
+                    s[i] = qf[g][0] * rows[i][0];
+                    for (int c = 1; c < NC; ++c) s[i] += qf[g][c] * rows[i][c];
+                }
+                const v16f sums = hsum4(s[0], s[1], s[2], s[3]);
+                for (int i = 0; i < quad; ++i) scores[g][t + i] = sums[4 * i];
+            }
+        }
+        const int chunks = (n + 15) / 16;
+        for (int g = 0; g < group; ++g) {
+            v16f *row_scores = (v16f *)scores[g];
+            for (int t = n; t < 16 * chunks; ++t) scores[g][t] = -INFINITY;
+            v16f maxes = row_scores[0];
+            for (int c = 1; c < chunks; ++c) maxes = row_scores[c] > maxes ? row_scores[c] : maxes;
+            float tile_max = maxes[0];
+            for (int i = 1; i < 16; ++i) tile_max = maxes[i] > tile_max ? maxes[i] : tile_max;
+            const float new_max = tile_max > running_max[g] ? tile_max : running_max[g];
+            const float correction = running_max[g] == -INFINITY ? 0.0f : exp_nonpositive(running_max[g] - new_max);
+            v16f sums = {};
+            for (int c = 0; c < chunks; ++c) {
+                row_scores[c] = exp_nonpositive(row_scores[c] - new_max);
+                sums += row_scores[c];
+            }
+            running_sum[g] = running_sum[g] * correction + hsum(sums);
+            running_max[g] = new_max;
+            if (correction != 1.0f)
+                for (int c = 0; c < NC; ++c) acc[g][c] *= correction;
+        }
+        for (int t = 0; t < n; ++t) {
+            const int pos = first + t;
+            load_row<T, NC>(v_head + blocks[pos / block_size] * v_strides[0] + (pos % block_size) * v_strides[1],
+                            dim, row);
+            for (int g = 0; g < group; ++g)
+                for (int c = 0; c < NC; ++c) acc[g][c] += scores[g][t] * row[c];
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        T *dst = out + (int64_t)(kv_head * group + g) * out_head_stride;
+        const float inv = 1.0f / running_sum[g];
+        for (int d = 0; d < dim; ++d) from_float(acc[g][d / 16][d % 16] * inv, dst + d);
+    }
+}
+
+template <typename T>
+void decode_dispatch(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_cache,
+                     const int64_t *k_strides, const int64_t *v_strides, T *out, int64_t out_head_stride,
+                     const int32_t *blocks, int seq_len, int kv_head, int group, int dim, int block_size,
+                     float scale) {
+#define INFLIGHT_DECODE(NC) decode_one<T, NC>(q, q_head_stride, k_cache, v_cache, k_strides, v_strides, out, \
+                                              out_head_stride, blocks, seq_len, kv_head, group, dim, block_size, scale)
+    switch ((dim + 15) / 16) {
+        case 1: INFLIGHT_DECODE(1); break;
+        case 2: INFLIGHT_DECODE(2); break;
+        case 3: INFLIGHT_DECODE(3); break;
+        case 4: INFLIGHT_DECODE(4); break;
+        case 5: INFLIGHT_DECODE(5); break;
+        case 6: INFLIGHT_DECODE(6); break;
+        case 7: INFLIGHT_DECODE(7); break;
+        case 8: INFLIGHT_DECODE(8); break;
+        case 9: case 10: case 11: case 12: INFLIGHT_DECODE(12); break;
+        default: INFLIGHT_DECODE(16); break;
+    }
+#undef INFLIGHT_DECODE
+}
+
+// q [tokens, heads, dim] and out alike (strides: token, head; the last dim contiguous);
+// caches [blocks, block_size, kv_heads, dim] with strides (block, slot, head);
+// cu_seqlens_q [num_seqs + 1], seq_lens [num_seqs], block_table [num_seqs, *] (row stride given).
+// Only sequences with exactly one query token are computed; the others are left to the caller.
+template <typename T>
+void paged_decode_attention(const T *q, const int64_t *q_strides, const T *k_cache, const int64_t *k_strides,
+                            const T *v_cache, const int64_t *v_strides, T *out, const int64_t *out_strides,
+                            const int32_t *cu_seqlens_q, const int32_t *seq_lens, const int32_t *block_table,
+                            int64_t block_table_stride, int num_seqs, int num_heads, int num_kv_heads, int dim,
+                            int block_size, float scale, int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t items = (int64_t)num_seqs * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < items; ++item) {
+        const int seq = (int)(item / num_kv_heads), kv_head = (int)(item % num_kv_heads);
+        const int token = cu_seqlens_q[seq];
+        if (cu_seqlens_q[seq + 1] - token != 1) continue;
+        decode_dispatch(q + token * q_strides[0], q_strides[1], k_cache, v_cache, k_strides, v_strides,
+                   out + token * out_strides[0], out_strides[1], block_table + seq * block_table_stride,
+                   seq_lens[seq], kv_head, group, dim, block_size, scale);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int inflight_kernel_limits(int *max_dim, int *max_group) {
+    *max_dim = MAX_DIM;
+    *max_group = MAX_GROUP;
+    return 0;
+}
+
+#define DECODE_ENTRY(NAME, T)                                                                                  \
+    void NAME(const T *q, const int64_t *q_strides, const T *k_cache, const int64_t *k_strides, const T *v_cache, \
+              const int64_t *v_strides, T *out, const int64_t *out_strides, const int32_t *cu_seqlens_q,          \
+              const int32_t *seq_lens, const int32_t *block_table, int64_t block_table_stride, int num_seqs,      \
+              int num_heads, int num_kv_heads, int dim, int block_size, float scale, int num_threads) {          \
+        paged_decode_attention<T>(q, q_strides, k_cache, k_strides, v_cache, v_strides, out, out_strides,       \
+                                  cu_seqlens_q, seq_lens, block_table, block_table_stride, num_seqs, num_heads,  \
+                                  num_kv_heads, dim, block_size, scale, num_threads);                            \
+    }
+
+DECODE_ENTRY(paged_decode_attention_f32, float)
+DECODE_ENTRY(paged_decode_attention_bf16, bf16)
+
+}  // extern "C"

@@ -1,0 +1,156 @@
+"""The compiled CPU decode-attention kernel (cpu_kernels.cpp through attention.compiled_paged_attention):
+the reference's result on random mixed steps, deterministic, built once into the cache, and the
+torch path with one logged line where it cannot be built."""
+import logging
+import os
+
+import pytest
+import torch
+
+from inflight import EngineConfig, LLMEngine, SamplingParams, attention, cpu_kernels
+from inflight.attention import AttentionMetadata, compiled_paged_attention, select_backend
+
+from .test_cpu_attention import reference
+from .test_kernels import make_step
+
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = cpu_kernels.load()
+    assert loaded is not None, "the CPU kernels did not build (g++ is part of the development setup)"
+    return loaded
+
+
+def meta_of(step) -> AttentionMetadata:
+    return AttentionMetadata(torch.zeros(0, dtype=torch.long), step["cu_seqlens_q"], step["seq_lens"],
+                             step["block_table"], int(step["cu_seqlens_q"][-1]), int(step["seq_lens"].max()))
+
+
+def run(kernels, step):
+    out = compiled_paged_attention(kernels, step["q"], step["k_cache"], step["v_cache"], step["out"], meta_of(step),
+                                   step["scale"])
+    assert out is step["out"]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_mixed_steps_match_the_reference(kernels, seed):
+    """Decodes of many lengths (1 to past several tiles of 128 keys), prefill chunks with and without
+    context, GQA groups 1/2/4/8, head dims 24/64/128, block sizes 16/32, strided views."""
+    rng = torch.Generator().manual_seed(300 + seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=rng))]
+
+    lengths = [1, 2, 15, 16, 17, 127, 128, 129, 300, 513]
+    cases = [(1, pick(lengths) if i % 2 else int(torch.randint(1, 600, (1,), generator=rng)))
+             for i in range(int(torch.randint(1, 24, (1,), generator=rng)))]
+    for _ in range(int(torch.randint(0, 3, (1,), generator=rng))):
+        q_len = pick([2, 7, 33])
+        cases.insert(int(torch.randint(len(cases) + 1, (1,), generator=rng)), (q_len, q_len + pick([0, 5, 70])))
+    kv_heads, group = pick([1, 2, 4]), [1, 2, 4, 8][seed % 4]
+    dtype = [torch.float32, torch.bfloat16][seed // 4 % 2]
+    step = make_step(cases, kv_heads * group, kv_heads, [24, 64, 128][seed % 3], pick([16, 32]), dtype, seed=seed,
+                     strided=seed >= 6)
+    torch.testing.assert_close(run(kernels, step).double(), reference(step), atol=ATOL[dtype], rtol=0)
+
+
+def test_results_are_bitwise_the_same_with_any_thread_count(kernels):
+    step = make_step([(1, n) for n in (700, 3, 129, 40, 1, 260)] + [(5, 30)], 8, 2, 64, 16, torch.bfloat16)
+    saved = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 1):
+            torch.set_num_threads(threads)
+            step["out"].zero_()
+            outs.append(run(kernels, step).clone())
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_the_library_is_built_once_into_the_cache_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFLIGHT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    assert cpu_kernels.load() is not None
+    built = list(tmp_path.iterdir())
+    assert len(built) == 1 and built[0].name.startswith("cpu_kernels-") and built[0].suffix == ".so"
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    assert cpu_kernels.load() is not None                     # a new process finds it: no rebuild
+    assert [p.stat().st_mtime_ns for p in tmp_path.iterdir()] == [stamp]
+
+
+@pytest.mark.parametrize("cause, env, message", [
+    ("no compiler", {"PATH": "", "CXX": ""}, "no C++ compiler (g++) found"),
+    ("build failure", {"CXX": "false"}, "building the compiled CPU kernels failed"),
+    ("switched off", {"INFLIGHT_CPU_KERNELS": "0"}, "INFLIGHT_CPU_KERNELS=0"),
+])
+def test_without_the_kernels_attention_falls_back_to_torch_with_one_log_line(cause, env, message, tmp_path,
+                                                                              monkeypatch, caplog):
+    monkeypatch.setenv("INFLIGHT_CACHE_DIR", str(tmp_path))      # an empty cache: it must build
+    for key, value in env.items():
+        if value:
+            monkeypatch.setenv(key, value)
+        else:
+            monkeypatch.delenv(key, raising=False)
+    if cause == "no compiler":
+        monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    with caplog.at_level(logging.INFO, logger="inflight"):
+        backend = select_backend("auto", CPU, torch.bfloat16)
+        assert select_backend("auto", CPU, torch.float32).name == "torch"
+    assert backend.name == "torch"
+    lines = [r.getMessage() for r in caplog.records if "CPU kernels" in r.getMessage()]
+    assert len(lines) == 1 and message in lines[0], lines
+    with pytest.raises(ValueError, match="'attention_backend' 'cpu' needs the compiled CPU kernels"):
+        select_backend("cpu", CPU, torch.float32)
+
+
+def test_backend_choice(kernels):
+    assert select_backend("auto", CPU, torch.bfloat16).name == "cpu"
+    assert select_backend("auto", CPU, torch.float32).name == "cpu"
+    assert select_backend("auto", CPU, torch.float64).name == "torch"
+    with pytest.raises(ValueError, match="'attention_backend' 'cpu' runs float32 and bfloat16"):
+        select_backend("cpu", CPU, torch.float64)
+
+
+def test_shapes_beyond_the_kernel_take_the_torch_path(kernels, monkeypatch):
+    step = make_step([(1, 40), (1, 7), (3, 9)], 8, 2, 64, 16, torch.float32)
+    called = []
+    monkeypatch.setattr(kernels, "max_dim", 32)
+    monkeypatch.setattr(attention, "grouped_paged_attention",
+                        lambda *a: called.append(1) or attention.paged_attention(
+                            a[0], a[1], a[2], a[3], a[4].cu_seqlens_q, a[4].seq_lens, a[4].block_table, a[5]))
+    torch.testing.assert_close(run(kernels, step).double(), reference(step), atol=1e-5, rtol=0)
+    assert called
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(__file__), "..", "model_repository", "llm",
+                                                    "1", "inflight-tiny")), reason="default model not built")
+def test_float32_greedy_through_the_kernel_matches_transformers(kernels):
+    """The shipped model in float32 through the compiled kernel (mixed steps: budget 64 chunks
+    prompts beside decodes) gives transformers' float32 greedy ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import pydoc_data.topics
+    from .conftest import DEFAULT_MODEL
+    from .test_exactness import make_workload
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)[:20])
+    pool = tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompts, lengths = make_workload(vocab_size=len(tokenizer), seed=11, prompt_pool=pool)
+    prompts, lengths = prompts[:32], lengths[:32]
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    with torch.no_grad():
+        expected = [model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=0, do_sample=False,
+                                   eos_token_id=eos, pad_token_id=eos)[0, len(p):].tolist()
+                    for p, n in zip(prompts, lengths)]
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", attention_backend="cpu",
+                                                                   max_num_batched_tokens=64, num_kv_blocks=2048))
+    got = [o.token_ids for o in engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths])]
+    mismatches = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
+    assert not mismatches, f"requests {mismatches} differ from transformers"
