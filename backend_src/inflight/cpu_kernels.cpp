@@ -89,6 +89,14 @@ inline v16f exp_nonpositive(v16f x) {
 
 inline float exp_nonpositive(float x) { return exp_nonpositive((v16f){} + x)[0]; }
 
+inline v16f exp_any(v16f x) {
+    const v16f clamped = x > 88.0f ? (v16f){} + 88.0f : x;
+    const v16f e = exp_nonpositive(clamped > 0.0f ? (v16f){} : clamped);
+    // x > 0: exp(x) = 1 / exp(-x), exact to the polynomial's accuracy; inf past float's range
+    const v16f positive = 1.0f / exp_nonpositive(clamped > 0.0f ? -clamped : (v16f){});
+    return x > 88.7f ? (v16f){} + INFINITY : (x > 0.0f ? positive : e);
+}
+
 template <typename T>
 inline void prefetch_row(const T *p, int dim) {
     for (int offset = 0; offset < dim * (int)sizeof(T); offset += 64) __builtin_prefetch((const char *)p + offset);
@@ -240,6 +248,119 @@ void paged_decode_attention(const T *q, const int64_t *q_strides, const T *k_cac
     }
 }
 
+// ---- the layer's small ops, fused (decode steps are a few dozen rows: one call instead of several
+// torch ops, each of which costs more to dispatch than to compute). They round like the torch
+// expressions they replace (each product and sum rounded to the tensor's dtype, no contraction).
+
+template <typename T>
+inline float rounded(float x) { T r; from_float(x, &r); return to_float(r); }
+
+// weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), the squares summed in float32
+template <typename T>
+__attribute__((optimize("fp-contract=off")))
+void rms_norm(const T *x, int64_t x_stride, const T *weight, T *out, int64_t out_stride, int64_t rows, int hidden,
+              float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * hidden > 262144)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T *src = x + r * x_stride;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < hidden; ++i) sum += to_float(src[i]) * to_float(src[i]);
+        const float inv = 1.0f / sqrtf(sum / hidden + eps);
+        T *dst = out + r * out_stride;
+        for (int i = 0; i < hidden; ++i)
+            from_float(to_float(weight[i]) * rounded<T>(to_float(src[i]) * inv), dst + i);
+    }
+}
+
+// x * cos + cat(-x2, x1) * sin per head: x [rows, heads, dim] (strides row, head), cos/sin [rows, dim]
+template <typename T>
+__attribute__((optimize("fp-contract=off")))
+void rotary(const T *x, int64_t x_row_stride, int64_t x_head_stride, const T *cos, const T *sin,
+            int64_t table_stride, T *out, int64_t rows, int heads, int dim, int num_threads) {
+    const int half = dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (rows * heads * dim > 262144)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T *c = cos + r * table_stride, *s = sin + r * table_stride;
+        for (int h = 0; h < heads; ++h) {
+            const T *src = x + r * x_row_stride + h * x_head_stride;
+            T *dst = out + (r * heads + h) * dim;
+            for (int d = 0; d < dim; ++d) {
+                const float rotated = d < half ? -to_float(src[d + half]) : to_float(src[d - half]);
+                from_float(rounded<T>(to_float(src[d]) * to_float(c[d])) + rounded<T>(rotated * to_float(s[d])),
+                           dst + d);
+            }
+        }
+    }
+}
+
+// silu(gate) * up for gate_up [rows, 2 * inner] (gate first): silu rounded to dtype, then the product
+template <typename T>
+__attribute__((optimize("fp-contract=off")))
+void silu_and_mul(const T *gate_up, int64_t in_stride, T *out, int64_t out_stride, int64_t rows, int inner,
+                  int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * inner > 262144)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T *gate = gate_up + r * in_stride, *up = gate + inner;
+        T *dst = out + r * out_stride;
+        int i = 0;
+        for (; i + 16 <= inner; i += 16) {
+            const v16f g = load16(gate + i);
+            const v16f silu = g / (1.0f + exp_any(-g));
+            for (int j = 0; j < 16; ++j) from_float(rounded<T>(silu[j]) * to_float(up[i + j]), dst + i + j);
+        }
+        for (; i < inner; ++i) {
+            const float g = to_float(gate[i]);
+            from_float(rounded<T>(g / (1.0f + exp_any((v16f){} - g)[0])) * to_float(up[i]), dst + i);
+        }
+    }
+}
+
+// key/value [rows, kv_heads, dim] (strides row, head) into the caches at flat slots; slot < 0 skips
+template <typename T>
+void write_kv(const T *key, const int64_t *key_strides, const T *value, const int64_t *value_strides, T *k_cache,
+              T *v_cache, const int64_t *cache_strides, const int64_t *slots, int64_t rows, int kv_heads, int dim,
+              int block_size) {
+    for (int64_t r = 0; r < rows; ++r) {
+        if (slots[r] < 0) continue;
+        const int64_t at = (slots[r] / block_size) * cache_strides[0] + (slots[r] % block_size) * cache_strides[1];
+        for (int h = 0; h < kv_heads; ++h) {
+            memcpy(k_cache + at + h * cache_strides[2], key + r * key_strides[0] + h * key_strides[1], dim * sizeof(T));
+            memcpy(v_cache + at + h * cache_strides[2], value + r * value_strides[0] + h * value_strides[1],
+                   dim * sizeof(T));
+        }
+    }
+}
+
+// the first index of each row's maximum (a NaN counts as the maximum, as in torch.argmax): the
+// maximum with vector compares, then the first position that holds it
+void argmax_rows(const float *x, int64_t row_stride, int64_t *out, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * row_stride;
+        v16f maxes = (v16f){} - INFINITY;
+        v16i nan = {};
+        int64_t i = 0;
+        for (; i + 16 <= cols; i += 16) {
+            const v16f v = load16(row + i);
+            maxes = v > maxes ? v : maxes;
+            nan |= v != v;
+        }
+        float best = maxes[0];
+        bool any_nan = false;
+        for (int j = 0; j < 16; ++j) {
+            best = maxes[j] > best ? maxes[j] : best;
+            any_nan |= nan[j] != 0;
+        }
+        for (; i < cols; ++i) {
+            best = row[i] > best ? row[i] : best;
+            any_nan |= row[i] != row[i];
+        }
+        int64_t index = 0;
+        while (index < cols - 1 && (any_nan ? row[index] == row[index] : row[index] != best)) ++index;
+        out[r] = index;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -262,5 +383,32 @@ int inflight_kernel_limits(int *max_dim, int *max_group) {
 
 DECODE_ENTRY(paged_decode_attention_f32, float)
 DECODE_ENTRY(paged_decode_attention_bf16, bf16)
+
+#define ROW_OPS_ENTRY(SUFFIX, T)                                                                              \
+    void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *weight, T *out, int64_t out_stride, int64_t rows, \
+                           int hidden, float eps, int num_threads) {                                             \
+        rms_norm<T>(x, x_stride, weight, out, out_stride, rows, hidden, eps, num_threads);                      \
+    }                                                                                                            \
+    void rotary_##SUFFIX(const T *x, int64_t x_row_stride, int64_t x_head_stride, const T *cos, const T *sin,   \
+                         int64_t table_stride, T *out, int64_t rows, int heads, int dim, int num_threads) {      \
+        rotary<T>(x, x_row_stride, x_head_stride, cos, sin, table_stride, out, rows, heads, dim, num_threads);  \
+    }                                                                                                            \
+    void silu_and_mul_##SUFFIX(const T *gate_up, int64_t in_stride, T *out, int64_t out_stride, int64_t rows,    \
+                               int inner, int num_threads) {                                                     \
+        silu_and_mul<T>(gate_up, in_stride, out, out_stride, rows, inner, num_threads);                          \
+    }                                                                                                            \
+    void write_kv_##SUFFIX(const T *key, const int64_t *key_strides, const T *value, const int64_t *value_strides, \
+                           T *k_cache, T *v_cache, const int64_t *cache_strides, const int64_t *slots,           \
+                           int64_t rows, int kv_heads, int dim, int block_size) {                                \
+        write_kv<T>(key, key_strides, value, value_strides, k_cache, v_cache, cache_strides, slots, rows,         \
+                    kv_heads, dim, block_size);                                                                  \
+    }
+
+ROW_OPS_ENTRY(f32, float)
+ROW_OPS_ENTRY(bf16, bf16)
+
+void argmax_rows_f32(const float *x, int64_t row_stride, int64_t *out, int64_t rows, int64_t cols) {
+    argmax_rows(x, row_stride, out, rows, cols);
+}
 
 }  // extern "C"

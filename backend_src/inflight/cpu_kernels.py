@@ -30,10 +30,11 @@ log = logging.getLogger("inflight")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
 DTYPES = (torch.float32, torch.bfloat16)
-_ENTRY = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 _lock = threading.Lock()
 _loaded: dict[str, "CpuKernels | None"] = {}
+_NOT_LOADED = object()
 
 
 class CpuKernels:
@@ -45,10 +46,19 @@ class CpuKernels:
         lib.inflight_kernel_limits(ctypes.byref(max_dim), ctypes.byref(max_group))
         self.max_dim, self.max_group = max_dim.value, max_group.value
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        for name in _ENTRY.values():
-            fn = getattr(lib, name)
-            fn.argtypes = [p, p, p, p, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32]
-            fn.restype = None
+        signatures = {"paged_decode_attention": [p, p, p, p, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32],
+                      "rms_norm": [p, i64, p, p, i64, i64, i32, f32, i32],
+                      "rotary": [p, i64, i64, p, p, i64, p, i64, i32, i32, i32],
+                      "silu_and_mul": [p, i64, p, i64, i64, i32, i32],
+                      "write_kv": [p, p, p, p, p, p, p, p, i64, i32, i32, i32]}
+        self.fns = {}
+        for op, argtypes in signatures.items():
+            for dtype, suffix in _SUFFIX.items():
+                fn = getattr(lib, f"{op}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, None
+                self.fns[op, dtype] = fn
+        self.argmax_f32 = lib.argmax_rows_f32
+        self.argmax_f32.argtypes, self.argmax_f32.restype = [p, i64, p, i64, i64], None
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return (dtype in DTYPES and head_dim <= self.max_dim and num_heads % num_kv_heads == 0
@@ -67,11 +77,74 @@ class CpuKernels:
         if num_seqs == 0:
             return
         _, block_size, num_kv_heads, dim = k_cache.shape
-        getattr(self.lib, _ENTRY[q.dtype])(
+        self.fns["paged_decode_attention", q.dtype](
             q.data_ptr(), _strides(q, 2), k_cache.data_ptr(), _strides(k_cache, 3), v_cache.data_ptr(),
             _strides(v_cache, 3), out.data_ptr(), _strides(out, 2), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(),
             block_table.data_ptr(), block_table.stride(0), num_seqs, q.shape[1], num_kv_heads, dim, block_size,
             scale, torch.get_num_threads())
+
+
+    # ---- the layer's small ops: x a CPU tensor of one of DTYPES, the last dim contiguous ----------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        assert rows.stride(-1) == 1 and weight.dtype == x.dtype and weight.is_contiguous()
+        out = torch.empty(rows.shape, dtype=x.dtype)
+        self.fns["rms_norm", x.dtype](rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+                                      rows.shape[0], rows.shape[1], eps, torch.get_num_threads())
+        return out.view(x.shape)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [tokens, heads, dim] (any row/head strides), cos/sin [tokens, 1 or absent, dim]."""
+        tokens, heads, dim = x.shape
+        cos, sin = cos.reshape(tokens, dim), sin.reshape(tokens, dim)
+        assert x.stride(-1) == 1 and cos.dtype == sin.dtype == x.dtype and cos.stride() == sin.stride()
+        assert cos.stride(-1) == 1
+        out = torch.empty((tokens, heads, dim), dtype=x.dtype)
+        self.fns["rotary", x.dtype](x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+                                    cos.stride(0), out.data_ptr(), tokens, heads, dim, torch.get_num_threads())
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [tokens, 2 * inner] (gate first)."""
+        assert gate_up.dim() == 2 and gate_up.stride(-1) == 1 and gate_up.shape[1] % 2 == 0
+        out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)
+        self.fns["silu_and_mul", gate_up.dtype](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0),
+                                                out.shape[0], out.shape[1], torch.get_num_threads())
+        return out
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """key/value [tokens, kv_heads, dim] into the caches at each token's slot; slot -1 skips."""
+        assert key.stride(-1) == value.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+        assert k_cache.dtype == v_cache.dtype == key.dtype == value.dtype and k_cache.stride(-1) == 1
+        assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and len(slot_mapping) == len(key)
+        self.fns["write_kv", key.dtype](key.data_ptr(), _strides(key, 2), value.data_ptr(), _strides(value, 2),
+                                        k_cache.data_ptr(), v_cache.data_ptr(), _strides(k_cache, 3),
+                                        slot_mapping.data_ptr(), len(key), key.shape[1], key.shape[2], k_cache.shape[1])
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, dim=-1) of a float32 [rows, cols] CPU tensor (the first maximum; NaN wins)."""
+        assert x.dim() == 2 and x.dtype == torch.float32 and x.stride(-1) == 1 and x.shape[1] > 0
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self.argmax_f32(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1])
+        return out
+
+
+def for_tensor(x: torch.Tensor) -> CpuKernels | None:
+    """The kernels where they apply to x (a CPU tensor of one of DTYPES, outside autograd), else None."""
+    if x.device.type != "cpu" or x.dtype not in DTYPES or (x.requires_grad and torch.is_grad_enabled()):
+        return None
+    kernels = _loaded.get("kernels", _NOT_LOADED)
+    return load() if kernels is _NOT_LOADED else kernels
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of [rows, vocab] logits; the compiled one for float32 on the CPU
+    (torch's takes ~0.9 ms for 64 x 8192 on one core, the compiled one a tenth of that)."""
+    kernels = for_tensor(logits) if logits.dtype == torch.float32 and logits.dim() == 2 else None
+    if kernels is None or logits.stride(-1) != 1 or logits.shape[1] == 0:
+        return logits.argmax(dim=-1)
+    return kernels.argmax(logits)
 
 
 def _strides(t: torch.Tensor, n: int):

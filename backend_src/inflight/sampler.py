@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import cpu_kernels
 from .batch_table import BatchTable
 
 
@@ -26,7 +27,7 @@ class Sampler:
         raw = logits
         logits = self._apply_bans(logits, table, rows)
         temperature = table.temperature[rows]
-        tokens = logits.argmax(dim=-1)
+        tokens = cpu_kernels.argmax(logits)
         sampled = np.flatnonzero(temperature > 0)
         if sampled.size:
             index = torch.from_numpy(sampled).to(logits.device)
