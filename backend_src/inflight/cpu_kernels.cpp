@@ -10,10 +10,13 @@
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
-constexpr int TILE = 128;          // keys per online-softmax step
+constexpr int TILE = 64;           // keys per online-softmax step (their K/V rows stay in L1)
 constexpr int PREFETCH = 16;       // keys ahead to fetch from memory
 constexpr int MAX_DIM = 256;       // head_dim limit (the loader checks it)
 constexpr int MAX_GROUP = 16;      // query heads per KV head limit
@@ -46,12 +49,17 @@ typedef uint16_t v16h __attribute__((vector_size(32)));
 
 inline v16f load16(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
 inline v16f load16(const bf16 *p) {
+#ifdef __AVX512F__
+    // one widening load and a shift (GCC splits the generic conversion into five instructions)
+    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#else
     v16h h;
     memcpy(&h, p, 32);
     const v16u bits = __builtin_convertvector(h, v16u) << 16;
     v16f v;
     memcpy(&v, &bits, 64);
     return v;
+#endif
 }
 
 template <typename T, int NC>
@@ -128,7 +136,8 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
                 const int64_t *k_strides, const int64_t *v_strides, T *out, int64_t out_head_stride,
                 const int32_t *blocks, int seq_len, int kv_head, int group, int dim, int block_size,
                 float scale) {
-    v16f qf[MAX_GROUP][NC], acc[MAX_GROUP][NC], row[NC];
+    // a tile's K and V rows in float32, converted once and then read from L1 by every query head
+    v16f qf[MAX_GROUP][NC], acc[MAX_GROUP][NC], rows[TILE][NC];
     alignas(64) float scores[MAX_GROUP][TILE];
     float running_max[MAX_GROUP], running_sum[MAX_GROUP];
     for (int g = 0; g < group; ++g) {
@@ -138,34 +147,31 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
         running_sum[g] = 0.0f;
     }
     const T *k_head = k_cache + kv_head * k_strides[2], *v_head = v_cache + kv_head * v_strides[2];
+    auto k_row = [&](int pos) { return k_head + blocks[pos / block_size] * k_strides[0] + (pos % block_size) * k_strides[1]; };
+    auto v_row = [&](int pos) { return v_head + blocks[pos / block_size] * v_strides[0] + (pos % block_size) * v_strides[1]; };
     for (int first = 0; first < seq_len; first += TILE) {
         const int n = seq_len - first < TILE ? seq_len - first : TILE;
+        for (int t = 0; t < n; ++t) {
+            // blocks sit anywhere in the pool: fetch K PREFETCH keys ahead, and this key's V for
+            // the pass below, so the loads do not wait on memory
+            if (first + t + PREFETCH < seq_len) prefetch_row(k_row(first + t + PREFETCH), dim);
+            prefetch_row(v_row(first + t), dim);
+            load_row<T, NC>(k_row(first + t), dim, rows[t]);
+        }
+        for (int t = n; t < (n + 3) / 4 * 4; ++t)
+            for (int c = 0; c < NC; ++c) rows[t][c] = (v16f){};
         // scores four keys at a time, so one joint reduction yields four sums
-        for (int t = 0; t < n; t += 4) {
-            v16f rows[4][NC];
-            const int quad = n - t < 4 ? n - t : 4;
-            for (int i = 0; i < 4; ++i) {
-                const int pos = first + t + (i < quad ? i : 0);
-                // blocks sit anywhere in the pool: fetch the K row PREFETCH keys ahead, and this
-                // key's V row for the pass below, so the loads do not wait on memory
-                if (pos + PREFETCH < seq_len) {
-                    const int ahead = pos + PREFETCH;
-                    prefetch_row(k_head + blocks[ahead / block_size] * k_strides[0] +
-                                 (ahead % block_size) * k_strides[1], dim);
-                }
-                prefetch_row(v_head + blocks[pos / block_size] * v_strides[0] + (pos % block_size) * v_strides[1],
-                             dim);
-                load_row<T, NC>(k_head + blocks[pos / block_size] * k_strides[0] + (pos % block_size) * k_strides[1],
-                                dim, rows[i]);
-            }
-            for (int g = 0; g < group; ++g) {
+        for (int g = 0; g < group; ++g) {
+            v16f qg[NC];
+            for (int c = 0; c < NC; ++c) qg[c] = qf[g][c];
+            for (int t = 0; t < n; t += 4) {
                 v16f s[4];
                 for (int i = 0; i < 4; ++i) {
-                    s[i] = qf[g][0] * rows[i][0];
-                    for (int c = 1; c < NC; ++c) s[i] += qf[g][c] * rows[i][c];
+                    s[i] = qg[0] * rows[t + i][0];
+                    for (int c = 1; c < NC; ++c) s[i] += qg[c] * rows[t + i][c];
                 }
                 const v16f sums = hsum4(s[0], s[1], s[2], s[3]);
-                for (int i = 0; i < quad; ++i) scores[g][t + i] = sums[4 * i];
+                for (int i = 0; i < 4; ++i) scores[g][t + i] = sums[4 * i];
             }
         }
         const int chunks = (n + 15) / 16;
@@ -188,12 +194,13 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
             if (correction != 1.0f)
                 for (int c = 0; c < NC; ++c) acc[g][c] *= correction;
         }
-        for (int t = 0; t < n; ++t) {
-            const int pos = first + t;
-            load_row<T, NC>(v_head + blocks[pos / block_size] * v_strides[0] + (pos % block_size) * v_strides[1],
-                            dim, row);
-            for (int g = 0; g < group; ++g)
-                for (int c = 0; c < NC; ++c) acc[g][c] += scores[g][t] * row[c];
+        for (int t = 0; t < n; ++t) load_row<T, NC>(v_row(first + t), dim, rows[t]);
+        for (int g = 0; g < group; ++g) {
+            v16f ag[NC];
+            for (int c = 0; c < NC; ++c) ag[c] = acc[g][c];
+            for (int t = 0; t < n; ++t)
+                for (int c = 0; c < NC; ++c) ag[c] += scores[g][t] * rows[t][c];
+            for (int c = 0; c < NC; ++c) acc[g][c] = ag[c];
         }
     }
     for (int g = 0; g < group; ++g) {
