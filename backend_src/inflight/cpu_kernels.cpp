@@ -259,6 +259,26 @@ void paged_decode_attention(const T *q, const int64_t *q_strides, const T *k_cac
 // torch ops, each of which costs more to dispatch than to compute). They round like the torch
 // expressions they replace (each product and sum rounded to the tensor's dtype, no contraction).
 
+// round to the dtype and back, 16 lanes: bf16 by round-to-nearest-even on the bits (as torch
+// does; NaN stays a quiet NaN)
+inline v16u bf16_bits(v16f x) {
+    v16u bits;
+    memcpy(&bits, &x, 64);
+    const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded;
+}
+inline v16f rounded16(v16f x, const float *) { return x; }
+inline v16f rounded16(v16f x, const bf16 *) {
+    const v16u bits = bf16_bits(x) << 16;
+    v16f v;
+    memcpy(&v, &bits, 64);
+    return v;
+}
+inline void store16(float *p, v16f x) { memcpy(p, &x, 64); }
+inline void store16(bf16 *p, v16f x) {
+    const v16h h = __builtin_convertvector(bf16_bits(x), v16h);
+    memcpy(p, &h, 32);
+}
 template <typename T>
 inline float rounded(float x) { T r; from_float(x, &r); return to_float(r); }
 
@@ -267,15 +287,24 @@ template <typename T>
 __attribute__((optimize("fp-contract=off")))
 void rms_norm(const T *x, int64_t x_stride, const T *weight, T *out, int64_t out_stride, int64_t rows, int hidden,
               float eps, int num_threads) {
+    const int vectors = hidden / 16;
 #pragma omp parallel for num_threads(num_threads) if (rows * hidden > 262144)
     for (int64_t r = 0; r < rows; ++r) {
         const T *src = x + r * x_stride;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int i = 0; i < hidden; ++i) sum += to_float(src[i]) * to_float(src[i]);
-        const float inv = 1.0f / sqrtf(sum / hidden + eps);
         T *dst = out + r * out_stride;
-        for (int i = 0; i < hidden; ++i)
+        v16f squares = {};
+        for (int c = 0; c < vectors; ++c) {
+            const v16f v = load16(src + 16 * c);
+            squares += v * v;
+        }
+        float sum = hsum(squares);
+        for (int i = 16 * vectors; i < hidden; ++i) sum += to_float(src[i]) * to_float(src[i]);
+        const float inv = 1.0f / sqrtf(sum / hidden + eps);
+        for (int c = 0; c < vectors; ++c) {
+            const v16f normed = rounded16(load16(src + 16 * c) * inv, src);
+            store16(dst + 16 * c, load16(weight + 16 * c) * normed);
+        }
+        for (int i = 16 * vectors; i < hidden; ++i)
             from_float(to_float(weight[i]) * rounded<T>(to_float(src[i]) * inv), dst + i);
     }
 }
@@ -292,6 +321,15 @@ void rotary(const T *x, int64_t x_row_stride, int64_t x_head_stride, const T *co
         for (int h = 0; h < heads; ++h) {
             const T *src = x + r * x_row_stride + h * x_head_stride;
             T *dst = out + (r * heads + h) * dim;
+            if (half % 16 == 0) {
+                for (int d = 0; d < half; d += 16) {
+                    const v16f x1 = load16(src + d), x2 = load16(src + half + d);
+                    store16(dst + d, rounded16(x1 * load16(c + d), src) + rounded16(-x2 * load16(s + d), src));
+                    store16(dst + half + d, rounded16(x2 * load16(c + half + d), src) +
+                                                rounded16(x1 * load16(s + half + d), src));
+                }
+                continue;
+            }
             for (int d = 0; d < dim; ++d) {
                 const float rotated = d < half ? -to_float(src[d + half]) : to_float(src[d - half]);
                 from_float(rounded<T>(to_float(src[d]) * to_float(c[d])) + rounded<T>(rotated * to_float(s[d])),
@@ -299,6 +337,12 @@ void rotary(const T *x, int64_t x_row_stride, int64_t x_head_stride, const T *co
             }
         }
     }
+}
+
+// silu(g) = g / (1 + exp(-g)), with one exp of -|g| <= 0: g >= 0: g / (1 + e); g < 0: g * e / (1 + e)
+inline v16f silu16(v16f g) {
+    const v16f e = exp_nonpositive(g < 0.0f ? g : -g);
+    return (g < 0.0f ? g * e : g) / (1.0f + e);
 }
 
 // silu(gate) * up for gate_up [rows, 2 * inner] (gate first): silu rounded to dtype, then the product
@@ -311,15 +355,10 @@ void silu_and_mul(const T *gate_up, int64_t in_stride, T *out, int64_t out_strid
         const T *gate = gate_up + r * in_stride, *up = gate + inner;
         T *dst = out + r * out_stride;
         int i = 0;
-        for (; i + 16 <= inner; i += 16) {
-            const v16f g = load16(gate + i);
-            const v16f silu = g / (1.0f + exp_any(-g));
-            for (int j = 0; j < 16; ++j) from_float(rounded<T>(silu[j]) * to_float(up[i + j]), dst + i + j);
-        }
-        for (; i < inner; ++i) {
-            const float g = to_float(gate[i]);
-            from_float(rounded<T>(g / (1.0f + exp_any((v16f){} - g)[0])) * to_float(up[i]), dst + i);
-        }
+        for (; i + 16 <= inner; i += 16)
+            store16(dst + i, rounded16(silu16(load16(gate + i)), gate) * load16(up + i));
+        for (; i < inner; ++i)
+            from_float(rounded<T>(silu16((v16f){} + to_float(gate[i]))[0]) * to_float(up[i]), dst + i);
     }
 }
 
@@ -337,6 +376,13 @@ void write_kv(const T *key, const int64_t *key_strides, const T *value, const in
                    dim * sizeof(T));
         }
     }
+}
+
+inline bool any_equal(v16f v, float x) {
+    const v16i hit = v == x;
+    v16i folded = hit;
+    for (int i = 0; i < 16; ++i) folded[0] |= hit[i];
+    return folded[0] != 0;
 }
 
 // the first index of each row's maximum (a NaN counts as the maximum, as in torch.argmax): the
@@ -363,7 +409,12 @@ void argmax_rows(const float *x, int64_t row_stride, int64_t *out, int64_t rows,
             any_nan |= row[i] != row[i];
         }
         int64_t index = 0;
-        while (index < cols - 1 && (any_nan ? row[index] == row[index] : row[index] != best)) ++index;
+        if (any_nan) {
+            while (row[index] == row[index]) ++index;
+        } else {
+            while (index + 16 <= cols && !any_equal(load16(row + index), best)) index += 16;
+            while (row[index] != best) ++index;
+        }
         out[r] = index;
     }
 }
