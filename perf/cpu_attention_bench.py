@@ -150,18 +150,25 @@ PREFILL_LENGTHS = (64, 272, 512)
 
 
 def prefill_options(n: int):
-    """One fresh prefill of n tokens (8/2 heads of 64): SDPA as round 1 ran it (query heads folded
-    into rows, boolean causal mask, the cache's dtype), mask-free causal SDPA with GQA, and the
-    latter in float32 (what the CPU backends run for bfloat16)."""
+    """One fresh prefill of n tokens (8/2 heads of 64), bf16: SDPA with a KV head's query heads
+    folded into rows and a boolean causal mask (what the CPU backends run), or mask-free causal
+    SDPA with enable_gqa; each in bf16 and upcast to fp32."""
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(n, h, DIM, generator=g).to(torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
 
     def causal(q, k, v):
         return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
                                               scale=DIM ** -0.5, enable_gqa=True).transpose(0, 1)
+    def expanded(q, k, v):
+        group = HEADS // KV_HEADS
+        k, v = (t.transpose(0, 1)[:, None].expand(KV_HEADS, group, n, DIM).reshape(HEADS, n, DIM) for t in (k, v))
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True,
+                                              scale=DIM ** -0.5).transpose(0, 1)
     return {"folded + mask, bf16": lambda: attention._attend(q, k, v, DIM ** -0.5, 0),
+            "folded + mask, fp32": lambda: attention._attend(q.float(), k.float(), v.float(), DIM ** -0.5, 0).to(q.dtype),
             "causal GQA, bf16": lambda: causal(q, k, v),
-            "causal GQA, fp32 (chosen)": lambda: causal(q.float(), k.float(), v.float()).to(q.dtype)}
+            "causal GQA, fp32": lambda: causal(q.float(), k.float(), v.float()).to(q.dtype),
+            "K/V expanded, causal, bf16": lambda: expanded(q, k, v)}
 
 
 def prefill_table(rounds: int) -> dict:

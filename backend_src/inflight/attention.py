@@ -19,7 +19,7 @@ SDPA over their gathered context.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -126,21 +126,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int) -> torch.Tensor:
-    """q [n, H, D] against k/v [L, KVH, D]; query j sits at position causal_offset + j."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q [n, H, D] against k/v [L, KVH, D]; query j sits at position causal_offset + j. `mask`
+    (causal_mask's) may be passed in when it was built before."""
     n, heads, dim = q.shape
-    length, kv_heads = k.shape[0], k.shape[1]
+    kv_heads = k.shape[1]
     group = heads // kv_heads
     # fold each KV head's query heads into the query rows (row = token * group + head in group):
     # one plain SDPA per KV head, with no copies of K/V for the group (several times faster on CPU)
     folded = q.view(n, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, n * group, dim)
-    mask = None
-    if n > 1:
-        q_pos = torch.arange(causal_offset, causal_offset + n, device=q.device).repeat_interleave(group)
-        mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
+    if mask is None and n > 1:
+        mask = causal_mask(n, group, k.shape[0], causal_offset, q.device)
     o = F.scaled_dot_product_attention(folded, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        attn_mask=mask, scale=scale)
     return o[0].view(kv_heads, n, group, dim).transpose(0, 1).reshape(n, heads, dim)
+
+
+def causal_mask(n: int, group: int, length: int, causal_offset: int, device, dtype: torch.dtype | None = None
+                ) -> torch.Tensor:
+    """[n * group, length]: row token * group + g sees keys up to causal_offset + token; boolean, or
+    additive in `dtype` (0 / -inf: what SDPA would convert a boolean mask to on every call)."""
+    q_pos = torch.arange(causal_offset, causal_offset + n, device=device).repeat_interleave(group)
+    allowed = torch.arange(length, device=device)[None, :] <= q_pos[:, None]
+    if dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
 
 def _decode_attention(q, k_cache, v_cache, out, starts, lens, block_table, rows, scale) -> None:
@@ -181,6 +192,7 @@ class CpuAttentionPlan:
     """A step's attention work, worked out on the host once and used by every layer."""
     groups: list[DecodeGroup]
     prefills: list[tuple[int, int, int]]        # (sequence, first query row, end row) of the others
+    prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)   # by prefill, from the first layer
 
 
 def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor, decode_groups: bool = True) -> CpuAttentionPlan:
@@ -262,21 +274,17 @@ def compiled_paged_attention(kernels: "cpu_kernels.CpuKernels", q: torch.Tensor,
 
 
 def _prefill_attention(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float) -> None:
-    """SDPA per prefill chunk over its gathered context. bfloat16 runs it in float32, which this
-    kind of CPU (AVX-512 without AMX) computes faster; a chunk with no context before it takes the
-    mask-free causal call."""
+    """SDPA per prefill chunk over its gathered context, a KV head's query heads folded into rows
+    (with enable_gqa, or without a mask, torch's CPU SDPA leaves its flash kernel for the slow
+    math path)."""
     block_size = k_cache.shape[1]
     block_table, lens = meta.block_table, meta.seq_lens
-    for seq, start, end in meta.cpu_plan.prefills:
+    masks = meta.cpu_plan.prefill_masks
+    for i, (seq, start, end) in enumerate(meta.cpu_plan.prefills):
         seq_len = int(lens[seq])
         blocks = block_table[seq, :-(-seq_len // block_size)]
         k, v = gather_kv(k_cache, blocks, seq_len), gather_kv(v_cache, blocks, seq_len)
-        chunk = q[start:end]
-        if chunk.dtype == torch.bfloat16:
-            chunk, k, v = chunk.float(), k.float(), v.float()
-        if end - start == seq_len:
-            o = F.scaled_dot_product_attention(chunk.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
-        else:
-            o = _attend(chunk, k, v, scale, causal_offset=seq_len - (end - start))
-        out[start:end] = o
+        if i not in masks and end - start > 1:
+            masks[i] = causal_mask(end - start, q.shape[1] // k.shape[1], seq_len, seq_len - (end - start), q.device,
+                                   q.dtype)
+        out[start:end] = _attend(q[start:end], k, v, scale, seq_len - (end - start), masks.get(i))
