@@ -169,19 +169,24 @@ def test_fused_layer_ops_match_their_torch_expressions(kernels, dtype, monkeypat
     with torch.no_grad():
         norm.weight.copy_(torch.randn(520, generator=g))
     x = (torch.randn(37, 3, 520, generator=g) * 3).to(dtype)[:, 1]           # rows with a stride
-    qkv = torch.randn(37, 12, 64, generator=g).to(dtype)
+    # head dim 64 takes the vector path, 24 the scalar one; 1540 leaves a tail of 4
+    qkv, small_qkv = torch.randn(37, 12, 64, generator=g).to(dtype), torch.randn(37, 6, 24, generator=g).to(dtype)
     cos, sin = (torch.randn(37, 1, 64, generator=g).to(dtype) for _ in range(2))
-    gate_up = (torch.randn(37, 2 * 1536, generator=g) * 4).to(dtype)
+    gate_up = (torch.randn(37, 2 * 1540, generator=g) * 4).to(dtype)
+
+    def ops():
+        return (norm(x), rotate(qkv[:, :8], cos, sin), silu_and_mul(gate_up),
+                rotate(small_qkv[:, :4], cos[..., :24], sin[..., :24]))
     with torch.no_grad():
-        fused = norm(x), rotate(qkv[:, :8], cos, sin), silu_and_mul(gate_up)
+        fused = ops()
         torch_path(monkeypatch)
-        expected = norm(x), rotate(qkv[:, :8], cos, sin), silu_and_mul(gate_up)
+        expected = ops()
     if dtype == torch.bfloat16:
         for got, want in zip(fused, expected):
             assert torch.equal(got, want)
     else:   # float32: the squares are summed in another order; silu's exp is a polynomial
         torch.testing.assert_close(fused[0], expected[0], rtol=4e-7, atol=0)   # 2 ulp
-        assert torch.equal(fused[1], expected[1])
+        assert torch.equal(fused[1], expected[1]) and torch.equal(fused[3], expected[3])
         torch.testing.assert_close(fused[2], expected[2], rtol=1e-6, atol=1e-7)
 
 
