@@ -7,6 +7,9 @@
 // online, in float32, a tile of keys at a time. Work items are (sequence, KV head) pairs spread
 // over OpenMP threads; each item is computed by one thread in a fixed order, so results do not
 // depend on the thread count or the schedule.
+//
+// Also the layer's small ops, one call each where torch takes several (rms_norm, rotary,
+// silu_and_mul, write_kv) and the sampler's argmax, rounding as the torch expressions do.
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
