@@ -12,12 +12,12 @@ On CPU, `compiled_paged_attention` (backend "cpu", the default for float32 and b
 every one-token query through the compiled kernel of cpu_kernels.cpp, which reads K/V in place
 through the block table; prefill chunks take SDPA as below. Two torch implementations over the
 same layout: `paged_attention`, the reference the tests compare against, and
-`grouped_paged_attention`, the CPU fallback (backend "torch": float64, or no compiler). The reference pads every decoding
-sequence to the longest and copies the whole batch's K/V into one tensor per layer; the CPU path
-sorts the decoding sequences by length once per step, cuts them into groups whose K/V fit in about
-2 MiB, and per group reads exactly its sequences' blocks into a buffer that stays in the CPU's
-cache, then runs one SDPA over it (a KV head's query heads folded into rows). Prefill chunks keep
-SDPA over their gathered context.
+`grouped_paged_attention`, the CPU fallback (backend "torch": float64, or no compiler). The
+reference pads every decoding sequence to the longest and copies the whole batch's K/V into one
+tensor per layer; the fallback sorts the decoding sequences by length once per step, cuts them into
+groups whose K/V fit in about 2 MiB, and per group reads exactly its sequences' blocks into a
+buffer that stays in the CPU's cache, then runs one SDPA over it (a KV head's query heads folded
+into rows). Prefill chunks keep SDPA over their gathered context.
 """
 from __future__ import annotations
 
