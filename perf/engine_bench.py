@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -35,7 +36,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "backend_src"), REPO]
 
-from inflight import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from inflight import EngineConfig, LLMEngine, SamplingParams, cpu_kernels  # noqa: E402
 from inflight.kv_cache import KVCacheManager  # noqa: E402
 from inflight.request import Request  # noqa: E402
 from inflight.runner import pack_step  # noqa: E402
@@ -189,6 +190,19 @@ def _timed(fn, times: list):
     return wrapper
 
 
+@contextlib.contextmanager
+def compiled_kernel_timer():
+    """Seconds of each compiled decode-attention call (a ctypes call, invisible to torch.profiler)."""
+    kernels, times = cpu_kernels.load(), []
+    if kernels is not None:
+        kernels.paged_decode_attention = _timed(kernels.paged_decode_attention, times)
+    try:
+        yield times
+    finally:
+        if kernels is not None:
+            del kernels.paged_decode_attention
+
+
 def host_overhead(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) -> dict:
     """A decode step's wall time, its phases, and what of it is not matmul/attention compute."""
     engine = decoding_engine(model_dir, dtype, num_seqs)
@@ -205,11 +219,11 @@ def host_overhead(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) ->
         engine.step()
         walls.append(time.perf_counter() - start)
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof, compiled_kernel_timer() as kernel_times:
         for _ in range(steps // 2):
             engine.step()
     ops = prof.key_averages()
-    compute = sum(e.self_cpu_time_total for e in ops if e.key in COMPUTE_OPS) / 1e6 / (steps // 2)
+    compute = (sum(e.self_cpu_time_total for e in ops if e.key in COMPUTE_OPS) / 1e6 + sum(kernel_times)) / (steps // 2)
     median = {k: statistics.median(v[-steps:]) for k, v in phases.items()}
     step = statistics.median(walls)
     outside_forward = median["schedule"] + median["pack"] + median["sample"] + median["update"]
@@ -226,13 +240,16 @@ def profile_decode_step(model_dir: str, dtype: str = "bfloat16", num_seqs: int =
     for _ in range(3):
         engine.step()
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof, compiled_kernel_timer() as kernel_times:
         for _ in range(steps):
             engine.step()
-    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    total = sum(e.self_cpu_time_total for e in ops)
-    return [{"op": e.key, "share": e.self_cpu_time_total / total, "ms_per_step": e.self_cpu_time_total / 1e3 / steps,
-             "calls_per_step": e.count / steps} for e in ops[:top]]
+    rows = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()]
+    if kernel_times:
+        rows.append(("inflight compiled decode attention", sum(kernel_times) * 1e3, len(kernel_times)))
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    return [{"op": key, "share": ms / total, "ms_per_step": ms / steps, "calls_per_step": count / steps}
+            for key, ms, count in rows[:top]]
 
 
 VS_VLLM = dict(requests=128, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024)

@@ -8,22 +8,27 @@ block_table [num_seqs, max_blocks_per_seq]. The queries of sequence i are its la
 (cu_seqlens_q[i+1] - cu_seqlens_q[i]) positions, so one call serves decodes, prefill chunks and
 full prefills alike.
 
-Two torch implementations over that layout: `paged_attention`, the reference the tests compare
-against, and `grouped_paged_attention`, the CPU backend. The reference pads every decoding
-sequence to the longest and copies the whole batch's K/V into one tensor per layer; the CPU path
-sorts the decoding sequences by length once per step, cuts them into groups whose K/V fit in about
-2 MiB, and per group reads exactly its sequences' blocks into a buffer that stays in the CPU's
-cache, then runs one SDPA over it (a KV head's query heads folded into rows). Prefill chunks keep
-SDPA over their gathered context.
+On CPU, `compiled_paged_attention` (backend "cpu", the default for float32 and bfloat16) runs
+every one-token query through the compiled kernel of cpu_kernels.cpp, which reads K/V in place
+through the block table; prefill chunks take SDPA as below. Two torch implementations over the
+same layout: `paged_attention`, the reference the tests compare against, and
+`grouped_paged_attention`, the CPU fallback (backend "torch": float64, or no compiler). The
+reference pads every decoding sequence to the longest and copies the whole batch's K/V into one
+tensor per layer; the fallback sorts the decoding sequences by length once per step, cuts them into
+groups whose K/V fit in about 2 MiB, and per group reads exactly its sequences' blocks into a
+buffer that stays in the CPU's cache, then runs one SDPA over it (a KV head's query heads folded
+into rows). Prefill chunks keep SDPA over their gathered context.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from . import cpu_kernels
 
 
 @dataclass(slots=True)
@@ -48,14 +53,21 @@ class AttentionBackend:
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """'triton' (the Triton-language kernels; default on CUDA) or 'torch' (grouped_paged_attention;
-    default on CPU, and for float64, which the kernels do not cover). With TRITON_INTERPRET=1 the
-    triton backend also runs on CPU."""
+    """'triton' (the Triton-language kernels; default on CUDA), 'cpu' (the compiled CPU kernel for
+    decodes, `compiled_paged_attention`; default on CPU in float32 and bfloat16 where it builds) or
+    'torch' (grouped_paged_attention; the CPU fallback, and float64, which no kernel covers). With
+    TRITON_INTERPRET=1 the triton backend also runs on CPU."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and dtype != torch.float64 else "torch"
+        if device.type == "cuda":
+            name = "triton" if dtype != torch.float64 else "torch"
+        else:
+            # cpu_kernels.load() logs why when the kernels cannot be had
+            name = "cpu" if dtype in cpu_kernels.DTYPES and cpu_kernels.load() is not None else "torch"
     if name == "triton" and dtype == torch.float64:
         raise ValueError("'attention_backend' 'triton' supports float16, bfloat16 and float32, not float64; "
                          "use 'torch'")
+    if name == "cpu":
+        return AttentionBackend("cpu", compiled_write_kv, _compiled_backend(device, dtype))
     if name == "torch":
         return AttentionBackend("torch", write_kv, grouped_paged_attention)
     from .kernels import unified_attention, write_kv as triton_write_kv
@@ -76,6 +88,15 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     flat_k.index_copy_(0, slot_mapping, key)
     flat_v.index_copy_(0, slot_mapping, value)
+
+
+def compiled_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """write_kv in one compiled call (the torch one is four ops and a host sync per layer)."""
+    kernels = cpu_kernels.for_tensor(key)
+    if kernels is None or k_cache.stride() != v_cache.stride():
+        return write_kv(key, value, k_cache, v_cache, slot_mapping)
+    kernels.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
@@ -108,21 +129,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int) -> torch.Tensor:
-    """q [n, H, D] against k/v [L, KVH, D]; query j sits at position causal_offset + j."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q [n, H, D] against k/v [L, KVH, D]; query j sits at position causal_offset + j. `mask`
+    (causal_mask's) may be passed in when it was built before."""
     n, heads, dim = q.shape
-    length, kv_heads = k.shape[0], k.shape[1]
+    kv_heads = k.shape[1]
     group = heads // kv_heads
     # fold each KV head's query heads into the query rows (row = token * group + head in group):
     # one plain SDPA per KV head, with no copies of K/V for the group (several times faster on CPU)
     folded = q.view(n, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, n * group, dim)
-    mask = None
-    if n > 1:
-        q_pos = torch.arange(causal_offset, causal_offset + n, device=q.device).repeat_interleave(group)
-        mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
+    if mask is None and n > 1:
+        mask = causal_mask(n, group, k.shape[0], causal_offset, q.device)
     o = F.scaled_dot_product_attention(folded, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        attn_mask=mask, scale=scale)
     return o[0].view(kv_heads, n, group, dim).transpose(0, 1).reshape(n, heads, dim)
+
+
+def causal_mask(n: int, group: int, length: int, causal_offset: int, device, dtype: torch.dtype | None = None
+                ) -> torch.Tensor:
+    """[n * group, length]: row token * group + g sees keys up to causal_offset + token; boolean, or
+    additive in `dtype` (0 / -inf: what SDPA would convert a boolean mask to on every call)."""
+    q_pos = torch.arange(causal_offset, causal_offset + n, device=device).repeat_interleave(group)
+    allowed = torch.arange(length, device=device)[None, :] <= q_pos[:, None]
+    if dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
 
 def _decode_attention(q, k_cache, v_cache, out, starts, lens, block_table, rows, scale) -> None:
@@ -163,15 +195,18 @@ class CpuAttentionPlan:
     """A step's attention work, worked out on the host once and used by every layer."""
     groups: list[DecodeGroup]
     prefills: list[tuple[int, int, int]]        # (sequence, first query row, end row) of the others
+    prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)   # by prefill, from the first layer
 
 
-def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> CpuAttentionPlan:
+def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor, decode_groups: bool = True) -> CpuAttentionPlan:
+    """The prefill chunks, and with decode_groups the decodes cut into groups (not needed by the
+    compiled kernel, which reads the block table itself)."""
     block_size, kv_heads, dim = k_cache.shape[1:]
     device = k_cache.device          # the torch backend also runs on CUDA when asked for
     starts = meta.cu_seqlens_q.cpu().numpy()
     lens = meta.seq_lens.cpu().numpy().astype(np.int64)
     one_token = np.diff(starts) == 1
-    decode = np.flatnonzero(one_token)
+    decode = np.flatnonzero(one_token) if decode_groups else np.zeros(0, dtype=np.int64)
     order = decode[np.argsort(lens[decode], kind="stable")]
     group_tokens = max(block_size, GROUP_KV_BYTES // (2 * kv_heads * dim * k_cache.element_size()))
     groups, i = [], 0
@@ -207,10 +242,52 @@ def grouped_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         folded = q.index_select(0, g.token_idx).view(n, kv_heads, heads // kv_heads, dim)
         o = F.scaled_dot_product_attention(folded, k, v, attn_mask=g.mask, scale=scale)
         out.index_copy_(0, g.token_idx, o.reshape(n, heads, dim))
+    _prefill_attention(q, k_cache, v_cache, out, meta, scale)
+    return out
+
+
+def _compiled_backend(device: torch.device, dtype: torch.dtype) -> Callable:
+    if device.type != "cpu" or dtype not in cpu_kernels.DTYPES:
+        raise ValueError(f"'attention_backend' 'cpu' runs float32 and bfloat16 on the CPU, not {dtype} on {device}; "
+                         "use 'torch'")
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise ValueError("'attention_backend' 'cpu' needs the compiled CPU kernels, which could not be built here "
+                         "(the log says why); use 'torch' or 'auto'")
+
+    def attention(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float):
+        return compiled_paged_attention(kernels, q, k_cache, v_cache, out, meta, scale)
+    return attention
+
+
+def compiled_paged_attention(kernels: "cpu_kernels.CpuKernels", q: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
+                             scale: float) -> torch.Tensor:
+    """The CPU backend with the compiled kernel: every one-token query reads its K/V in place
+    through the block table (cpu_kernels.cpp); prefill chunks take SDPA as in the torch path."""
+    kv_heads, dim = k_cache.shape[2:]
+    if not kernels.supports(q.dtype, q.shape[1], kv_heads, dim):
+        return grouped_paged_attention(q, k_cache, v_cache, out, meta, scale)
+    if meta.cpu_plan is None:
+        meta.cpu_plan = plan_cpu_attention(meta, k_cache, decode_groups=False)
+    kernels.paged_decode_attention(q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_table,
+                                   scale)
+    _prefill_attention(q, k_cache, v_cache, out, meta, scale)
+    return out
+
+
+def _prefill_attention(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float) -> None:
+    """SDPA per prefill chunk over its gathered context, a KV head's query heads folded into rows
+    (with enable_gqa, or without a mask, torch's CPU SDPA leaves its flash kernel for the slow
+    math path)."""
+    block_size = k_cache.shape[1]
     block_table, lens = meta.block_table, meta.seq_lens
-    for seq, start, end in meta.cpu_plan.prefills:
+    masks = meta.cpu_plan.prefill_masks
+    for i, (seq, start, end) in enumerate(meta.cpu_plan.prefills):
         seq_len = int(lens[seq])
         blocks = block_table[seq, :-(-seq_len // block_size)]
         k, v = gather_kv(k_cache, blocks, seq_len), gather_kv(v_cache, blocks, seq_len)
-        out[start:end] = _attend(q[start:end], k, v, scale, causal_offset=seq_len - (end - start))
-    return out
+        if i not in masks and end - start > 1:
+            masks[i] = causal_mask(end - start, q.shape[1] // k.shape[1], seq_len, seq_len - (end - start), q.device,
+                                   q.dtype)
+        out[start:end] = _attend(q[start:end], k, v, scale, seq_len - (end - start), masks.get(i))

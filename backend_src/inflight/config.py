@@ -9,7 +9,7 @@ from .structured import GrammarSpec, parse_spec
 POLICIES = ("continuous", "dynamic", "static")
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 MAX_LOGPROBS = 20       # most top log-probabilities per token (vLLM's default max_logprobs)
 
 

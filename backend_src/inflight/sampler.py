@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from . import cpu_kernels
 from .batch_table import BatchTable
 from .logprobs import StepLogprobs, step_logprobs
 
@@ -35,7 +36,7 @@ class Sampler:
             wants_raw = logits is raw and (table.num_logprobs[rows] >= 0).any()
             logits = grammar_mask(logits.clone() if wants_raw else logits)
         temperature = table.temperature[rows]
-        tokens = logits.argmax(dim=-1)
+        tokens = cpu_kernels.argmax(logits)
         sampled = np.flatnonzero(temperature > 0)
         if sampled.size:
             index = torch.from_numpy(sampled).to(logits.device)

@@ -1,0 +1,521 @@
+// CPU kernels for the engine's hot path, compiled at first use by cpu_kernels.py (g++ -O3
+// -march=native -fopenmp) and called through ctypes with raw pointers and element strides.
+//
+// paged_decode_attention: one query token per sequence against its K/V read in place from the
+// paged cache through the block table (no gather copy). A KV head's query heads are handled
+// together, so each K/V row is loaded and converted once for the whole group; the softmax is
+// online, in float32, a tile of keys at a time. Work items are (sequence, KV head) pairs spread
+// over OpenMP threads; each item is computed by one thread in a fixed order, so results do not
+// depend on the thread count or the schedule.
+//
+// Also the layer's small ops, one call each where torch takes several (rms_norm, rotary,
+// silu_and_mul, write_kv) and the sampler's argmax, rounding as the torch expressions do.
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <type_traits>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int TILE = 64;           // keys per online-softmax step (their K/V rows stay in L1)
+constexpr int PREFETCH = 16;       // keys ahead to fetch from memory
+constexpr int MAX_DIM = 256;       // head_dim limit (the loader checks it)
+constexpr int MAX_GROUP = 16;      // query heads per KV head limit
+
+typedef uint16_t bf16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline void from_float(float x, float *dst) { *dst = x; }
+inline void from_float(float x, bf16 *dst) {      // round to nearest even, as torch does
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) { *dst = (bf16)((bits >> 16) | 0x40); return; }
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    *dst = (bf16)(bits >> 16);
+}
+
+// a head's row as NC vectors of 16 floats, lanes past dim zero (GCC vector extensions: AVX-512
+// registers with -march=native where the CPU has them, pairs of AVX2 registers elsewhere)
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+inline v16f load16(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
+inline v16f load16(const bf16 *p) {
+#ifdef __AVX512F__
+    // one widening load and a shift (GCC splits the generic conversion into five instructions)
+    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#else
+    v16h h;
+    memcpy(&h, p, 32);
+    const v16u bits = __builtin_convertvector(h, v16u) << 16;
+    v16f v;
+    memcpy(&v, &bits, 64);
+    return v;
+#endif
+}
+
+template <typename T, int NC>
+inline void load_row(const T *p, int dim, v16f *row) {
+    for (int c = 0; c < NC; ++c) {
+        if (16 * (c + 1) <= dim) {
+            row[c] = load16(p + 16 * c);
+        } else {
+            v16f tail = {};
+            for (int d = 16 * c; d < dim; ++d) tail[d - 16 * c] = to_float(p[d]);
+            row[c] = tail;
+        }
+    }
+}
+
+// exp of x <= 0 lane by lane (softmax arguments): Cephes' expf polynomial after reducing by
+// powers of two; exactly 0 below -87 (and for -inf)
+inline v16f exp_nonpositive(v16f x) {
+    const v16f clamped = x < -87.0f ? (v16f){} - 87.0f : x;
+    const v16f magic = (v16f){} + 12582912.0f;          // 1.5 * 2^23: adding it rounds to an integer
+    const v16f n = (clamped * 1.44269504088896341f + magic) - magic;
+    const v16f r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+    v16f p = (v16f){} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16f scale;
+    memcpy(&scale, &bits, 64);
+    return x < -87.0f ? (v16f){} : p * scale;
+}
+
+inline float exp_nonpositive(float x) { return exp_nonpositive((v16f){} + x)[0]; }
+
+inline v16f exp_any(v16f x) {
+    const v16f clamped = x > 88.0f ? (v16f){} + 88.0f : x;
+    const v16f e = exp_nonpositive(clamped > 0.0f ? (v16f){} : clamped);
+    // x > 0: exp(x) = 1 / exp(-x), exact to the polynomial's accuracy; inf past float's range
+    const v16f positive = 1.0f / exp_nonpositive(clamped > 0.0f ? -clamped : (v16f){});
+    return x > 88.7f ? (v16f){} + INFINITY : (x > 0.0f ? positive : e);
+}
+
+template <typename T>
+inline void prefetch_row(const T *p, int dim) {
+    for (int offset = 0; offset < dim * (int)sizeof(T); offset += 64) __builtin_prefetch((const char *)p + offset);
+}
+
+// lanes 0, 4, 8, 12 = the sums of a, b, c, d
+inline v16f hsum4(v16f a, v16f b, v16f c, v16f d) {
+    const v16u low = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16u high = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16f ab = __builtin_shuffle(a, b, low) + __builtin_shuffle(a, b, high);
+    const v16f cd = __builtin_shuffle(c, d, low) + __builtin_shuffle(c, d, high);
+    v16f v = __builtin_shuffle(ab, cd, (v16u){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+             __builtin_shuffle(ab, cd, (v16u){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+    v += __builtin_shuffle(v, (v16u){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (v16u){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v;
+}
+
+inline float hsum(v16f v) {
+    v += __builtin_shuffle(v, (v16u){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (v16u){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (v16u){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (v16u){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+#ifdef __AVX512BF16__
+// bf16 scores with the CPU's bf16 dot product (vdpbf16ps: 32 products summed into 16 float lanes
+// per instruction), reading K as stored: no conversion, half the multiply-adds
+template <int NC, typename KRow, typename VRow>
+inline void score_tile_bf16(const bf16 *q, int64_t q_head_stride, KRow k_row, int kv_head, int group, int dim,
+                            int first, int n, int seq_len, float scale, VRow v_row, float (*scores)[TILE]) {
+    constexpr int NP = (NC + 1) / 2;
+    __m512i keys[TILE][NP];
+    auto mask = [dim](int p) -> __mmask32 {
+        const int left = dim - 32 * p;
+        return left >= 32 ? 0xffffffffu : left <= 0 ? 0u : (1u << left) - 1u;
+    };
+    for (int t = 0; t < n; ++t) {
+        if (first + t + PREFETCH < seq_len) prefetch_row(k_row(first + t + PREFETCH), dim);
+        prefetch_row(v_row(first + t), dim);
+        const bf16 *row = k_row(first + t);
+        for (int p = 0; p < NP; ++p) keys[t][p] = _mm512_maskz_loadu_epi16(mask(p), row + 32 * p);
+    }
+    for (int t = n; t < (n + 3) / 4 * 4; ++t)
+        for (int p = 0; p < NP; ++p) keys[t][p] = _mm512_setzero_si512();
+    for (int g = 0; g < group; ++g) {
+        const bf16 *qg = q + (int64_t)(kv_head * group + g) * q_head_stride;
+        __m512bh qv[NP];
+        for (int p = 0; p < NP; ++p) qv[p] = (__m512bh)_mm512_maskz_loadu_epi16(mask(p), qg + 32 * p);
+        for (int t = 0; t < n; t += 4) {
+            v16f s[4];
+            for (int i = 0; i < 4; ++i) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int p = 0; p < NP; ++p) acc = _mm512_dpbf16_ps(acc, qv[p], (__m512bh)keys[t + i][p]);
+                s[i] = (v16f)acc;
+            }
+            const v16f sums = hsum4(s[0], s[1], s[2], s[3]) * scale;
+            for (int i = 0; i < 4; ++i) scores[g][t + i] = sums[4 * i];
+        }
+    }
+}
+#endif
+
+template <typename T, int NC>
+void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_cache,
+                const int64_t *k_strides, const int64_t *v_strides, T *out, int64_t out_head_stride,
+                const int32_t *blocks, int seq_len, int kv_head, int group, int dim, int block_size,
+                float scale) {
+    // a tile's K and V rows in float32, converted once and then read from L1 by every query head
+    v16f qf[MAX_GROUP][NC], acc[MAX_GROUP][NC], rows[TILE][NC];
+    alignas(64) float scores[MAX_GROUP][TILE];
+    float running_max[MAX_GROUP], running_sum[MAX_GROUP];
+    for (int g = 0; g < group; ++g) {
+        load_row<T, NC>(q + (int64_t)(kv_head * group + g) * q_head_stride, dim, qf[g]);
+        for (int c = 0; c < NC; ++c) { qf[g][c] *= scale; acc[g][c] = (v16f){}; }
+        running_max[g] = -INFINITY;
+        running_sum[g] = 0.0f;
+    }
+    const T *k_head = k_cache + kv_head * k_strides[2], *v_head = v_cache + kv_head * v_strides[2];
+    auto k_row = [&](int pos) { return k_head + blocks[pos / block_size] * k_strides[0] + (pos % block_size) * k_strides[1]; };
+    auto v_row = [&](int pos) { return v_head + blocks[pos / block_size] * v_strides[0] + (pos % block_size) * v_strides[1]; };
+    for (int first = 0; first < seq_len; first += TILE) {
+        const int n = seq_len - first < TILE ? seq_len - first : TILE;
+#ifdef __AVX512BF16__
+        if constexpr (std::is_same_v<T, bf16>) {
+            score_tile_bf16<NC>(q, q_head_stride, k_row, kv_head, group, dim, first, n, seq_len, scale, v_row, scores);
+        } else
+#endif
+        {
+        for (int t = 0; t < n; ++t) {
+            // blocks sit anywhere in the pool: fetch K PREFETCH keys ahead, and this key's V for
+            // the pass below, so the loads do not wait on memory
+            if (first + t + PREFETCH < seq_len) prefetch_row(k_row(first + t + PREFETCH), dim);
+            prefetch_row(v_row(first + t), dim);
+            load_row<T, NC>(k_row(first + t), dim, rows[t]);
+        }
+        for (int t = n; t < (n + 3) / 4 * 4; ++t)
+            for (int c = 0; c < NC; ++c) rows[t][c] = (v16f){};
+        // scores four keys at a time, so one joint reduction yields four sums
+        for (int g = 0; g < group; ++g) {
+            v16f qg[NC];
+            for (int c = 0; c < NC; ++c) qg[c] = qf[g][c];
+            for (int t = 0; t < n; t += 4) {
+                v16f s[4];
+                for (int i = 0; i < 4; ++i) {
+                    s[i] = qg[0] * rows[t + i][0];
+                    for (int c = 1; c < NC; ++c) s[i] += qg[c] * rows[t + i][c];
+                }
+                const v16f sums = hsum4(s[0], s[1], s[2], s[3]);
+                for (int i = 0; i < 4; ++i) scores[g][t + i] = sums[4 * i];
+            }
+        }
+        }
+        const int chunks = (n + 15) / 16;
+        for (int g = 0; g < group; ++g) {
+            v16f *row_scores = (v16f *)scores[g];
+            for (int t = n; t < 16 * chunks; ++t) scores[g][t] = -INFINITY;
+            v16f maxes = row_scores[0];
+            for (int c = 1; c < chunks; ++c) maxes = row_scores[c] > maxes ? row_scores[c] : maxes;
+            float tile_max = maxes[0];
+            for (int i = 1; i < 16; ++i) tile_max = maxes[i] > tile_max ? maxes[i] : tile_max;
+            const float new_max = tile_max > running_max[g] ? tile_max : running_max[g];
+            const float correction = running_max[g] == -INFINITY ? 0.0f : exp_nonpositive(running_max[g] - new_max);
+            v16f sums = {};
+            for (int c = 0; c < chunks; ++c) {
+                row_scores[c] = exp_nonpositive(row_scores[c] - new_max);
+                sums += row_scores[c];
+            }
+            running_sum[g] = running_sum[g] * correction + hsum(sums);
+            running_max[g] = new_max;
+            if (correction != 1.0f)
+                for (int c = 0; c < NC; ++c) acc[g][c] *= correction;
+        }
+        for (int t = 0; t < n; ++t) load_row<T, NC>(v_row(first + t), dim, rows[t]);
+        for (int g = 0; g < group; ++g) {
+            v16f ag[NC];
+            for (int c = 0; c < NC; ++c) ag[c] = acc[g][c];
+            for (int t = 0; t < n; ++t)
+                for (int c = 0; c < NC; ++c) ag[c] += scores[g][t] * rows[t][c];
+            for (int c = 0; c < NC; ++c) acc[g][c] = ag[c];
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        T *dst = out + (int64_t)(kv_head * group + g) * out_head_stride;
+        const float inv = 1.0f / running_sum[g];
+        for (int d = 0; d < dim; ++d) from_float(acc[g][d / 16][d % 16] * inv, dst + d);
+    }
+}
+
+template <typename T>
+void decode_dispatch(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_cache,
+                     const int64_t *k_strides, const int64_t *v_strides, T *out, int64_t out_head_stride,
+                     const int32_t *blocks, int seq_len, int kv_head, int group, int dim, int block_size,
+                     float scale) {
+#define INFLIGHT_DECODE(NC) decode_one<T, NC>(q, q_head_stride, k_cache, v_cache, k_strides, v_strides, out, \
+                                              out_head_stride, blocks, seq_len, kv_head, group, dim, block_size, scale)
+    switch ((dim + 15) / 16) {
+        case 1: INFLIGHT_DECODE(1); break;
+        case 2: INFLIGHT_DECODE(2); break;
+        case 3: INFLIGHT_DECODE(3); break;
+        case 4: INFLIGHT_DECODE(4); break;
+        case 5: INFLIGHT_DECODE(5); break;
+        case 6: INFLIGHT_DECODE(6); break;
+        case 7: INFLIGHT_DECODE(7); break;
+        case 8: INFLIGHT_DECODE(8); break;
+        case 9: case 10: case 11: case 12: INFLIGHT_DECODE(12); break;
+        default: INFLIGHT_DECODE(16); break;
+    }
+#undef INFLIGHT_DECODE
+}
+
+// q [tokens, heads, dim] and out alike (strides: token, head; the last dim contiguous);
+// caches [blocks, block_size, kv_heads, dim] with strides (block, slot, head);
+// cu_seqlens_q [num_seqs + 1], seq_lens [num_seqs], block_table [num_seqs, *] (row stride given).
+// Only sequences with exactly one query token are computed; the others are left to the caller.
+template <typename T>
+void paged_decode_attention(const T *q, const int64_t *q_strides, const T *k_cache, const int64_t *k_strides,
+                            const T *v_cache, const int64_t *v_strides, T *out, const int64_t *out_strides,
+                            const int32_t *cu_seqlens_q, const int32_t *seq_lens, const int32_t *block_table,
+                            int64_t block_table_stride, int num_seqs, int num_heads, int num_kv_heads, int dim,
+                            int block_size, float scale, int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t items = (int64_t)num_seqs * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < items; ++item) {
+        const int seq = (int)(item / num_kv_heads), kv_head = (int)(item % num_kv_heads);
+        const int token = cu_seqlens_q[seq];
+        if (cu_seqlens_q[seq + 1] - token != 1) continue;
+        decode_dispatch(q + token * q_strides[0], q_strides[1], k_cache, v_cache, k_strides, v_strides,
+                   out + token * out_strides[0], out_strides[1], block_table + seq * block_table_stride,
+                   seq_lens[seq], kv_head, group, dim, block_size, scale);
+    }
+}
+
+// ---- the layer's small ops, fused (decode steps are a few dozen rows: one call instead of several
+// torch ops, each of which costs more to dispatch than to compute). They round like the torch
+// expressions they replace (each product and sum rounded to the tensor's dtype, no contraction).
+
+// round to the dtype and back, 16 lanes: bf16 by round-to-nearest-even on the bits (as torch
+// does; NaN stays a quiet NaN)
+inline v16u bf16_bits(v16f x) {
+    v16u bits;
+    memcpy(&bits, &x, 64);
+    const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded;
+}
+inline v16f rounded16(v16f x, const float *) { return x; }
+inline v16f rounded16(v16f x, const bf16 *) {
+    const v16u bits = bf16_bits(x) << 16;
+    v16f v;
+    memcpy(&v, &bits, 64);
+    return v;
+}
+inline void store16(float *p, v16f x) { memcpy(p, &x, 64); }
+inline void store16(bf16 *p, v16f x) {
+    const v16h h = __builtin_convertvector(bf16_bits(x), v16h);
+    memcpy(p, &h, 32);
+}
+template <typename T>
+inline float rounded(float x) { T r; from_float(x, &r); return to_float(r); }
+
+// weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), the squares summed in float32
+template <typename T>
+__attribute__((optimize("fp-contract=off")))
+void rms_norm(const T *x, int64_t x_stride, const T *weight, T *out, int64_t out_stride, int64_t rows, int hidden,
+              float eps, int num_threads) {
+    const int vectors = hidden / 16;
+#pragma omp parallel for num_threads(num_threads) if (rows * hidden > 262144)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T *src = x + r * x_stride;
+        T *dst = out + r * out_stride;
+        v16f squares = {};
+        for (int c = 0; c < vectors; ++c) {
+            const v16f v = load16(src + 16 * c);
+            squares += v * v;
+        }
+        float sum = hsum(squares);
+        for (int i = 16 * vectors; i < hidden; ++i) sum += to_float(src[i]) * to_float(src[i]);
+        const float inv = 1.0f / sqrtf(sum / hidden + eps);
+        for (int c = 0; c < vectors; ++c) {
+            const v16f normed = rounded16(load16(src + 16 * c) * inv, src);
+            store16(dst + 16 * c, load16(weight + 16 * c) * normed);
+        }
+        for (int i = 16 * vectors; i < hidden; ++i)
+            from_float(to_float(weight[i]) * rounded<T>(to_float(src[i]) * inv), dst + i);
+    }
+}
+
+// x * cos + cat(-x2, x1) * sin per head: x [rows, heads, dim] (strides row, head), cos/sin [rows, dim]
+template <typename T>
+__attribute__((optimize("fp-contract=off")))
+void rotary(const T *x, int64_t x_row_stride, int64_t x_head_stride, const T *cos, const T *sin,
+            int64_t table_stride, T *out, int64_t rows, int heads, int dim, int num_threads) {
+    const int half = dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (rows * heads * dim > 262144)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T *c = cos + r * table_stride, *s = sin + r * table_stride;
+        for (int h = 0; h < heads; ++h) {
+            const T *src = x + r * x_row_stride + h * x_head_stride;
+            T *dst = out + (r * heads + h) * dim;
+            if (half % 16 == 0) {
+                for (int d = 0; d < half; d += 16) {
+                    const v16f x1 = load16(src + d), x2 = load16(src + half + d);
+                    store16(dst + d, rounded16(x1 * load16(c + d), src) + rounded16(-x2 * load16(s + d), src));
+                    store16(dst + half + d, rounded16(x2 * load16(c + half + d), src) +
+                                                rounded16(x1 * load16(s + half + d), src));
+                }
+                continue;
+            }
+            for (int d = 0; d < dim; ++d) {
+                const float rotated = d < half ? -to_float(src[d + half]) : to_float(src[d - half]);
+                from_float(rounded<T>(to_float(src[d]) * to_float(c[d])) + rounded<T>(rotated * to_float(s[d])),
+                           dst + d);
+            }
+        }
+    }
+}
+
+// silu(g) = g / (1 + exp(-g)), with one exp of -|g| <= 0: g >= 0: g / (1 + e); g < 0: g * e / (1 + e)
+inline v16f silu16(v16f g) {
+    const v16f e = exp_nonpositive(g < 0.0f ? g : -g);
+    return (g < 0.0f ? g * e : g) / (1.0f + e);
+}
+
+// silu(gate) * up for gate_up [rows, 2 * inner] (gate first): silu rounded to dtype, then the product
+template <typename T>
+__attribute__((optimize("fp-contract=off")))
+void silu_and_mul(const T *gate_up, int64_t in_stride, T *out, int64_t out_stride, int64_t rows, int inner,
+                  int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * inner > 262144)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T *gate = gate_up + r * in_stride, *up = gate + inner;
+        T *dst = out + r * out_stride;
+        int i = 0;
+        for (; i + 16 <= inner; i += 16)
+            store16(dst + i, rounded16(silu16(load16(gate + i)), gate) * load16(up + i));
+        for (; i < inner; ++i)
+            from_float(rounded<T>(silu16((v16f){} + to_float(gate[i]))[0]) * to_float(up[i]), dst + i);
+    }
+}
+
+// key/value [rows, kv_heads, dim] (strides row, head) into the caches at flat slots; slot < 0 skips
+template <typename T>
+void write_kv(const T *key, const int64_t *key_strides, const T *value, const int64_t *value_strides, T *k_cache,
+              T *v_cache, const int64_t *cache_strides, const int64_t *slots, int64_t rows, int kv_heads, int dim,
+              int block_size) {
+    for (int64_t r = 0; r < rows; ++r) {
+        if (slots[r] < 0) continue;
+        const int64_t at = (slots[r] / block_size) * cache_strides[0] + (slots[r] % block_size) * cache_strides[1];
+        for (int h = 0; h < kv_heads; ++h) {
+            memcpy(k_cache + at + h * cache_strides[2], key + r * key_strides[0] + h * key_strides[1], dim * sizeof(T));
+            memcpy(v_cache + at + h * cache_strides[2], value + r * value_strides[0] + h * value_strides[1],
+                   dim * sizeof(T));
+        }
+    }
+}
+
+inline bool any_equal(v16f v, float x) {
+    const v16i hit = v == x;
+    v16i folded = hit;
+    for (int i = 0; i < 16; ++i) folded[0] |= hit[i];
+    return folded[0] != 0;
+}
+
+// the first index of each row's maximum (a NaN counts as the maximum, as in torch.argmax): the
+// maximum with vector compares, then the first position that holds it
+void argmax_rows(const float *x, int64_t row_stride, int64_t *out, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * row_stride;
+        v16f maxes = (v16f){} - INFINITY;
+        v16i nan = {};
+        int64_t i = 0;
+        for (; i + 16 <= cols; i += 16) {
+            const v16f v = load16(row + i);
+            maxes = v > maxes ? v : maxes;
+            nan |= v != v;
+        }
+        float best = maxes[0];
+        bool any_nan = false;
+        for (int j = 0; j < 16; ++j) {
+            best = maxes[j] > best ? maxes[j] : best;
+            any_nan |= nan[j] != 0;
+        }
+        for (; i < cols; ++i) {
+            best = row[i] > best ? row[i] : best;
+            any_nan |= row[i] != row[i];
+        }
+        int64_t index = 0;
+        if (any_nan) {
+            while (row[index] == row[index]) ++index;
+        } else {
+            while (index + 16 <= cols && !any_equal(load16(row + index), best)) index += 16;
+            while (row[index] != best) ++index;
+        }
+        out[r] = index;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int inflight_kernel_limits(int *max_dim, int *max_group) {
+    *max_dim = MAX_DIM;
+    *max_group = MAX_GROUP;
+    return 0;
+}
+
+#define DECODE_ENTRY(NAME, T)                                                                                  \
+    void NAME(const T *q, const int64_t *q_strides, const T *k_cache, const int64_t *k_strides, const T *v_cache, \
+              const int64_t *v_strides, T *out, const int64_t *out_strides, const int32_t *cu_seqlens_q,          \
+              const int32_t *seq_lens, const int32_t *block_table, int64_t block_table_stride, int num_seqs,      \
+              int num_heads, int num_kv_heads, int dim, int block_size, float scale, int num_threads) {          \
+        paged_decode_attention<T>(q, q_strides, k_cache, k_strides, v_cache, v_strides, out, out_strides,       \
+                                  cu_seqlens_q, seq_lens, block_table, block_table_stride, num_seqs, num_heads,  \
+                                  num_kv_heads, dim, block_size, scale, num_threads);                            \
+    }
+
+DECODE_ENTRY(paged_decode_attention_f32, float)
+DECODE_ENTRY(paged_decode_attention_bf16, bf16)
+
+#define ROW_OPS_ENTRY(SUFFIX, T)                                                                              \
+    void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *weight, T *out, int64_t out_stride, int64_t rows, \
+                           int hidden, float eps, int num_threads) {                                             \
+        rms_norm<T>(x, x_stride, weight, out, out_stride, rows, hidden, eps, num_threads);                      \
+    }                                                                                                            \
+    void rotary_##SUFFIX(const T *x, int64_t x_row_stride, int64_t x_head_stride, const T *cos, const T *sin,   \
+                         int64_t table_stride, T *out, int64_t rows, int heads, int dim, int num_threads) {      \
+        rotary<T>(x, x_row_stride, x_head_stride, cos, sin, table_stride, out, rows, heads, dim, num_threads);  \
+    }                                                                                                            \
+    void silu_and_mul_##SUFFIX(const T *gate_up, int64_t in_stride, T *out, int64_t out_stride, int64_t rows,    \
+                               int inner, int num_threads) {                                                     \
+        silu_and_mul<T>(gate_up, in_stride, out, out_stride, rows, inner, num_threads);                          \
+    }                                                                                                            \
+    void write_kv_##SUFFIX(const T *key, const int64_t *key_strides, const T *value, const int64_t *value_strides, \
+                           T *k_cache, T *v_cache, const int64_t *cache_strides, const int64_t *slots,           \
+                           int64_t rows, int kv_heads, int dim, int block_size) {                                \
+        write_kv<T>(key, key_strides, value, value_strides, k_cache, v_cache, cache_strides, slots, rows,         \
+                    kv_heads, dim, block_size);                                                                  \
+    }
+
+ROW_OPS_ENTRY(f32, float)
+ROW_OPS_ENTRY(bf16, bf16)
+
+void argmax_rows_f32(const float *x, int64_t row_stride, int64_t *out, int64_t rows, int64_t cols) {
+    argmax_rows(x, row_stride, out, rows, cols);
+}
+
+}  // extern "C"

@@ -1,0 +1,214 @@
+"""The compiled CPU decode-attention kernel (cpu_kernels.cpp through attention.compiled_paged_attention):
+the reference's result on random mixed steps, deterministic, built once into the cache, and the
+torch path with one logged line where it cannot be built."""
+import logging
+import os
+
+import pytest
+import torch
+
+from inflight import EngineConfig, LLMEngine, SamplingParams, attention, cpu_kernels
+from inflight.attention import AttentionMetadata, compiled_paged_attention, select_backend
+
+from .test_cpu_attention import reference
+from .test_kernels import make_step
+
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = cpu_kernels.load()
+    assert loaded is not None, "the CPU kernels did not build (g++ is part of the development setup)"
+    return loaded
+
+
+def meta_of(step) -> AttentionMetadata:
+    return AttentionMetadata(torch.zeros(0, dtype=torch.long), step["cu_seqlens_q"], step["seq_lens"],
+                             step["block_table"], int(step["cu_seqlens_q"][-1]), int(step["seq_lens"].max()))
+
+
+def run(kernels, step):
+    out = compiled_paged_attention(kernels, step["q"], step["k_cache"], step["v_cache"], step["out"], meta_of(step),
+                                   step["scale"])
+    assert out is step["out"]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_mixed_steps_match_the_reference(kernels, seed):
+    """Decodes of many lengths (1 to past several tiles of 128 keys), prefill chunks with and without
+    context, GQA groups 1/2/4/8, head dims 24/64/128, block sizes 16/32, strided views."""
+    rng = torch.Generator().manual_seed(300 + seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=rng))]
+
+    lengths = [1, 2, 15, 16, 17, 127, 128, 129, 300, 513]
+    cases = [(1, pick(lengths) if i % 2 else int(torch.randint(1, 600, (1,), generator=rng)))
+             for i in range(int(torch.randint(1, 24, (1,), generator=rng)))]
+    for _ in range(int(torch.randint(0, 3, (1,), generator=rng))):
+        q_len = pick([2, 7, 33])
+        cases.insert(int(torch.randint(len(cases) + 1, (1,), generator=rng)), (q_len, q_len + pick([0, 5, 70])))
+    kv_heads, group = pick([1, 2, 4]), [1, 2, 4, 8][seed % 4]
+    dtype = [torch.float32, torch.bfloat16][seed // 4 % 2]
+    step = make_step(cases, kv_heads * group, kv_heads, [24, 64, 128][seed % 3], pick([16, 32]), dtype, seed=seed,
+                     strided=seed >= 6)
+    torch.testing.assert_close(run(kernels, step).double(), reference(step), atol=ATOL[dtype], rtol=0)
+
+
+def test_results_are_bitwise_the_same_with_any_thread_count(kernels):
+    step = make_step([(1, n) for n in (700, 3, 129, 40, 1, 260)] + [(5, 30)], 8, 2, 64, 16, torch.bfloat16)
+    saved = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 1):
+            torch.set_num_threads(threads)
+            step["out"].zero_()
+            outs.append(run(kernels, step).clone())
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_the_library_is_built_once_into_the_cache_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFLIGHT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    assert cpu_kernels.load() is not None
+    built = list(tmp_path.iterdir())
+    assert len(built) == 1 and built[0].name.startswith("cpu_kernels-") and built[0].suffix == ".so"
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    assert cpu_kernels.load() is not None                     # a new process finds it: no rebuild
+    assert [p.stat().st_mtime_ns for p in tmp_path.iterdir()] == [stamp]
+
+
+@pytest.mark.parametrize("cause, env, message", [
+    ("no compiler", {"PATH": "", "CXX": ""}, "no C++ compiler (g++) found"),
+    ("build failure", {"CXX": "false"}, "building the compiled CPU kernels failed"),
+    ("switched off", {"INFLIGHT_CPU_KERNELS": "0"}, "INFLIGHT_CPU_KERNELS=0"),
+])
+def test_without_the_kernels_attention_falls_back_to_torch_with_one_log_line(cause, env, message, tmp_path,
+                                                                              monkeypatch, caplog):
+    monkeypatch.setenv("INFLIGHT_CACHE_DIR", str(tmp_path))      # an empty cache: it must build
+    for key, value in env.items():
+        if value:
+            monkeypatch.setenv(key, value)
+        else:
+            monkeypatch.delenv(key, raising=False)
+    if cause == "no compiler":
+        monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
+    with caplog.at_level(logging.INFO, logger="inflight"):
+        backend = select_backend("auto", CPU, torch.bfloat16)
+        assert select_backend("auto", CPU, torch.float32).name == "torch"
+    assert backend.name == "torch"
+    lines = [r.getMessage() for r in caplog.records if "CPU kernels" in r.getMessage()]
+    assert len(lines) == 1 and message in lines[0], lines
+    with pytest.raises(ValueError, match="'attention_backend' 'cpu' needs the compiled CPU kernels"):
+        select_backend("cpu", CPU, torch.float32)
+
+
+def test_backend_choice(kernels):
+    assert select_backend("auto", CPU, torch.bfloat16).name == "cpu"
+    assert select_backend("auto", CPU, torch.float32).name == "cpu"
+    assert select_backend("auto", CPU, torch.float64).name == "torch"
+    with pytest.raises(ValueError, match="'attention_backend' 'cpu' runs float32 and bfloat16"):
+        select_backend("cpu", CPU, torch.float64)
+
+
+def test_shapes_beyond_the_kernel_take_the_torch_path(kernels, monkeypatch):
+    step = make_step([(1, 40), (1, 7), (3, 9)], 8, 2, 64, 16, torch.float32)
+    called = []
+    monkeypatch.setattr(kernels, "max_dim", 32)
+    monkeypatch.setattr(attention, "grouped_paged_attention",
+                        lambda *a: called.append(1) or attention.paged_attention(
+                            a[0], a[1], a[2], a[3], a[4].cu_seqlens_q, a[4].seq_lens, a[4].block_table, a[5]))
+    torch.testing.assert_close(run(kernels, step).double(), reference(step), atol=1e-5, rtol=0)
+    assert called
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(__file__), "..", "model_repository", "llm",
+                                                    "1", "inflight-tiny")), reason="default model not built")
+def test_float32_greedy_through_the_kernel_matches_transformers(kernels):
+    """The shipped model in float32 through the compiled kernel (mixed steps: budget 64 chunks
+    prompts beside decodes) gives transformers' float32 greedy ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import pydoc_data.topics
+    from .conftest import DEFAULT_MODEL
+    from .test_exactness import make_workload
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)[:20])
+    pool = tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompts, lengths = make_workload(vocab_size=len(tokenizer), seed=11, prompt_pool=pool)
+    prompts, lengths = prompts[:32], lengths[:32]
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    with torch.no_grad():
+        expected = [model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=0, do_sample=False,
+                                   eos_token_id=eos, pad_token_id=eos)[0, len(p):].tolist()
+                    for p, n in zip(prompts, lengths)]
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", attention_backend="cpu",
+                                                                   max_num_batched_tokens=64, num_kv_blocks=2048))
+    got = [o.token_ids for o in engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths])]
+    mismatches = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
+    assert not mismatches, f"requests {mismatches} differ from transformers"
+
+
+# ---- the fused small ops: the same numbers as the torch expressions they replace ------------------
+def torch_path(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "for_tensor", lambda x: None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_ops_match_their_torch_expressions(kernels, dtype, monkeypatch):
+    from inflight.models.llama import RMSNorm, rotate, silu_and_mul
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm(520, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(520, generator=g))
+    x = (torch.randn(37, 3, 520, generator=g) * 3).to(dtype)[:, 1]           # rows with a stride
+    # head dim 64 takes the vector path, 24 the scalar one; 1540 leaves a tail of 4
+    qkv, small_qkv = torch.randn(37, 12, 64, generator=g).to(dtype), torch.randn(37, 6, 24, generator=g).to(dtype)
+    cos, sin = (torch.randn(37, 1, 64, generator=g).to(dtype) for _ in range(2))
+    gate_up = (torch.randn(37, 2 * 1540, generator=g) * 4).to(dtype)
+
+    def ops():
+        return (norm(x), rotate(qkv[:, :8], cos, sin), silu_and_mul(gate_up),
+                rotate(small_qkv[:, :4], cos[..., :24], sin[..., :24]))
+    with torch.no_grad():
+        fused = ops()
+        torch_path(monkeypatch)
+        expected = ops()
+    if dtype == torch.bfloat16:
+        for got, want in zip(fused, expected):
+            assert torch.equal(got, want)
+    else:   # float32: the squares are summed in another order; silu's exp is a polynomial
+        torch.testing.assert_close(fused[0], expected[0], rtol=4e-7, atol=0)   # 2 ulp
+        assert torch.equal(fused[1], expected[1]) and torch.equal(fused[3], expected[3])
+        torch.testing.assert_close(fused[2], expected[2], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kv_write_matches_the_torch_one(kernels, dtype):
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(9, 4 + 2 * 2, 24, generator=g).to(dtype)
+    key, value = qkv[:, 4:6].clone(), qkv[:, 6:]                             # one contiguous, one strided
+    slots = torch.tensor([3, 70, -1, 0, 15, 16, -1, 33, 94])
+    caches = [torch.zeros(6, 16, 2, 24, dtype=dtype) for _ in range(4)]
+    attention.write_kv(key, value, caches[0], caches[1], slots)
+    attention.compiled_write_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_argmax_matches_torch_with_ties_nan_and_infinities(kernels):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 8193, generator=g)[:, 1:]
+    x[3, 100] = x[3, 200] = x[3].max() + 1          # a tie: the first index wins
+    x[5, 7], x[5, 9] = float("nan"), float("nan")   # NaN counts as the maximum
+    x[6] = float("-inf")
+    x[7, 8191] = float("inf")
+    assert torch.equal(cpu_kernels.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_kernels.argmax(x[:, :13]), x[:, :13].argmax(dim=-1))
+    assert torch.equal(cpu_kernels.argmax(x.double()), x.double().argmax(dim=-1))     # float64: torch's own
