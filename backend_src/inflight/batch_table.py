@@ -31,6 +31,7 @@ class BatchTable:
         self.top_p = np.ones(rows, dtype=np.float32)
         self.want_logprobs = np.zeros(rows, dtype=bool)
         self.has_bad_words = np.zeros(rows, dtype=bool)
+        self.lora_slot = np.full(rows, -1, dtype=np.int32)      # LoRA adapter slot; -1: base model
         self.request_ids = np.empty(rows, dtype=object)
         self.requests: list[Request | None] = [None] * rows
         self._free_rows = list(range(rows - 1, -1, -1))
@@ -62,6 +63,7 @@ class BatchTable:
         self.top_p[row] = params.top_p
         self.want_logprobs[row] = params.logprobs
         self.has_bad_words[row] = bool(params.bad_words_ids)
+        self.lora_slot[row] = req.lora_slot
         self.request_ids[row] = req.request_id
         self.requests[row] = req
         req.row = row

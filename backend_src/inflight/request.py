@@ -37,6 +37,7 @@ class Request:
     num_cached_tokens: int = 0        # prompt tokens found in the prefix cache at first admission
     first_scheduled_time: float | None = None
     logprobs: list[float] = field(default_factory=list)
+    lora_slot: int = -1               # the adapter's slot in the runner's LoRA weights; -1: base model
 
     @property
     def prompt_token_ids(self) -> list[int]:

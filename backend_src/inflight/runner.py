@@ -13,6 +13,7 @@ import torch
 from .attention import AttentionMetadata, select_backend
 from .batch_table import BatchTable
 from .config import EngineConfig
+from .lora import load_lora_weights
 from .models import LlamaForCausalLM, ModelSpec, rope_tables
 from .scheduler import SchedulerOutput
 
@@ -55,7 +56,7 @@ def iter_checkpoint(model_dir: str):
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, hf_config, config: EngineConfig):
+    def __init__(self, model_dir: str, hf_config, config: EngineConfig, lora_modules: dict[str, str] | None = None):
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
@@ -70,6 +71,10 @@ class ModelRunner:
         with torch.no_grad():
             self.model.load_hf_weights((n, t.to(self.dtype)) for n, t in iter_checkpoint(model_dir))
         self.model.eval()
+        self.lora = None     # LoraWeights when enable_lora: every adapter's weights, in resident slots
+        if config.enable_lora:
+            self.lora = load_lora_weights(lora_modules or {}, self.spec, config.max_loras, config.max_lora_rank,
+                                          self.dtype, self.device, use_kernels=self.backend.name == "triton")
         self.cos, self.sin = rope_tables(hf_config, self.max_model_len, self.dtype, self.device)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
@@ -141,7 +146,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, table: BatchTable) -> torch.Tensor:
         """Forward one scheduled step; logits [num_sampling_rows, vocab] for the rows that sample."""
         input_ids, positions, meta, logits_index = self.prepare(out, table)
-        hidden = self.model(input_ids, self.cos[positions], self.sin[positions], meta, self.kv_caches, self.backend)
+        lora = self.lora.batch(out, table) if self.lora is not None else None    # None: no adapter token
+        hidden = self.model(input_ids, self.cos[positions], self.sin[positions], meta, self.kv_caches, self.backend,
+                            lora)
         return self.model.compute_logits(hidden[logits_index])
 
 
