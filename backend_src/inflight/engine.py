@@ -200,6 +200,11 @@ class LLMEngine:
         return [to_output(r) for r in reqs]
 
     # ---- observability -----------------------------------------------------------------------------
+    @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters requests may name (SamplingParams.lora_name)."""
+        return [] if self.runner.lora is None else self.runner.lora.names
+
     def stats(self) -> dict:
         scheduler = self.scheduler
         live, allocated = scheduler.slot_usage()

@@ -28,6 +28,7 @@ KNOBS = {
     "max_tokens": "int", "min_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
     "seed": "int", "stop": "strings", "stop_token_ids": "ints", "ignore_eos": "bool", "logprobs": "bool",
     "bad_words": "strings", "bad_words_ids": "int_lists",
+    "lora_name": "str",
 }
 # per-request settings that may also come through the same channels
 SETTINGS = {"priority": "str", "cache_salt": "str"}
