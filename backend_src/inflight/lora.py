@@ -289,8 +289,13 @@ class LoraWeights:
         row_slots = table.lora_slot[out.rows]
         if not len(row_slots) or row_slots.max() < 0:
             return None
-        token_slots = np.repeat(row_slots, out.num_scheduled)
+        return self.batch_tokens(np.repeat(row_slots, out.num_scheduled))
+
+    def batch_tokens(self, token_slots: np.ndarray) -> "LoraBatch | None":
+        """The same from each token's slot (-1: base model); tokens past the array are padding."""
         listed = np.flatnonzero(token_slots >= 0)
+        if not len(listed):
+            return None
         order = listed[np.argsort(token_slots[listed], kind="stable")]
         sorted_slots = token_slots[order]
         cuts = np.flatnonzero(np.diff(sorted_slots)) + 1
