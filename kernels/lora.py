@@ -4,10 +4,11 @@ adapter of a step.
 The step's tokens that run with an adapter are listed grouped by adapter: `tokens` [m] holds token
 rows, segment s is tokens[seg_starts[s] : seg_starts[s+1]] and uses adapter slot seg_slots[s].
 Weights are stacked per slot, rank zero-padded:
-  shrink  h[t, :] = x[t, :] @ A[slot]                  x [n, K], A [slots, K, N], h [n, N]
-  expand  y[t, :] += scale[slot] * (h[t, :] @ B[slot])  h [n, K], B [slots, K, N], y [n, N]
-for every listed token t; rows of h and y not listed are neither read nor written. Any strides are
-accepted, so `h` and `y` may be column slices of a fused projection's output.
+  shrink  h[t, :] = x[t, :] @ A[slot]       x [n, K], A [slots, K, N], h [n, N]
+  expand  y[t, :] += h[t, :] @ B[slot]      h [n, K], B [slots, K, N], y [n, N]
+for every listed token t (inflight.lora folds each adapter's scale into its B); rows of h and y
+not listed are neither read nor written. Any strides are accepted, so `y` may be a column slice
+of a fused projection's output.
 
 Grid: (tiles, column blocks). A tile is BLOCK_M consecutive listed tokens of one segment; tile ids
 are numbered per segment from seg_starts[s] // BLOCK_M + s (the same scheme as unified_attention's
@@ -87,8 +88,6 @@ def compile_spec(kind: str, dtype: torch.dtype, config: LoraKernelConfig) -> dic
     kernel = _lora_shrink_kernel if kind == "shrink" else _lora_expand_kernel
     pointers = {"shrink": ("x_ptr", "a_ptr", "h_ptr"), "expand": ("h_ptr", "b_ptr", "y_ptr")}[kind]
     signature = {name: f"*{t}" for name in pointers}
-    if kind == "expand":
-        signature["scales_ptr"] = "*fp32"
     signature.update({"tokens_ptr": "*i32", "seg_starts_ptr": "*i32", "seg_slots_ptr": "*i32",
                       "num_segments": "i32", "K": "i32", "N": "i32"})
     signature.update({name: "i64" for name in kernel.arg_names if name.startswith("stride_")})
@@ -142,7 +141,7 @@ def _lora_shrink_kernel(
 
 @triton.jit
 def _lora_expand_kernel(
-    h_ptr, b_ptr, y_ptr, scales_ptr, tokens_ptr, seg_starts_ptr, seg_slots_ptr,
+    h_ptr, b_ptr, y_ptr, tokens_ptr, seg_starts_ptr, seg_slots_ptr,
     num_segments, K, N,
     stride_ht, stride_hk, stride_bs, stride_bk, stride_bn, stride_yt, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -165,11 +164,10 @@ def _lora_expand_kernel(
         b = tl.load(b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc += tl.dot(h, b, input_precision=DOT_PRECISION)
-    scale = tl.load(scales_ptr + slot)
     mask = row_ok[:, None] & col_ok[None, :]
     y_ptrs = y_ptr + tokens[:, None] * stride_yt + cols[None, :] * stride_yn
     y = tl.load(y_ptrs, mask=mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_segments(tokens: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> None:
@@ -203,15 +201,13 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, tokens: torch
     return h
 
 
-def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, scales: torch.Tensor, tokens: torch.Tensor,
+def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
                 seg_starts: torch.Tensor, seg_slots: torch.Tensor, max_segment: int) -> torch.Tensor:
-    """y[t] += scales[slot] * (h[t] @ b[slot]) for every listed token t, in place; returns y.
-    h [n, K], b [slots, K, N], y [n, N], scales [slots] float32."""
+    """y[t] += h[t] @ b[slot] for every listed token t, in place; returns y.
+    h [n, K], b [slots, K, N], y [n, N]."""
     _check_segments(tokens, seg_starts, seg_slots)
     if b.dim() != 3 or h.shape[1] != b.shape[1] or y.shape != (h.shape[0], b.shape[2]):
         raise ValueError(f"h {tuple(h.shape)}, b {tuple(b.shape)} and y {tuple(y.shape)} do not fit")
-    if scales.dtype != torch.float32 or scales.shape != (b.shape[0],):
-        raise ValueError(f"scales must be float32 [{b.shape[0]}], got {scales.dtype} {tuple(scales.shape)}")
     m, num_segments = tokens.shape[0], seg_slots.shape[0]
     if m == 0:
         return y
@@ -219,7 +215,7 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, scales: torch
     cfg = choose_config("expand", max_segment, N, K, y.dtype)
     grid = (m // cfg.block_m + num_segments, triton.cdiv(N, cfg.block_n))
     _lora_expand_kernel[grid](
-        h, b, y, scales, tokens, seg_starts, seg_slots, num_segments, K, N,
+        h, b, y, tokens, seg_starts, seg_slots, num_segments, K, N,
         *h.stride(), *b.stride(), *y.stride(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",

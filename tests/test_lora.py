@@ -251,35 +251,71 @@ def synthetic_adapters(dtype: torch.dtype) -> list[LoraAdapter]:
 @pytest.mark.parametrize("group, lengths", [("qkv", (3, 70, 1)), ("down", (1, 1, 5)), ("gate_up", (2, 0, 40)),
                                             ("o", (17, 4, 0))])
 def test_sgmv_kernels_match_the_torch_path(dtype, group, lengths):
-    """Segments of `lengths` tokens per adapter slot (64+ takes the large tiles) among base tokens,
-    shuffled; the fused output's module columns are strided views of it."""
+    """Base tokens, then runs of `lengths` tokens per adapter slot (64+ takes the large tiles), as
+    the runner packs them; the module columns are strided views of the fused output."""
     adapters = synthetic_adapters(dtype)
     kernels = LoraWeights(adapters, SPEC, dtype, torch.device("cpu"), use_kernels=True)
     reference = LoraWeights(adapters, SPEC, torch.float32, torch.device("cpu"), use_kernels=False)
     assert kernels.use_kernels and not reference.use_kernels
-    rng = np.random.default_rng(1)
-    slots = np.concatenate([np.full(n, slot) for slot, n in enumerate(lengths)] + [np.full(7, -1)])
-    slots = rng.permutation(slots).astype(np.int32)
+    row_slots = np.concatenate([np.full(3, -1)] + [np.full(n, slot) for slot, n in enumerate(lengths)])
+    counts = np.ones(len(row_slots), dtype=np.int64)
+    counts[:3] = (2, 1, 4)                        # base rows: a prefill chunk among decodes
     fan_in = {"qkv": 96, "o": 96, "gate_up": 96, "down": 160}[group]
     fan_out = {"qkv": 96 + 2 * 32, "o": 96, "gate_up": 2 * 160, "down": 96}[group]
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(len(slots), fan_in, generator=g).to(dtype)
-    y = (torch.randn(len(slots), fan_out, generator=g) * 0.25).to(dtype)
+    x = torch.randn(int(counts.sum()), fan_in, generator=g).to(dtype)
+    y = (torch.randn(len(x), fan_out, generator=g) * 0.25).to(dtype)
     expected = y.float().clone()
-    reference.batch_tokens(slots).layer(0).add(group, x.float(), expected)
+    reference.batch_runs(row_slots, counts).layer(0).add(group, x.float(), expected)
     got = y.clone()
-    kernels.batch_tokens(slots).layer(0).add(group, x, got)
-    base_rows = torch.from_numpy(slots < 0)
-    assert torch.equal(got[base_rows], y[base_rows]), "rows without an adapter must not change"
+    kernels.batch_runs(row_slots, counts).layer(0).add(group, x, got)
+    assert torch.equal(got[:7], y[:7]), "base tokens must not change"
     assert not torch.equal(got, y)
     torch.testing.assert_close(got.float(), expected, atol=ATOL[dtype], rtol=0)
 
 
-def test_a_step_without_adapter_tokens_has_no_lora_batch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_sgmv_kernels_gather_and_scatter_any_token_order(dtype):
+    """The kernels take any token list (shuffled here, segments of 1 to 70 tokens) and strided
+    operands; against a per-token float64 product."""
+    from inflight.kernels.lora import lora_expand, lora_shrink
+    g = torch.Generator().manual_seed(4)
+    n, fan_in, rank, fan_out, slots = 120, 80, 24, 72, 3
+    x = torch.randn(n, fan_in + 8, generator=g).to(dtype)[:, 4:4 + fan_in]
+    a = (torch.randn(slots, fan_in, rank, generator=g) * 0.1).to(dtype)
+    b = (torch.randn(slots, rank, fan_out, generator=g) * 0.1).to(dtype)
+    y0 = (torch.randn(n, fan_out + 16, generator=g) * 0.25).to(dtype)
+    lengths = (70, 1, 30)
+    tokens = torch.randperm(n, generator=g)[:sum(lengths)].to(torch.int32)
+    starts = torch.tensor([0, 70, 71, 101], dtype=torch.int32)
+    seg_slots = torch.tensor([2, 0, 1], dtype=torch.int32)
+    h = torch.full((n, rank * 2), float("nan"), dtype=dtype)[:, :rank]
+    lora_shrink(x, a, h, tokens, starts, seg_slots, max(lengths))
+    y = y0.clone()
+    lora_expand(h, b, y[:, 8:8 + fan_out], tokens, starts, seg_slots, max(lengths))
+    expected = y0.double().clone()
+    for seg, slot in enumerate(seg_slots.tolist()):
+        for t in tokens[starts[seg]:starts[seg + 1]].long().tolist():
+            expected[t, 8:8 + fan_out] += x[t].double() @ a[slot].double() @ b[slot].double()
+    atol = {torch.float32: 1e-5, torch.float16: 5e-3}[dtype]     # fp16 also rounds h to fp16 on the way
+    torch.testing.assert_close(y.double(), expected, atol=atol, rtol=0)
+
+
+def test_rows_are_grouped_by_adapter_and_sampling_rows_mapped_back():
+    from inflight.batch_table import BatchTable
+    from inflight.scheduler import SchedulerOutput
     weights = LoraWeights(synthetic_adapters(torch.float32), SPEC, torch.float32, torch.device("cpu"), False)
-    assert weights.batch_tokens(np.full(9, -1, dtype=np.int32)) is None
-    batch = weights.batch_tokens(np.array([2, -1, 0, 2, 0], dtype=np.int32))
-    assert batch.segments == [(0, 0, 2), (2, 2, 4)] and batch.order.tolist() == [2, 4, 0, 3]
+    table = BatchTable(8, 64, 16)
+    table.lora_slot[:5] = (2, -1, 0, 2, 0)
+    out = SchedulerOutput(np.arange(5), np.array([1, 5, 1, 1, 3]), np.zeros(5, dtype=np.int64),
+                          np.array([True, False, True, True, True]))
+    grouped, batch, sample_order = weights.group_step(out, table)
+    assert grouped.rows.tolist() == [1, 2, 4, 0, 3] and grouped.num_scheduled.tolist() == [5, 1, 3, 1, 1]
+    assert batch.segments == [(0, 5, 9), (2, 9, 11)]
+    # out samples rows 0, 2, 3, 4; packed, they are the grouped step's sampling rows 2, 0, 3, 1
+    assert grouped.sample_rows[sample_order].tolist() == out.sample_rows.tolist()
+    table.lora_slot[:5] = -1
+    assert weights.group_step(out, table) == (out, None, None)
 
 
 AOT_CHECK = """

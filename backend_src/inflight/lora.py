@@ -10,19 +10,22 @@ modules_to_save, LoRA biases, other variants, a rank over max_lora_rank, shapes 
 base model) is refused with a message naming the adapter and the field or tensor.
 
 Weights (`LoraWeights`): every adapter gets a slot in stacked per-layer tensors, ranks zero-padded
-to the largest. The model's fused projections keep their fused base weights; per fused group
-(qkv, o, gate_up, down) the group's modules share one input, so their A matrices sit side by side
-in A [slots, in, modules x R] (one shrink serves q, k and v) and each module has B [slots, R, out]
-and a scale per slot; its expand adds into its own columns of the fused output. Only modules that
-some adapter targets get tensors. All adapters named at start-up stay resident: more than
-`max_loras` is refused at load (no slot swapping).
+to the largest. The model keeps its fused base projections; per fused group (qkv, o, gate_up, down)
+the group's modules share one input, so their A matrices sit side by side in A [slots, in,
+modules x R] (one shrink serves q, k and v) and their B matrices, each scaled by its lora_alpha / r
+(or / sqrt(r)), sit block-diagonally in B [slots, modules x R, the group's output columns] (one
+expand adds every module's term into its own columns of the fused output). Only modules some
+adapter targets get tensors. All adapters named at start-up stay resident: more than `max_loras`
+is refused at load (no slot swapping).
 
-A step (`LoraWeights.batch`): the tokens that run with an adapter, grouped by slot. Tokens of the
-base model are left out and pay nothing; a step with no adapter token gets None and the model runs
-exactly as without LoRA. `LoraBatch.layer(i).add(group, x, y)` after each base projection adds
-scale_i * (x A_i) B_i for every token's adapter i: on CPU one matmul pair per adapter present in the
-step over its gathered rows (no per-token weight copies), on CUDA one SGMV shrink launch and one
-expand launch per module for all adapters at once (`inflight.kernels.lora`).
+A step (`LoraWeights.group_step`): the runner packs the step's rows grouped by adapter (base rows
+first), so each adapter's tokens are one contiguous run; the logits come back in the scheduler's
+order. A step without adapter tokens is not touched and the model runs exactly as without LoRA.
+`LoraBatch.layer(i).add(group, x, y)` after each base projection adds (x A_i)(scale_i B_i) for the
+tokens of each adapter i, in place: on CPU one matmul pair per adapter in the step on views of its
+run (base tokens pay nothing, no gathers, no per-token weight copies); on CUDA one SGMV shrink and
+one expand launch per group for all adapters at once (`inflight.kernels.lora`). Up to rounding,
+that is PEFT's `base(x) + lora_B(lora_A(x)) * scaling`.
 """
 from __future__ import annotations
 
@@ -222,19 +225,15 @@ def _read_tensors(path: str, fail) -> dict[str, torch.Tensor]:
 
 # ---- stacked weights ----------------------------------------------------------------------------
 @dataclass(slots=True)
-class ModuleWeights:
-    """One module's expand half: B [slots, R, out], and where its columns sit."""
-    column: int                 # its rank block in the group's A / shrink output: [column*R, (column+1)*R)
-    offset: int                 # its first column in the fused projection's output
-    b: torch.Tensor
-    scales: torch.Tensor        # [slots] float32 (the kernels read it)
-    host_scales: list[float]    # the same, for the torch path (a Python float multiplies exactly like PEFT)
-
-
-@dataclass(slots=True)
 class GroupWeights:
-    a: torch.Tensor             # [slots, in, len(modules) x R]
-    modules: list[ModuleWeights]
+    """One fused projection group of one layer, every adapter stacked by slot. The group's targeted
+    modules sit side by side: module j owns shrink columns [j*R, (j+1)*R) of `a` and, in `b`, the
+    block of those rows under its own output columns, pre-multiplied by the adapter's scale for it
+    (zero elsewhere), so one shrink and one expand per adapter serve the whole group."""
+    a: torch.Tensor             # [slots, in, modules x R]: A^T of each module, rank zero-padded to R
+    b: torch.Tensor             # [slots, modules x R, end - start]: scale * B^T, block-diagonal
+    start: int                  # the fused output columns the group's modules cover
+    end: int
 
 
 class LoraWeights:
@@ -244,7 +243,6 @@ class LoraWeights:
                  use_kernels: bool):
         self.slots = {adapter.name: slot for slot, adapter in enumerate(adapters)}
         self.keys = [adapter.key for adapter in adapters]
-        self.adapters = [(adapter.name, adapter.path) for adapter in adapters]
         self.rank = max((adapter.rank for adapter in adapters), default=0)
         self.device = device
         from .kernels.lora import DTYPES
@@ -254,79 +252,82 @@ class LoraWeights:
             self._stack_layer(layer, adapters, shapes, dtype, device) for layer in range(spec.num_layers)]
 
     def _stack_layer(self, layer: int, adapters: list[LoraAdapter], shapes, dtype, device) -> dict[str, GroupWeights]:
-        num_slots, rank = len(adapters), self.rank
+        rank = self.rank
         groups = {}
         for group, names in GROUPS.items():
             targeted = [n for n in names if any((layer, n) in a.modules for a in adapters)]
             if not targeted:
                 continue
-            a_stack = torch.zeros(num_slots, shapes[targeted[0]][0], len(targeted) * rank, dtype=dtype)
-            modules = []
-            for column, name in enumerate(targeted):
-                fan_out = shapes[name][1]
-                b_stack = torch.zeros(num_slots, rank, fan_out, dtype=dtype)
-                scales = [0.0] * num_slots
+            offsets = {n: sum(shapes[m][1] for m in names[:names.index(n)]) for n in names}
+            start, end = offsets[targeted[0]], offsets[targeted[-1]] + shapes[targeted[-1]][1]
+            a = torch.zeros(len(adapters), shapes[targeted[0]][0], len(targeted) * rank, dtype=torch.float64)
+            b = torch.zeros(len(adapters), len(targeted) * rank, end - start, dtype=torch.float64)
+            for j, name in enumerate(targeted):
+                cols = slice(offsets[name] - start, offsets[name] - start + shapes[name][1])
                 for slot, adapter in enumerate(adapters):
                     weights = adapter.modules.get((layer, name))
-                    if weights is None:
-                        continue
-                    r = weights.a.shape[0]
-                    a_stack[slot, :, column * rank:column * rank + r] = weights.a.t().to(dtype)
-                    b_stack[slot, :r] = weights.b.t().to(dtype)
-                    scales[slot] = weights.scale
-                offset = sum(shapes[n][1] for n in names[:names.index(name)])
-                modules.append(ModuleWeights(column, offset, b_stack.to(device),
-                                             torch.tensor(scales, dtype=torch.float32, device=device), scales))
-            groups[group] = GroupWeights(a_stack.to(device), modules)
+                    if weights is not None:
+                        r = weights.a.shape[0]
+                        a[slot, :, j * rank:j * rank + r] = weights.a.t()
+                        b[slot, j * rank:j * rank + r, cols] = weights.b.t().double() * weights.scale
+            groups[group] = GroupWeights(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype),
+                                         start, end)
         return groups
 
     @property
     def names(self) -> list[str]:
         return list(self.slots)
 
-    def batch(self, out: SchedulerOutput, table: BatchTable) -> "LoraBatch | None":
-        """The step's tokens that run with an adapter, grouped by slot; None when there are none."""
+    def group_step(self, out: SchedulerOutput, table: BatchTable) -> tuple[SchedulerOutput, "LoraBatch | None",
+                                                                             np.ndarray | None]:
+        """Reorder the step's rows by adapter (base rows first, then slot 0, 1, ...; stable), so each
+        adapter's tokens form one contiguous run of the packed batch. Returns the grouped step, its
+        LoraBatch (None when no row has an adapter: the step is left as it is) and the order that
+        maps the grouped step's sampling rows back to `out`'s (None when nothing moved)."""
         row_slots = table.lora_slot[out.rows]
         if not len(row_slots) or row_slots.max() < 0:
-            return None
-        return self.batch_tokens(np.repeat(row_slots, out.num_scheduled))
+            return out, None, None
+        sample_order = None
+        if np.any(row_slots[1:] < row_slots[:-1]):
+            perm = np.argsort(row_slots, kind="stable")
+            out = SchedulerOutput(out.rows[perm], out.num_scheduled[perm], out.start[perm], out.sample_mask[perm],
+                                  out.num_padding_tokens)
+            row_slots = row_slots[perm]
+            sample_order = np.argsort(perm[out.sample_mask], kind="stable")
+        return out, self.batch_runs(row_slots, out.num_scheduled), sample_order
 
-    def batch_tokens(self, token_slots: np.ndarray) -> "LoraBatch | None":
-        """The same from each token's slot (-1: base model); tokens past the array are padding."""
-        listed = np.flatnonzero(token_slots >= 0)
-        if not len(listed):
-            return None
-        order = listed[np.argsort(token_slots[listed], kind="stable")]
-        sorted_slots = token_slots[order]
-        cuts = np.flatnonzero(np.diff(sorted_slots)) + 1
-        starts = np.concatenate([[0], cuts, [len(order)]])
-        segments = [(int(sorted_slots[s]), int(s), int(e)) for s, e in zip(starts[:-1], starts[1:])]
-        return LoraBatch(self, order, segments, starts)
+    def batch_runs(self, row_slots: np.ndarray, counts: np.ndarray) -> "LoraBatch | None":
+        """The LoraBatch of packed rows already grouped by slot: row i holds counts[i] tokens."""
+        ends = np.cumsum(counts)
+        segments = []
+        for slot in np.unique(row_slots[row_slots >= 0]).tolist():
+            rows = np.flatnonzero(row_slots == slot)
+            start, end = int(ends[rows[0]] - counts[rows[0]]), int(ends[rows[-1]])
+            if end > start:
+                segments.append((slot, start, end))
+        return LoraBatch(self, segments) if segments else None
 
 
 @dataclass(slots=True)
 class LoraBatch:
-    """One step's adapter tokens: `order` lists token rows grouped by slot; segment (slot, start,
-    end) covers order[start:end]."""
+    """One step's adapter tokens as contiguous runs of the packed batch: segment (slot, start, end)
+    covers tokens [start, end). Tokens outside every segment run the base model alone."""
     weights: LoraWeights
-    order_host: np.ndarray
     segments: list[tuple[int, int, int]]
-    starts_host: np.ndarray
-    order: torch.Tensor = field(init=False)
+    tokens: torch.Tensor | None = field(init=False, default=None)        # the kernels' token list
     seg_starts: torch.Tensor | None = field(init=False, default=None)
     seg_slots: torch.Tensor | None = field(init=False, default=None)
     max_segment: int = field(init=False)
 
     def __post_init__(self) -> None:
-        device = self.weights.device
         self.max_segment = max(end - start for _, start, end in self.segments)
         if self.weights.use_kernels:
-            to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device, non_blocking=True)  # noqa: E731
-            self.order = to(self.order_host)
-            self.seg_starts = to(self.starts_host)
+            device = self.weights.device
+            tokens = np.concatenate([np.arange(start, end) for _, start, end in self.segments])
+            starts = np.cumsum([0] + [end - start for _, start, end in self.segments])
+            to = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int32)).to(device, non_blocking=True)  # noqa: E731
+            self.tokens, self.seg_starts = to(tokens), to(starts)
             self.seg_slots = to([slot for slot, _, _ in self.segments])
-        else:
-            self.order = torch.from_numpy(self.order_host).to(device)
 
     def layer(self, index: int) -> "LayerLora":
         return LayerLora(self, self.weights.layers[index])
@@ -341,29 +342,17 @@ class LoraBatch:
             self._add_torch(weights, x, y)
 
     def _add_torch(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
-        rank = self.weights.rank
-        xs = x.index_select(0, self.order)
-        h = xs.new_empty((len(xs), weights.a.shape[-1]))
+        """Per adapter run: h = x A, then y += h (scale B) into the group's columns, in place."""
         for slot, start, end in self.segments:
-            torch.matmul(xs[start:end], weights.a[slot], out=h[start:end])
-        for module in weights.modules:
-            hm = h[:, module.column * rank:(module.column + 1) * rank]
-            delta = xs.new_empty((len(xs), module.b.shape[-1]))
-            for slot, start, end in self.segments:
-                # (h B) * scale, then added: PEFT's order of operations
-                torch.matmul(hm[start:end], module.b[slot], out=delta[start:end])
-                delta[start:end].mul_(module.host_scales[slot])
-            y[:, module.offset:module.offset + delta.shape[1]].index_add_(0, self.order, delta)
+            h = torch.mm(x[start:end], weights.a[slot])
+            y[start:end, weights.start:weights.end].addmm_(h, weights.b[slot])
 
     def _add_kernels(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
         from .kernels.lora import lora_expand, lora_shrink
-        rank = self.weights.rank
         h = x.new_empty((x.shape[0], weights.a.shape[-1]))
-        lora_shrink(x, weights.a, h, self.order, self.seg_starts, self.seg_slots, self.max_segment)
-        for module in weights.modules:
-            out = y[:, module.offset:module.offset + module.b.shape[-1]]
-            lora_expand(h[:, module.column * rank:(module.column + 1) * rank], module.b, out, module.scales,
-                        self.order, self.seg_starts, self.seg_slots, self.max_segment)
+        lora_shrink(x, weights.a, h, self.tokens, self.seg_starts, self.seg_slots, self.max_segment)
+        lora_expand(h, weights.b, y[:, weights.start:weights.end], self.tokens, self.seg_starts, self.seg_slots,
+                    self.max_segment)
 
 
 @dataclass(slots=True)

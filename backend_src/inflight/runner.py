@@ -131,13 +131,16 @@ class ModelRunner:
         return total * self.config.gpu_memory_utilization - used_by_others - peak
 
     # ---- one step ------------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput, table: BatchTable):
+    def prepare(self, out: SchedulerOutput, table: BatchTable, sample_order: np.ndarray | None = None):
+        """sample_order: which of the packed sampling rows comes first, second, ... (when the rows
+        were packed in another order than the caller samples them in)."""
         step = pack_step(out, table, self.block_size)
         to = self._to_device
         meta = AttentionMetadata(to(step.slot_mapping), to(step.cu_seqlens_q), to(step.seq_lens),
                                  to(step.block_table), step.num_real_tokens,
                                  int(step.seq_lens.max()) if len(step.seq_lens) else 0)
-        return to(step.input_ids), to(step.positions), meta, to(step.logits_index)
+        logits_index = step.logits_index if sample_order is None else step.logits_index[sample_order]
+        return to(step.input_ids), to(step.positions), meta, to(logits_index)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
@@ -145,8 +148,10 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, out: SchedulerOutput, table: BatchTable) -> torch.Tensor:
         """Forward one scheduled step; logits [num_sampling_rows, vocab] for the rows that sample."""
-        input_ids, positions, meta, logits_index = self.prepare(out, table)
-        lora = self.lora.batch(out, table) if self.lora is not None else None    # None: no adapter token
+        lora = sample_order = None
+        if self.lora is not None:      # rows grouped by adapter; lora is None when no row has one
+            out, lora, sample_order = self.lora.group_step(out, table)
+        input_ids, positions, meta, logits_index = self.prepare(out, table, sample_order)
         hidden = self.model(input_ids, self.cos[positions], self.sin[positions], meta, self.kv_caches, self.backend,
                             lora)
         return self.model.compute_logits(hidden[logits_index])
