@@ -7,9 +7,10 @@ The uniform workload (prompts U(32,512), outputs U(16,256), ignore_eos, greedy) 
                        enabling LoRA costs requests that do not use it
   N adapters           the LoRA engine, requests spread round-robin over N of the 8 adapters
                        (random PEFT adapters made with peft: rank 16 on all seven projections)
-Each round runs every variant once (interleaved, so this machine's drift hits all alike); printed:
-medians over rounds of generated tokens/s, its ratio to the base model's in the same round, and
-TPOT p50 / p99 (per request: (last token - first token) / (tokens - 1)).
+Each round runs every variant once, starting one variant later than the round before (so each
+variant takes each place in the order once every 5 rounds, and this shared machine's drift hits all
+alike); printed: medians over rounds of generated tokens/s, its ratio to the base model's in the
+same round, and TPOT p50 / p99 (per request: (last token - first token) / (tokens - 1)).
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--quick", action="store_true", help="a small run to check the script works")
     parser.add_argument("--json", default=os.path.join(REPO, "perf", "results", "lora_bench.json"))
@@ -102,8 +103,10 @@ def main() -> None:
     print(f"{args.requests} requests, prompts U(32,512), outputs U(16,256), max batch {args.max_num_seqs}, "
           f"{NUM_ADAPTERS} adapters of rank {RANK} on {len(SUPPORTED_MODULES)} projections, {args.rounds} rounds")
     runs = {name: [] for name in variants}
+    order = list(variants)
     for r in range(args.rounds):
-        for name, (engine, lora_names) in variants.items():
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            engine, lora_names = variants[name]
             result = run(engine, items, lora_names)
             runs[name].append(result)
             print(f"  round {r + 1}/{args.rounds} {name:14s} {result['tokens_per_s']:7.1f} tok/s  "
