@@ -75,3 +75,12 @@ bench-openai: venv
 .PHONY: bench-structured
 bench-structured: venv
 	$(PY) perf/structured_bench.py $(BENCH_ARGS)
+
+.PHONY: bench-lora lora-adapter
+# mixed-adapter batches (1, 4, 8 adapters of rank 16) vs the base model, in-process
+bench-lora: venv
+	$(PY) perf/lora_bench.py $(BENCH_ARGS)
+
+# rebuild the demo LoRA adapter (model_repository/llm/1/loras/pydoc-json); about 4 minutes on 2 cores
+lora-adapter: venv
+	$(PY) scripts/build_demo_adapter.py

@@ -5,7 +5,8 @@
 
 For every model shape (head dim x query heads per KV head x cache block size x dtype, with
 --kv-heads KV heads) it runs the real launchers (LAUNCHES: `unified_attention` on a decode step,
-unsplit and split, and on a mixed prefill+decode step; `write_kv`) on small CPU tensors with the
+unsplit and split, and on a mixed prefill+decode step; `write_kv`; the multi-LoRA shrink/expand on
+decode and prefill segments) on small CPU tensors with the
 kernel launch intercepted. So each launch configuration is the one `choose_config` picks and the
 arguments are the launch code's own; Triton's own argument specialisation (pointer alignment,
 integers equal to 1 or divisible by 16) then gives the signature a GPU launch of that step would
@@ -89,6 +90,25 @@ def _write_kv(shape: Shape) -> None:
     write_kv(key, value, cache, torch.empty_like(cache), torch.zeros(5, dtype=torch.int64))
 
 
+def _lora(shape: Shape, segment: int) -> None:
+    """Both multi-LoRA kernels as the model calls them on the qkv projection: x [tokens, hidden],
+    A stacked over 4 slots, the expand writing into the fused output's q/k/v columns; for each tile
+    width the launcher picks from the stacked rank (x modules). One-token segments (decode) take
+    the small tile, prefill-length ones the large tile."""
+    from .lora import lora_expand, lora_shrink
+    dtype = DTYPES[shape.dtype]
+    hidden = shape.group * shape.kv_heads * shape.head_dim
+    tokens = torch.arange(2 * segment, dtype=torch.int32)
+    seg_starts = torch.tensor([0, segment, 2 * segment], dtype=torch.int32)
+    seg_slots = torch.tensor([0, 3], dtype=torch.int32)
+    x = torch.empty(2 * segment, hidden, dtype=dtype)
+    y = torch.empty(2 * segment, hidden + 2 * shape.kv_heads * shape.head_dim, dtype=dtype)
+    for width in (16, 32, 64, 192):
+        h = torch.empty(2 * segment, width, dtype=dtype)
+        lora_shrink(x, torch.empty(4, hidden, width, dtype=dtype), h, tokens, seg_starts, seg_slots, segment)
+        lora_expand(h, torch.empty(4, width, y.shape[1], dtype=dtype), y, tokens, seg_starts, seg_slots, segment)
+
+
 # The heuristic picks split counts in [2, MAX_SPLITS] on a GPU; these two prove they share a kernel.
 LAUNCHES: dict[str, Callable[[Shape], None]] = {
     "attention decode": lambda s: _attention(s, DECODE_STEP),
@@ -96,6 +116,8 @@ LAUNCHES: dict[str, Callable[[Shape], None]] = {
     f"attention decode split={MAX_SPLITS}": lambda s: _attention(s, DECODE_STEP, num_splits=MAX_SPLITS),
     "attention mixed": lambda s: _attention(s, MIXED_STEP),
     "write_kv": _write_kv,
+    "lora decode": lambda s: _lora(s, 1),
+    "lora prefill": lambda s: _lora(s, 64),
 }
 
 

@@ -224,7 +224,7 @@ def main() -> None:
     for name in results["float32"]:
         print(f"{name:16s}" + "".join(f"{results[d][name]:14.2f}" for d in results))
     prefill = prefill_table(args.rounds)
-    print(f"\none fresh prefill (SDPA), ms")
+    print("\none fresh prefill (SDPA), ms")
     print(f"{'option':28s}" + "".join(f"{str(n) + ' tokens':>14s}" for n in prefill))
     for name in prefill[PREFILL_LENGTHS[0]]:
         print(f"{name:28s}" + "".join(f"{prefill[n][name]:14.2f}" for n in prefill))

@@ -10,7 +10,8 @@ import sys
 import textwrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNELS = ("_unified_attention_kernel", "_reduce_splits_kernel", "_write_kv_kernel")
+KERNELS = ("_unified_attention_kernel", "_reduce_splits_kernel", "_write_kv_kernel", "_lora_shrink_kernel",
+           "_lora_expand_kernel")
 
 
 def run_python(*args: str) -> subprocess.CompletedProcess:
@@ -23,7 +24,7 @@ def test_default_grid_compiles_for_sm80_and_sm90_without_spills():
     proc = run_python("-m", "inflight.kernels.aot")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout
-    assert "80 shapes x 5 launches x 2 archs" in out and ", 0 failed: every launch compiles" in out
+    assert "80 shapes x 7 launches x 2 archs" in out and ", 0 failed: every launch compiles" in out
     summaries = re.findall(r"^(sm_\d+) (\w+): (\d+)/(\d+) ok, .* (\d+) spilling", out, flags=re.M)
     assert {(arch, kernel) for arch, kernel, *_ in summaries} == {(a, k) for a in ("sm_80", "sm_90") for k in KERNELS}
     for arch, kernel, ok, total, spilling in summaries:
@@ -36,7 +37,7 @@ def test_an_odd_shape_compiles_and_its_rows_name_it():
     proc = run_python("-m", "inflight.kernels.aot", "--head-dims", "112", "--groups", "6", "--block-sizes", "32")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("sm_") and "|" in line]
-    assert len(rows) == 16 and all("d112 g6 bs32" in row and " ok |" in row for row in rows)
+    assert len(rows) == 24 and all("d112 g6 bs32" in row and " ok |" in row for row in rows)
 
 
 def test_a_failing_compilation_is_reported_with_its_shape_and_the_compilers_error():

@@ -32,6 +32,7 @@ class BatchTable:
         self.num_logprobs = np.full(rows, -1, dtype=np.int32)   # -1: none; N: sampled token + top N
         self.has_bad_words = np.zeros(rows, dtype=bool)
         self.constrained = np.zeros(rows, dtype=bool)          # has structured outputs (a grammar matcher)
+        self.lora_slot = np.full(rows, -1, dtype=np.int32)      # LoRA adapter slot; -1: base model
         self.request_ids = np.empty(rows, dtype=object)
         self.requests: list[Request | None] = [None] * rows
         self._free_rows = list(range(rows - 1, -1, -1))
@@ -64,6 +65,7 @@ class BatchTable:
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.has_bad_words[row] = bool(params.bad_words_ids)
         self.constrained[row] = req.matcher is not None
+        self.lora_slot[row] = req.lora_slot
         self.request_ids[row] = req.request_id
         self.requests[row] = req
         req.row = row

@@ -57,6 +57,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     cpu_threads: int | None = None
     seed: int = 0                             # for unseeded sampling
+    enable_lora: bool = False                 # serve PEFT LoRA adapters next to the base model
+    max_loras: int = 4                        # adapters held at once (all of them stay resident)
+    max_lora_rank: int = 16                   # the largest adapter rank accepted
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "dynamic_length_window"):
@@ -78,6 +81,10 @@ class EngineConfig:
         _check(isinstance(self.device, str) and self.device.split(":")[0] in ("auto", "cpu", "cuda"),
                "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         _check(_is_int(self.seed), "seed", "must be an integer")
+        _check(isinstance(self.enable_lora, bool), "enable_lora", f"must be a boolean, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            _check(_is_int(getattr(self, name)) and getattr(self, name) > 0, name,
+                   f"must be a positive integer, got {getattr(self, name)!r}")
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":
@@ -103,6 +110,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())  # stop strings: applied by the detokenizing layer
     # vLLM's {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ebnf} | {"json_object": True}
     structured_outputs: GrammarSpec | dict | str | None = None
+    lora_name: str | None = None              # the adapter to run with (None: the base model)
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
@@ -128,6 +136,8 @@ class SamplingParams:
             self.structured_outputs = parse_spec(self.structured_outputs)
             # the grammar decides where the output ends; banning EOS before that could leave no token
             _check(self.min_tokens == 0, "min_tokens", "cannot be combined with 'structured_outputs'")
+        _check(self.lora_name is None or (isinstance(self.lora_name, str) and self.lora_name != ""), "lora_name",
+               f"must be a non-empty string or None, got {self.lora_name!r}")
 
     @property
     def greedy(self) -> bool:

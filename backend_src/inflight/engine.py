@@ -57,11 +57,15 @@ class LLMEngine:
         self.num_generated_tokens = 0
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None) -> "LLMEngine":
-        """Load a local Hugging Face checkpoint directory (config.json + *.safetensors)."""
+    def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None,
+                        lora_modules: dict[str, str] | None = None) -> "LLMEngine":
+        """Load a local Hugging Face checkpoint directory (config.json + *.safetensors), and with
+        config.enable_lora the PEFT LoRA adapters in `lora_modules` (name -> adapter directory)."""
         from transformers import AutoConfig, GenerationConfig
 
         config = config or EngineConfig()
+        if lora_modules and not config.enable_lora:
+            raise ValueError(f"'lora_modules' {sorted(lora_modules)} given but 'enable_lora' is false")
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         hf_config = AutoConfig.from_pretrained(model_dir)
@@ -69,7 +73,7 @@ class LLMEngine:
         if os.path.exists(os.path.join(model_dir, "generation_config.json")):
             eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        runner = ModelRunner(model_dir, hf_config, config)
+        runner = ModelRunner(model_dir, hf_config, config, lora_modules)
         model_key = hashlib.blake2b(f"{os.path.realpath(model_dir)}|{runner.dtype}".encode(), digest_size=16).digest()
         return cls(runner, config, eos_ids, model_key, tokenizer=model_dir)
 
@@ -98,6 +102,7 @@ class LLMEngine:
         limit = self.config.max_queue_size
         if limit is not None and self.scheduler.num_waiting >= limit:
             raise QueueFullError(f"queue full: {limit} requests are already waiting (max_queue_size)")
+        lora_slot, lora_key = self._lora_adapter(params.lora_name)
         matcher = None
         if params.structured_outputs is not None:
             compiled = grammar if grammar is not None else self.structured.compile(params.structured_outputs)
@@ -111,12 +116,25 @@ class LLMEngine:
                       priority=parse_priority(priority), arrival_seq=next(self._arrivals),
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                       generator=generator,
-                      cache_key=hashlib.blake2b(self.model_key + b"|" + salt, digest_size=16).digest(),
-                      matcher=matcher)
+                      cache_key=hashlib.blake2b(self.model_key + b"|" + salt + lora_key, digest_size=16).digest(),
+                      matcher=matcher, lora_slot=lora_slot)
         self.num_constrained += matcher is not None
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _lora_adapter(self, lora_name: str | None) -> tuple[int, bytes]:
+        """(slot, prefix-cache key part) of the request's adapter: blocks computed with an adapter
+        are never shared with the base model or another adapter."""
+        if lora_name is None:
+            return -1, b""
+        lora = self.runner.lora
+        if lora is None:
+            raise ValueError(f"'lora_name' {lora_name!r}: LoRA is not enabled on this model ('enable_lora' is false)")
+        slot = lora.slots.get(lora_name)
+        if slot is None:
+            raise ValueError(f"unknown 'lora_name' {lora_name!r}; known: {lora.names}")
+        return slot, b"|lora:" + lora.keys[slot]
 
     def _check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         prompt = list(prompt_token_ids)
@@ -218,6 +236,11 @@ class LLMEngine:
         return [to_output(r) for r in reqs]
 
     # ---- observability -----------------------------------------------------------------------------
+    @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters requests may name (SamplingParams.lora_name)."""
+        return [] if self.runner.lora is None else self.runner.lora.names
+
     def stats(self) -> dict:
         scheduler = self.scheduler
         live, allocated = scheduler.slot_usage()

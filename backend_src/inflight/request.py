@@ -39,6 +39,8 @@ class Request:
     first_scheduled_time: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)   # per output token, if params.logprobs
     matcher: object | None = None     # structured outputs: the grammar matcher (structured.py)
+    logprobs: list[float] = field(default_factory=list)
+    lora_slot: int = -1               # the adapter's slot in the runner's LoRA weights; -1: base model
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -14,6 +14,7 @@ from .attention import AttentionMetadata, select_backend
 from .batch_table import BatchTable
 from .config import EngineConfig
 from .cpu_features import cpu_auto_dtype
+from .lora import load_lora_weights
 from .models import LlamaForCausalLM, ModelSpec, rope_tables
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
@@ -58,7 +59,8 @@ def iter_checkpoint(model_dir: str):
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | None, hf_config, config: EngineConfig):
+    def __init__(self, model_dir: str | None, hf_config, config: EngineConfig,
+                 lora_modules: dict[str, str] | None = None):
         """model_dir None keeps the modules' random initialisation (inflight.testing.random_engine)."""
         self.config = config
         self.device = resolve_device(config.device)
@@ -75,6 +77,10 @@ class ModelRunner:
             with torch.no_grad():
                 self.model.load_hf_weights((n, t.to(self.dtype)) for n, t in iter_checkpoint(model_dir))
         self.model.eval()
+        self.lora = None     # LoraWeights when enable_lora: every adapter's weights, in resident slots
+        if config.enable_lora:
+            self.lora = load_lora_weights(lora_modules or {}, self.spec, config.max_loras, config.max_lora_rank,
+                                          self.dtype, self.device, use_kernels=self.backend.name == "triton")
         self.cos, self.sin = rope_tables(hf_config, self.max_model_len, self.dtype, self.device)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
@@ -159,13 +165,16 @@ class ModelRunner:
         return total * self.config.gpu_memory_utilization - used_by_others - peak
 
     # ---- one step ------------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput, table: BatchTable):
+    def prepare(self, out: SchedulerOutput, table: BatchTable, sample_order: np.ndarray | None = None):
+        """sample_order: which of the packed sampling rows comes first, second, ... (when the rows
+        were packed in another order than the caller samples them in)."""
         step = pack_step(out, table, self.block_size)
         to = self._to_device
         meta = AttentionMetadata(to(step.slot_mapping), to(step.cu_seqlens_q), to(step.seq_lens),
                                  to(step.block_table), step.num_real_tokens,
                                  int(step.seq_lens.max()) if len(step.seq_lens) else 0)
-        return to(step.input_ids), to(step.positions), meta, to(step.logits_index)
+        logits_index = step.logits_index if sample_order is None else step.logits_index[sample_order]
+        return to(step.input_ids), to(step.positions), meta, to(logits_index)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(np.ascontiguousarray(array))
@@ -178,8 +187,12 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, out: SchedulerOutput, table: BatchTable) -> torch.Tensor:
         """Forward one scheduled step; logits [num_sampling_rows, vocab] for the rows that sample."""
-        input_ids, positions, meta, logits_index = self.prepare(out, table)
-        hidden = self.model(input_ids, self.cos[positions], self.sin[positions], meta, self.kv_caches, self.backend)
+        lora = sample_order = None
+        if self.lora is not None:      # rows grouped by adapter; lora is None when no row has one
+            out, lora, sample_order = self.lora.group_step(out, table)
+        input_ids, positions, meta, logits_index = self.prepare(out, table, sample_order)
+        hidden = self.model(input_ids, self.cos[positions], self.sin[positions], meta, self.kv_caches, self.backend,
+                            lora)
         return self.model.compute_logits(hidden[logits_index])
 
 

@@ -38,3 +38,19 @@ def random_engine(hf_config, config=None):
 
     config = config or EngineConfig()
     return LLMEngine(ModelRunner(None, hf_config, config), config, eos_token_ids=(), model_key=b"random-weights")
+def make_random_adapter(base_dir: str, path: str, seed: int = 0, scale: float = 0.2, **lora_config) -> str:
+    """Save a PEFT LoRA adapter for the checkpoint in `base_dir`, made by `peft` itself with
+    LoraConfig(**lora_config), its A and B weights drawn N(0, scale^2) (large enough to change
+    the model's greedy tokens, unlike PEFT's default B = 0)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                           LoraConfig(**lora_config))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    model.save_pretrained(path)
+    return path

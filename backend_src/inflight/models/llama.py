@@ -129,8 +129,11 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache, backend: AttentionBackend):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache, backend: AttentionBackend, lora=None):
+        qkv = self.qkv_proj(x)
+        if lora is not None:        # adapters' q/k/v terms, each into its columns of the fused output
+            lora.add("qkv", x, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = rotate(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = rotate(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -139,7 +142,11 @@ class Attention(nn.Module):
         if real:
             backend.write_kv(k[:real], v[:real], k_cache, v_cache, meta.slot_mapping)
             backend.attention(q[:real], k_cache, v_cache, out[:real], meta, self.scale)
-        return self.o_proj(out.view(-1, self.q_size))
+        out = out.view(-1, self.q_size)
+        o = self.o_proj(out)
+        if lora is not None:
+            lora.add("o", out, o)
+        return o
 
 
 class MLP(nn.Module):
@@ -149,8 +156,15 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.add("gate_up", x, gate_up)
+        act = silu_and_mul(gate_up)
+        down = self.down_proj(act)
+        if lora is not None:
+            lora.add("down", act, down)
+        return down
 
 
 class DecoderLayer(nn.Module):
@@ -161,9 +175,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, meta, k_cache, v_cache, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, meta, k_cache, v_cache, backend, lora=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache, backend, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaModel(nn.Module):
@@ -184,12 +198,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend) -> torch.Tensor:
-        """input_ids [num_tokens], cos/sin [num_tokens, head_dim] -> hidden states [num_tokens, hidden]."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
+                lora=None) -> torch.Tensor:
+        """input_ids [num_tokens], cos/sin [num_tokens, head_dim] -> hidden states [num_tokens, hidden].
+        lora: the step's LoraBatch (inflight.lora) when some token runs with an adapter."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, meta, k_cache, v_cache, backend)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches)):
+            x = layer(x, cos, sin, meta, k_cache, v_cache, backend, None if lora is None else lora.layer(i))
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -124,7 +124,12 @@ def make_repository(dest: str, model_dir: str | None = None, engine: dict | None
     settings_path = os.path.join(DEFAULT_REPOSITORY, "llm", "1", "model.json")
     with open(settings_path) as f:
         settings = json.load(f)
-    settings["model"] = os.path.abspath(model_dir or os.path.join(os.path.dirname(settings_path), settings["model"]))
+    # an override replaces a top-level key of the same name (model.json's LoRA keys)
+    settings = {key: value for key, value in settings.items() if key not in (engine or {})}
+    shipped = os.path.abspath(os.path.join(os.path.dirname(settings_path), settings["model"]))
+    settings["model"] = os.path.abspath(model_dir or shipped)
+    if os.path.realpath(settings["model"]) != os.path.realpath(shipped):
+        settings.pop("enable_lora", None)     # the shipped multi_lora.json names adapters of the shipped model
     settings["engine"] = {**settings["engine"], **(engine or {})}
     for name in models:
         src = os.path.join(DEFAULT_REPOSITORY, name)

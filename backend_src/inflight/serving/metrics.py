@@ -23,6 +23,12 @@ COUNTERS = {
     "prefix_cache_query_tokens": ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"),
     "prefix_cache_hit_tokens": ("prefix_cache_hits_total", "Prompt tokens found in the prefix cache"),
 }
+# per LoRA adapter (label lora_name), counted when a request ends -> description
+LORA_COUNTERS = {
+    "lora_requests_total": "Requests ended, by LoRA adapter",
+    "lora_prompt_tokens_total": "Prompt tokens of ended requests, by LoRA adapter",
+    "lora_generation_tokens_total": "Tokens generated, by LoRA adapter",
+}
 HISTOGRAMS = {
     "time_to_first_token_seconds": ("Time from arrival to the first generated token", LATENCY_BUCKETS),
     "time_per_output_token_seconds": ("Mean time between a request's generated tokens", STEP_BUCKETS),
@@ -32,7 +38,7 @@ HISTOGRAMS = {
 
 
 class EngineMetrics:
-    def __init__(self, pb_utils, model_name: str, min_interval_s: float = 0.05):
+    def __init__(self, pb_utils, model_name: str, min_interval_s: float = 0.05, lora_names=()):
         self._pb = pb_utils
         self._labels = {"model": model_name}
         self._families = []          # a MetricFamily must outlive its metrics
@@ -43,6 +49,10 @@ class EngineMetrics:
                             for key, (desc, buckets) in HISTOGRAMS.items()}
         self._requests = self._family("inflight_requests_total", "Requests ended, by how they ended", "COUNTER")
         self._by_reason: dict[str, object] = {}
+        # one series per adapter served, made up front: a refused unknown name adds none
+        lora_families = {key: self._family(f"inflight_{key}", desc, "COUNTER") for key, desc in LORA_COUNTERS.items()}
+        self._by_lora = {name: {key: family.Metric(labels={**self._labels, "lora_name": name})
+                                for key, family in lora_families.items()} for name in lora_names}
         self._last_counts = dict.fromkeys(COUNTERS, 0)
         self._last_update = 0.0
         self._steps_seen = 0
@@ -94,6 +104,12 @@ class EngineMetrics:
             if metric is None:
                 metric = self._by_reason[reason] = self._requests.Metric(labels={**self._labels, "finish_reason": reason})
         metric.increment(1)
+        lora = self._by_lora.get(job.params.lora_name)
+        if lora is not None:
+            lora["lora_requests_total"].increment(1)
+            lora["lora_prompt_tokens_total"].increment(len(job.prompt_ids))
+            if job.output_ids:
+                lora["lora_generation_tokens_total"].increment(len(job.output_ids))
         self._histograms["e2e_request_latency_seconds"].observe(now - job.arrival)
         if job.first_token_time is not None:
             self._histograms["time_to_first_token_seconds"].observe(job.first_token_time - job.arrival)

@@ -33,6 +33,7 @@ KNOBS = {
     "bad_words": "strings", "bad_words_ids": "int_lists",
     # vLLM's constraint object (or its JSON text); guided_decoding is its older name
     "structured_outputs": "constraint", "guided_decoding": "constraint",
+    "lora_name": "str",
 }
 # per-request settings that may also come through the same channels
 SETTINGS = {"priority": "str", "cache_salt": "str", "n": "int", "include_stop_str_in_output": "bool"}

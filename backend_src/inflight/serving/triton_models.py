@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,7 +23,7 @@ from ..detokenizer import decode_delta
 from .metrics import EngineMetrics
 from .protocol import BOOL_INPUTS, RequestError, parse_request
 from .startup import (check_checkpoint, check_tokenizer, engine_config, engine_errors, one_line_errors,
-                      read_settings, tokenizer_error)
+                      StartupError, read_settings, tokenizer_error)
 
 if TYPE_CHECKING:       # the loop imports the engine and torch: only the llm model loads it
     from .loop import EngineLoop
@@ -34,26 +34,70 @@ logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname
 LLM_INPUTS = ("text_input", "input_ids", "sampling_parameters", "priority", "cache_salt") + BOOL_INPUTS
 
 
+# model.json keys that may also sit at the top level, where the Triton vLLM backend puts them
+LORA_KEYS = ("enable_lora", "max_loras", "max_lora_rank")
+
+
 @dataclass(slots=True)
 class Settings:
-    """model.json beside the llm's model.py: the checkpoint and every EngineConfig field."""
+    """model.json beside the llm's model.py: the checkpoint and every EngineConfig field; with
+    enable_lora, multi_lora.json beside it names the adapters."""
     model_dir: str
     engine: EngineConfig
     path: str                   # the model.json, for start-up errors
+    lora_modules: dict[str, str] = field(default_factory=dict)     # adapter name -> directory
+    lora_file: str | None = None                                   # the multi_lora.json they came from
 
-    KEYS = ("model", "engine")  # model.json's keys
+    KEYS = ("model", "engine", *LORA_KEYS)      # model.json's keys
 
     @classmethod
     def load(cls, version_dir: str) -> "Settings":
         path = os.path.join(version_dir, "model.json")
         raw = read_settings(path, cls.KEYS)
         model_dir = os.path.normpath(os.path.join(version_dir, os.path.expanduser(raw["model"])))
-        return cls(model_dir, engine_config(raw.get("engine", {}), path), path)
+        engine = dict(raw.get("engine", {}))
+        for key in LORA_KEYS:
+            if key in raw:
+                if key in engine:
+                    raise StartupError(f"{path}: '{key}' is given both at the top level and in 'engine'")
+                engine[key] = raw[key]
+        config = engine_config(engine, path)
+        if not config.enable_lora:
+            return cls(model_dir, config, path)
+        lora_file = os.path.join(version_dir, "multi_lora.json")
+        return cls(model_dir, config, path, read_multi_lora(lora_file), lora_file)
 
     @property
     def source(self) -> str:
         """Where the checkpoint directory was named, for start-up errors."""
         return f"'model' in {self.path}"
+
+
+def read_multi_lora(path: str) -> dict[str, str]:
+    """multi_lora.json (the vLLM backend's file): adapter name -> PEFT adapter directory, relative
+    to the file. No file: LoRA is on but no adapter is served."""
+    if not os.path.exists(path):
+        log.warning("inflight: enable_lora is set but there is no %s: no adapters", path)
+        return {}
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except ValueError as exc:
+        raise StartupError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise StartupError(f"{path}: must be a JSON object mapping adapter names to adapter directories")
+    modules = {}
+    for name, directory in raw.items():
+        if not name:
+            raise StartupError(f"{path}: an entry has an empty adapter name")
+        if not isinstance(directory, str) or not directory:
+            raise StartupError(f"{path}: entry {name!r}: the adapter directory must be a non-empty string, "
+                               f"got {directory!r}")
+        full = os.path.normpath(os.path.join(os.path.dirname(path), os.path.expanduser(directory)))
+        if not os.path.isdir(full):
+            raise StartupError(f"{path}: entry {name!r}: adapter directory {full!r} does not exist")
+        modules[name] = full
+    return modules
 
 
 def llm_settings(model_repository_dir: str) -> Settings:
@@ -167,11 +211,16 @@ class LLMModel:
         settings = Settings.load(version_dir)
         check_checkpoint(settings.model_dir, settings.source)
         from ..engine import LLMEngine
+        from ..lora import LoraError
         from .loop import EngineLoop
         log.info("inflight: loading %s with %s", settings.model_dir, settings.engine)
         with engine_errors(settings.model_dir, settings.path):
-            engine = run_on_own_thread(lambda: LLMEngine.from_pretrained(settings.model_dir, settings.engine))
-        metrics = EngineMetrics(self.pb, args["model_name"])
+            try:
+                engine = run_on_own_thread(lambda: LLMEngine.from_pretrained(settings.model_dir, settings.engine,
+                                                                             settings.lora_modules))
+            except LoraError as exc:      # an adapter of multi_lora.json: name the file too
+                raise StartupError(f"{settings.lora_file}: {exc}") from None
+        metrics = EngineMetrics(self.pb, args["model_name"], lora_names=engine.lora_names)
         metrics.publish(metrics.snapshot(engine, force=True))      # before the loop's threads use it
         self.loop = EngineLoop(engine, load_tokenizer(settings), metrics,
                                on_failure=stop_server).start()
@@ -222,8 +271,8 @@ class PreprocessingModel(TokenizerModel):
         pb = self.pb
         try:
             inputs = read_inputs(pb, request, ("text_input", "stop_words", "bad_words", "end_id", "pad_id",
-                                               "return_log_probs", "priority", "cache_salt", "guided_decoding_guide_type",
-                                               "guided_decoding_guide", *TRTLLM_KNOBS))
+                                               "return_log_probs", "priority", "cache_salt", "lora_name",
+                                               "guided_decoding_guide_type", "guided_decoding_guide", *TRTLLM_KNOBS))
             input_ids, sampling = self.translate(inputs)
         except RequestError as exc:
             return pb.InferenceResponse(error=pb.TritonError(str(exc)))
@@ -265,7 +314,7 @@ class PreprocessingModel(TokenizerModel):
                                "ask the llm model with 'return_logprobs'")
         if "end_id" in inputs:
             sampling["stop_token_ids"] = [int(_scalar("end_id", inputs["end_id"]))]
-        for name in ("priority", "cache_salt"):
+        for name in ("priority", "cache_salt", "lora_name"):
             if name in inputs:
                 sampling[name] = _scalar(name, inputs[name]).decode("utf-8", "replace")
         constraint = _guided_decoding(inputs)

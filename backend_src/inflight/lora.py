@@ -1,0 +1,383 @@
+"""Multi-LoRA: PEFT adapters served beside the base weights, many adapters in one step (the
+S-LoRA / Punica way: the base weights stay unmerged, each token adds its own adapter's low-rank
+term).
+
+Loading (`load_adapter`): a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors,
+or adapter_model.bin) checked against the base model. Served exactly: any subset of q/k/v/o/gate/
+up/down_proj, per-module ranks and alphas (`rank_pattern`, `alpha_pattern`), scaling lora_alpha / r
+or lora_alpha / sqrt(r) (`use_rslora`). Anything else (DoRA, embedding or lm_head adapters,
+modules_to_save, LoRA biases, other variants, a rank over max_lora_rank, shapes that do not fit the
+base model) is refused with a message naming the adapter and the field or tensor.
+
+Weights (`LoraWeights`): every adapter gets a slot in stacked per-layer tensors, ranks zero-padded
+to the largest. The model keeps its fused base projections; per fused group (qkv, o, gate_up, down)
+the group's modules share one input, so their A matrices sit side by side in A [slots, in,
+modules x R] (one shrink serves q, k and v) and their B matrices, each scaled by its lora_alpha / r
+(or / sqrt(r)), sit block-diagonally in B [slots, modules x R, the group's output columns] (one
+expand adds every module's term into its own columns of the fused output). Only modules some
+adapter targets get tensors. All adapters named at start-up stay resident: more than `max_loras`
+is refused at load (no slot swapping).
+
+A step (`LoraWeights.group_step`): the runner packs the step's rows grouped by adapter (base rows
+first), so each adapter's tokens are one contiguous run; the logits come back in the scheduler's
+order. A step without adapter tokens is not touched and the model runs exactly as without LoRA.
+`LoraBatch.layer(i).add(group, x, y)` after each base projection adds (x A_i)(scale_i B_i) for the
+tokens of each adapter i, in place: on CPU one matmul pair per adapter in the step on views of its
+run (base tokens pay nothing, no gathers, no per-token weight copies); on CUDA one SGMV shrink and
+one expand launch per group for all adapters at once (`inflight.kernels.lora`). Up to rounding,
+that is PEFT's `base(x) + lora_B(lora_A(x)) * scaling`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .batch_table import BatchTable
+from .models.llama import ModelSpec
+from .scheduler import SchedulerOutput
+
+SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# fused projection group of the model -> its modules, in the column order of the fused output
+GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+          "down": ("down_proj",)}
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# PEFT's key for a LoRA weight of a decoder layer's linear module (saved without the adapter name)
+_TENSOR = re.compile(r"^base_model\.model\.((?:model\.)?layers\.(\d+)\.(\w+)\.(\w+))\.lora_([AB])\.weight$")
+# adapter_config.json fields that ask for something other than plain LoRA on linear layers
+_UNSUPPORTED_FIELDS = {
+    "use_dora": "DoRA adapters are not supported",
+    "modules_to_save": "full copies of base modules (modules_to_save) are not supported",
+    "trainable_token_indices": "trainable token embeddings are not supported",
+    "lora_bias": "LoRA biases are not supported",
+    "target_parameters": "LoRA on parameters (target_parameters) is not supported",
+    "layer_replication": "layer replication is not supported",
+    "alora_invocation_tokens": "activated LoRA (aLoRA) is not supported",
+    "velora_config": "VeLoRA is not supported",
+    "monteclora_config": "MonteCLoRA is not supported",
+    "use_bdlora": "BD-LoRA is not supported",
+    "arrow_config": "Arrow routing is not supported",
+    "kasa_config": "KaSA is not supported",
+    "use_qalora": "QA-LoRA is not supported",
+    "megatron_config": "Megatron parallel layers are not supported",
+}
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be served; the message names the adapter and the field or tensor."""
+
+
+@dataclass(slots=True)
+class LoraModule:
+    a: torch.Tensor          # [r, in], as PEFT stores lora_A
+    b: torch.Tensor          # [out, r], as PEFT stores lora_B
+    scale: float
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    name: str
+    path: str
+    rank: int                                          # the largest rank of its modules
+    modules: dict[tuple[int, str], LoraModule]         # (layer, module name) -> weights
+    key: bytes = b""                                   # identity in prefix-cache hashes
+
+    @property
+    def target_modules(self) -> list[str]:
+        return sorted({module for _, module in self.modules}, key=SUPPORTED_MODULES.index)
+
+
+def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each supported module of the base model."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    h, i = spec.hidden_size, spec.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def load_adapter(name: str, path: str, spec: ModelSpec, max_rank: int) -> LoraAdapter:
+    """Read and check one PEFT LoRA adapter directory; weights stay in their saved dtype on CPU."""
+    where = f"LoRA adapter {name!r} ({path})"
+
+    def fail(message: str):
+        raise LoraError(f"{where}: {message}")
+
+    config_path = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config_path):
+        fail("no adapter_config.json in the directory")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        fail(f"adapter_config.json is not valid JSON: {exc}")
+    if not isinstance(config, dict):
+        fail("adapter_config.json must hold a JSON object")
+    _check_config(config, fail)
+    tensors = _read_tensors(path, fail)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}     # (layer, module) -> {"A": .., "B": ..}
+    keys: dict[tuple[int, str], str] = {}                           # (layer, module) -> PEFT module key
+    shapes = module_shapes(spec)
+    for tensor_name, tensor in tensors.items():
+        match = _TENSOR.match(tensor_name)
+        if match is None:
+            fail(_unsupported_tensor(tensor_name))
+        key, layer, parent, module, which = match.groups()
+        if module not in shapes:
+            fail(f"target module {module!r} (tensor {tensor_name!r}) is not supported; "
+                 f"supported: {list(SUPPORTED_MODULES)}")
+        if parent != _PARENT[module]:
+            fail(f"tensor {tensor_name!r}: {module} belongs under {_PARENT[module]}, not {parent}")
+        if int(layer) >= spec.num_layers:
+            fail(f"tensor {tensor_name!r} is for layer {layer}, but the base model has {spec.num_layers} layers "
+                 f"(was it trained for another base model, {config.get('base_model_name_or_path')!r}?)")
+        pairs.setdefault((int(layer), module), {})[which] = tensor
+        keys[(int(layer), module)] = key
+    if not pairs:
+        fail("adapter_model holds no LoRA weights")
+    alpha_pattern = config.get("alpha_pattern") or {}
+    modules = {}
+    for (layer, module), ab in sorted(pairs.items()):
+        key = keys[(layer, module)]
+        if set(ab) != {"A", "B"}:
+            fail(f"{key} has lora_{next(iter(ab))} but no lora_{'B' if 'A' in ab else 'A'}")
+        a, b = ab["A"], ab["B"]
+        fan_in, fan_out = shapes[module]
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or rank < 1 or a.shape[1] != fan_in or b.shape != (fan_out, rank):
+            fail(f"{key} has lora_A {list(a.shape)} and lora_B {list(b.shape)}, but the base model's {module} "
+                 f"maps {fan_in} -> {fan_out} features (hidden_size {spec.hidden_size}); was it trained for "
+                 f"another base model ({config.get('base_model_name_or_path')!r})?")
+        if rank > max_rank:
+            fail(f"{key} has rank {rank}, over 'max_lora_rank' {max_rank}")
+        alpha = alpha_pattern.get(_pattern_key(alpha_pattern, key), config.get("lora_alpha", 8))
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            fail(f"'lora_alpha' / 'alpha_pattern' for {key} must be a number, got {alpha!r}")
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        modules[(layer, module)] = LoraModule(a, b, scale)
+    key = hashlib.blake2b(f"{name}|{os.path.realpath(path)}".encode(), digest_size=16).digest()
+    return LoraAdapter(name, path, max(m.a.shape[0] for m in modules.values()), modules, key)
+
+
+def _check_config(config: dict, fail) -> None:
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        fail(f"'peft_type' is {peft_type!r}; only LORA adapters are supported")
+    for name, message in _UNSUPPORTED_FIELDS.items():
+        if config.get(name):
+            fail(f"'{name}' is set: {message}")
+    if config.get("bias", "none") != "none":
+        fail(f"'bias' is {config['bias']!r}: adapters that train base biases are not supported (need 'none')")
+    targets = config.get("target_modules")
+    if isinstance(targets, list):      # a regex string or "all-linear" is checked through the tensors
+        bad = [t for t in targets if not isinstance(t, str) or t.split(".")[-1] not in SUPPORTED_MODULES]
+        if bad:
+            fail(f"'target_modules' {bad} not supported; supported: {list(SUPPORTED_MODULES)} "
+                 f"(embedding and lm_head adapters are not served)")
+    for name in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(name) or {}, dict):
+            fail(f"'{name}' must be a JSON object")
+
+
+def _pattern_key(patterns: dict, key: str) -> str | None:
+    """PEFT's rule for rank_pattern / alpha_pattern: the first pattern matching the end of the
+    module's key at a dot boundary."""
+    for pattern in patterns:
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return pattern
+    return None
+
+
+def _unsupported_tensor(name: str) -> str:
+    if "lora_magnitude_vector" in name:
+        return f"tensor {name!r} is a DoRA magnitude: DoRA adapters are not supported"
+    if "lora_embedding" in name or "embed_tokens" in name:
+        return f"tensor {name!r}: embedding adapters are not supported"
+    if "lm_head" in name:
+        return f"tensor {name!r}: lm_head adapters are not supported"
+    if "modules_to_save" in name:
+        return f"tensor {name!r}: modules_to_save is not supported"
+    if ".lora_B.bias" in name:
+        return f"tensor {name!r}: LoRA biases are not supported"
+    return (f"tensor {name!r} is not a LoRA A/B weight of a decoder layer's "
+            f"{'/'.join(SUPPORTED_MODULES)}")
+
+
+def _read_tensors(path: str, fail) -> dict[str, torch.Tensor]:
+    safetensors_path = os.path.join(path, "adapter_model.safetensors")
+    bin_path = os.path.join(path, "adapter_model.bin")
+    try:
+        if os.path.isfile(safetensors_path):
+            from safetensors.torch import load_file
+            return load_file(safetensors_path)
+        if os.path.isfile(bin_path):
+            return torch.load(bin_path, map_location="cpu", weights_only=True)
+    except Exception as exc:          # a corrupt file: say which, without a traceback
+        fail(f"cannot read the adapter weights: {type(exc).__name__}: {exc}")
+    fail("no adapter_model.safetensors (or adapter_model.bin) in the directory")
+
+
+# ---- stacked weights ----------------------------------------------------------------------------
+@dataclass(slots=True)
+class GroupWeights:
+    """One fused projection group of one layer, every adapter stacked by slot. The group's targeted
+    modules sit side by side: module j owns shrink columns [j*R, (j+1)*R) of `a` and, in `b`, the
+    block of those rows under its own output columns, pre-multiplied by the adapter's scale for it
+    (zero elsewhere), so one shrink and one expand per adapter serve the whole group."""
+    a: torch.Tensor             # [slots, in, modules x R]: A^T of each module, rank zero-padded to R
+    b: torch.Tensor             # [slots, modules x R, end - start]: scale * B^T, block-diagonal
+    start: int                  # the fused output columns the group's modules cover
+    end: int
+
+
+class LoraWeights:
+    """Every adapter's weights stacked into per-layer slot tensors; name -> slot."""
+
+    def __init__(self, adapters: list[LoraAdapter], spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                 use_kernels: bool):
+        self.slots = {adapter.name: slot for slot, adapter in enumerate(adapters)}
+        self.keys = [adapter.key for adapter in adapters]
+        self.rank = max((adapter.rank for adapter in adapters), default=0)
+        self.device = device
+        from .kernels.lora import DTYPES
+        self.use_kernels = use_kernels and dtype in DTYPES
+        shapes = module_shapes(spec)
+        self.layers: list[dict[str, GroupWeights]] = [
+            self._stack_layer(layer, adapters, shapes, dtype, device) for layer in range(spec.num_layers)]
+
+    def _stack_layer(self, layer: int, adapters: list[LoraAdapter], shapes, dtype, device) -> dict[str, GroupWeights]:
+        rank = self.rank
+        groups = {}
+        for group, names in GROUPS.items():
+            targeted = [n for n in names if any((layer, n) in a.modules for a in adapters)]
+            if not targeted:
+                continue
+            offsets = {n: sum(shapes[m][1] for m in names[:names.index(n)]) for n in names}
+            start, end = offsets[targeted[0]], offsets[targeted[-1]] + shapes[targeted[-1]][1]
+            a = torch.zeros(len(adapters), shapes[targeted[0]][0], len(targeted) * rank, dtype=torch.float64)
+            b = torch.zeros(len(adapters), len(targeted) * rank, end - start, dtype=torch.float64)
+            for j, name in enumerate(targeted):
+                cols = slice(offsets[name] - start, offsets[name] - start + shapes[name][1])
+                for slot, adapter in enumerate(adapters):
+                    weights = adapter.modules.get((layer, name))
+                    if weights is not None:
+                        r = weights.a.shape[0]
+                        a[slot, :, j * rank:j * rank + r] = weights.a.t()
+                        b[slot, j * rank:j * rank + r, cols] = weights.b.t().double() * weights.scale
+            groups[group] = GroupWeights(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype),
+                                         start, end)
+        return groups
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.slots)
+
+    def group_step(self, out: SchedulerOutput, table: BatchTable) -> tuple[SchedulerOutput, "LoraBatch | None",
+                                                                             np.ndarray | None]:
+        """Reorder the step's rows by adapter (base rows first, then slot 0, 1, ...; stable), so each
+        adapter's tokens form one contiguous run of the packed batch. Returns the grouped step, its
+        LoraBatch (None when no row has an adapter: the step is left as it is) and the order that
+        maps the grouped step's sampling rows back to `out`'s (None when nothing moved)."""
+        row_slots = table.lora_slot[out.rows]
+        if not len(row_slots) or row_slots.max() < 0:
+            return out, None, None
+        sample_order = None
+        if np.any(row_slots[1:] < row_slots[:-1]):
+            perm = np.argsort(row_slots, kind="stable")
+            out = SchedulerOutput(out.rows[perm], out.num_scheduled[perm], out.start[perm], out.sample_mask[perm],
+                                  out.num_padding_tokens)
+            row_slots = row_slots[perm]
+            sample_order = np.argsort(perm[out.sample_mask], kind="stable")
+        return out, self.batch_runs(row_slots, out.num_scheduled), sample_order
+
+    def batch_runs(self, row_slots: np.ndarray, counts: np.ndarray) -> "LoraBatch | None":
+        """The LoraBatch of packed rows already grouped by slot: row i holds counts[i] tokens."""
+        ends = np.cumsum(counts)
+        segments = []
+        for slot in np.unique(row_slots[row_slots >= 0]).tolist():
+            rows = np.flatnonzero(row_slots == slot)
+            start, end = int(ends[rows[0]] - counts[rows[0]]), int(ends[rows[-1]])
+            if end > start:
+                segments.append((slot, start, end))
+        return LoraBatch(self, segments) if segments else None
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    """One step's adapter tokens as contiguous runs of the packed batch: segment (slot, start, end)
+    covers tokens [start, end). Tokens outside every segment run the base model alone."""
+    weights: LoraWeights
+    segments: list[tuple[int, int, int]]
+    tokens: torch.Tensor | None = field(init=False, default=None)        # the kernels' token list
+    seg_starts: torch.Tensor | None = field(init=False, default=None)
+    seg_slots: torch.Tensor | None = field(init=False, default=None)
+    max_segment: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.max_segment = max(end - start for _, start, end in self.segments)
+        if self.weights.use_kernels:
+            device = self.weights.device
+            tokens = np.concatenate([np.arange(start, end) for _, start, end in self.segments])
+            starts = np.cumsum([0] + [end - start for _, start, end in self.segments])
+            to = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int32)).to(device, non_blocking=True)  # noqa: E731
+            self.tokens, self.seg_starts = to(tokens), to(starts)
+            self.seg_slots = to([slot for slot, _, _ in self.segments])
+
+    def layer(self, index: int) -> "LayerLora":
+        return LayerLora(self, self.weights.layers[index])
+
+    def add(self, groups: dict[str, GroupWeights], group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        weights = groups.get(group)
+        if weights is None:
+            return
+        if self.weights.use_kernels:
+            self._add_kernels(weights, x, y)
+        else:
+            self._add_torch(weights, x, y)
+
+    def _add_torch(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Per adapter run: h = x A, then y += h (scale B) into the group's columns, in place."""
+        for slot, start, end in self.segments:
+            h = torch.mm(x[start:end], weights.a[slot])
+            y[start:end, weights.start:weights.end].addmm_(h, weights.b[slot])
+
+    def _add_kernels(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
+        from .kernels.lora import lora_expand, lora_shrink
+        h = x.new_empty((x.shape[0], weights.a.shape[-1]))
+        lora_shrink(x, weights.a, h, self.tokens, self.seg_starts, self.seg_slots, self.max_segment)
+        lora_expand(h, weights.b, y[:, weights.start:weights.end], self.tokens, self.seg_starts, self.seg_slots,
+                    self.max_segment)
+
+
+@dataclass(slots=True)
+class LayerLora:
+    """What one decoder layer sees: add(group, x, y) after each base projection."""
+    batch: LoraBatch
+    groups: dict[str, GroupWeights]
+
+    def add(self, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.batch.add(self.groups, group, x, y)
+
+
+def load_lora_weights(lora_modules: dict[str, str], spec: ModelSpec, max_loras: int, max_rank: int,
+                      dtype: torch.dtype, device: torch.device, use_kernels: bool) -> LoraWeights:
+    """Load every adapter named in `lora_modules` (name -> directory) into resident slots."""
+    if not isinstance(lora_modules, dict):
+        raise LoraError(f"'lora_modules' must map adapter names to directories, got {type(lora_modules).__name__}")
+    if len(lora_modules) > max_loras:
+        raise LoraError(f"{len(lora_modules)} LoRA adapters {sorted(lora_modules)} but 'max_loras' is {max_loras}: "
+                        f"every adapter stays resident, so raise 'max_loras' or name fewer adapters")
+    adapters = []
+    for name, path in lora_modules.items():
+        if not isinstance(name, str) or not name:
+            raise LoraError(f"LoRA adapter names must be non-empty strings, got {name!r}")
+        if not isinstance(path, str) or not os.path.isdir(path):
+            raise LoraError(f"LoRA adapter {name!r}: directory {path!r} does not exist")
+        adapters.append(load_adapter(name, path, spec, max_rank))
+    return LoraWeights(adapters, spec, dtype, device, use_kernels)

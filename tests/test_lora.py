@@ -1,0 +1,354 @@
+"""Multi-LoRA in-process: greedy ids equal transformers + peft for a batch mixing the base model and
+several adapters (chunked prefill, preemption, prefix caching), adapters never share prefix-cache
+blocks, load-time refusals name the adapter and the field, the SGMV kernels equal the torch path
+under the Triton interpreter and compile for sm_80 / sm_90, and multi_lora.json is parsed strictly."""
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from inflight import EngineConfig, LLMEngine, SamplingParams
+from inflight.lora import LoraAdapter, LoraError, LoraModule, LoraWeights, module_shapes
+from inflight.models import ModelSpec
+from inflight.testing import make_random_adapter, make_random_checkpoint
+
+
+# different ranks and target modules; rslora on one; per-module ranks and alphas on another
+ADAPTERS = {
+    "qv-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "ko-mlp-r4-rslora": dict(r=4, lora_alpha=8, use_rslora=True,
+                             target_modules=["k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "all-linear-patterns": dict(r=16, lora_alpha=8, target_modules="all-linear",
+                                rank_pattern={"layers.1.mlp.down_proj": 2}, alpha_pattern={"v_proj": 32}),
+}
+NAMES = [None, *ADAPTERS]             # request i runs with NAMES[i % 4] (None: the base model)
+
+
+@pytest.fixture(scope="session")
+def adapters(tiny_checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: make_random_adapter(tiny_checkpoint, str(root / name), seed=i, **config)
+            for i, (name, config) in enumerate(ADAPTERS.items())}
+
+
+def make_workload(seed: int = 11, num_prompts: int = 16):
+    """Each prompt twice, under two different adapters (or base): with prefix caching on, a wrong
+    cache key would hand one adapter's KV blocks to the other and change its tokens."""
+    rng = random.Random(seed)
+    pool = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 120))] for _ in range(num_prompts)]
+    prompts, lengths, names = [], [], []
+    for i, prompt in enumerate(pool):
+        for j in range(2):
+            prompts.append(prompt)
+            lengths.append(rng.randint(1, 48))
+            names.append(NAMES[(i + 2 * j + j) % len(NAMES)])
+    return prompts, lengths, names
+
+
+def peft_greedy(base_dir, adapters, prompts, lengths, names):
+    """transformers + peft, one request at a time, float64; also how often each adapter changes
+    the first greedy token."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float64)
+    first, *rest = adapters
+    model = PeftModel.from_pretrained(model, adapters[first], adapter_name=first)
+    for name in rest:
+        model.load_adapter(adapters[name], adapter_name=name)
+    model = model.to(torch.float64).eval()
+    eos = model.generation_config.eos_token_id
+    outs, changed = [], {name: 0 for name in adapters}
+    with torch.no_grad():
+        for prompt, n, name in zip(prompts, lengths, names):
+            ids = torch.tensor([prompt])
+            if name is None:
+                with model.disable_adapter():
+                    out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            else:
+                model.set_adapter(name)
+                out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+                with model.disable_adapter():
+                    base_first = int(model(ids).logits[0, -1].argmax())
+                changed[name] += int(out[0, len(prompt)]) != base_first
+            outs.append(out[0, len(prompt):].tolist())
+    return outs, changed
+
+
+def engine_greedy(base_dir, adapters, prompts, lengths, names, **config):
+    engine = LLMEngine.from_pretrained(base_dir, EngineConfig(**{"dtype": "float64", "enable_lora": True,
+                                                                 "max_loras": len(adapters), **config}),
+                                       lora_modules=adapters)
+    params = [SamplingParams(max_tokens=n, temperature=0, lora_name=name) for n, name in zip(lengths, names)]
+    outs = engine.generate(prompts, params)
+    engine.check_invariants()
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
+    return [o.token_ids for o in outs], stats
+
+
+def test_mixed_adapter_batches_match_transformers_and_peft(tiny_checkpoint, adapters):
+    prompts, lengths, names = make_workload()
+    expected, changed = peft_greedy(tiny_checkpoint, adapters, prompts, lengths, names)
+    per_adapter = {name: names.count(name) for name in adapters}
+    for name, count in changed.items():     # the adapters really matter: most first tokens change
+        assert count >= per_adapter[name] // 2, f"{name} changed only {count}/{per_adapter[name]} first tokens"
+    for budget, blocks in ((8, 4096), (2048, 4096), (64, 16)):
+        got, stats = engine_greedy(tiny_checkpoint, adapters, prompts, lengths, names,
+                                   max_num_batched_tokens=budget, num_kv_blocks=blocks)
+        if blocks == 16:
+            assert stats["preemptions"] > 0, "the small pool should have forced preemptions"
+        mismatches = [(i, names[i]) for i, (g, e) in enumerate(zip(got, expected)) if g != e]
+        assert not mismatches, f"budget {budget}, {blocks} blocks: requests (i, adapter) {mismatches} differ from peft"
+
+
+def test_adapters_never_share_prefix_cache_blocks(tiny_checkpoint, adapters):
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(enable_lora=True, num_kv_blocks=256),
+                                       lora_modules=adapters)
+    prompt = list(range(3, 3 + 64))
+
+    def hits(lora_name):
+        before = engine.stats()["prefix_cache_hit_tokens"]
+        out = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, lora_name=lora_name))[0]
+        return engine.stats()["prefix_cache_hit_tokens"] - before, out.token_ids
+
+    assert hits(None)[0] == 0
+    first, tokens = hits("qv-r8")
+    assert first == 0, "an adapter request reused the base model's blocks"
+    assert hits("ko-mlp-r4-rslora")[0] == 0, "an adapter reused another adapter's blocks"
+    again, tokens_again = hits("qv-r8")
+    assert again == 48 and tokens_again == tokens      # its own blocks: reused, same tokens
+    assert hits(None)[0] == 48
+
+
+def test_unknown_or_disabled_lora_name_is_refused_at_add_request(tiny_checkpoint, adapters):
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(enable_lora=True, num_kv_blocks=64),
+                                       lora_modules=adapters)
+    assert engine.lora_names == list(adapters)
+    with pytest.raises(ValueError, match=r"unknown 'lora_name' 'nope'; known: \['qv-r8', 'ko-mlp-r4-rslora', "):
+        engine.add_request("a", [1, 2, 3], SamplingParams(lora_name="nope"))
+    assert not engine.has_unfinished()
+    plain = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=64))
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        plain.add_request("a", [1, 2, 3], SamplingParams(lora_name="qv-r8"))
+    with pytest.raises(ValueError, match="'lora_name' must be a non-empty string"):
+        SamplingParams(lora_name="")
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"enable_lora": "yes"}, "'enable_lora' must be a boolean"),
+    ({"max_loras": 0}, "'max_loras' must be a positive integer"),
+    ({"max_lora_rank": 2.5}, "'max_lora_rank' must be a positive integer"),
+])
+def test_engine_config_validates_lora_fields(values, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**values)
+
+
+@pytest.fixture(scope="session")
+def refused_adapters(tiny_checkpoint, tmp_path_factory):
+    """name -> (adapter directory, the error it must get), made with peft itself."""
+    root = tmp_path_factory.mktemp("refused")
+    wider = make_random_checkpoint(str(root / "base-hidden-32"), "llama", seed=5, hidden_size=32)
+    deeper = make_random_checkpoint(str(root / "base-3-layers"), "llama", seed=6, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    cases = {
+        "dora": (tiny_checkpoint, dict(r=4, target_modules=["q_proj"], use_dora=True), "'use_dora' is set: DoRA"),
+        "embedding": (tiny_checkpoint, dict(r=4, target_modules=["embed_tokens", "q_proj"]),
+                      r"'target_modules' \['embed_tokens'\] not supported"),
+        "lm-head-regex": (tiny_checkpoint, dict(r=4, target_modules=r".*lm_head"), "lm_head adapters are not supported"),
+        "modules-to-save": (tiny_checkpoint, dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+                            "'modules_to_save' is set"),
+        "rank-32": (tiny_checkpoint, dict(r=32, target_modules=["v_proj"]), "has rank 32, over 'max_lora_rank' 16"),
+        "other-hidden-size": (wider, dict(r=4, target_modules=["q_proj"]),
+                              r"model.layers.0.self_attn.q_proj has lora_A \[4, 32\] and lora_B \[32, 4\], but the "
+                              r"base model's q_proj maps 64 -> 64 features"),
+        "other-depth": (deeper, dict(r=4, target_modules=["o_proj"]), "is for layer 2, but the base model has 2 layers"),
+    }
+    return {name: (make_random_adapter(base, str(root / name), **config), message)
+            for name, (base, config, message) in cases.items()}
+
+
+@pytest.mark.parametrize("case", ["dora", "embedding", "lm-head-regex", "modules-to-save", "rank-32",
+                                  "other-hidden-size", "other-depth"])
+def test_unsupported_adapters_are_refused_naming_adapter_and_field(tiny_checkpoint, refused_adapters, case):
+    path, message = refused_adapters[case]
+    with pytest.raises(LoraError, match=message) as error:
+        LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(enable_lora=True, num_kv_blocks=16),
+                                  lora_modules={case: path})
+    assert f"LoRA adapter {case!r} ({path})" in str(error.value)
+
+
+def test_adapter_count_and_switch_are_checked(tiny_checkpoint, adapters, tmp_path):
+    with pytest.raises(LoraError, match=r"3 LoRA adapters .* but 'max_loras' is 2: every adapter stays resident"):
+        LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(enable_lora=True, max_loras=2), lora_modules=adapters)
+    with pytest.raises(ValueError, match=r"'lora_modules' \['qv-r8'\] given but 'enable_lora' is false"):
+        LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(), lora_modules={"qv-r8": adapters["qv-r8"]})
+    with pytest.raises(LoraError, match=f"LoRA adapter 'gone': directory '{tmp_path}/gone' does not exist"):
+        LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(enable_lora=True),
+                                  lora_modules={"gone": str(tmp_path / "gone")})
+
+
+def test_lora_enabled_engine_gives_base_requests_the_base_tokens(tiny_checkpoint, adapters):
+    prompts, lengths, _ = make_workload(seed=3, num_prompts=6)
+    params = [SamplingParams(max_tokens=n, temperature=0) for n in lengths]
+    plain = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=512))
+    with_lora = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(enable_lora=True, num_kv_blocks=512),
+                                          lora_modules=adapters)
+    assert [o.token_ids for o in plain.generate(prompts, params)] == \
+        [o.token_ids for o in with_lora.generate(prompts, params)]
+
+
+def test_triton_kernels_give_the_torch_paths_tokens(tiny_checkpoint, adapters):
+    """The whole engine with the SGMV kernels (interpreted on CPU) against the torch LoRA path:
+    a chunked prefill (budget 32) mixed with decodes of three adapters and the base model."""
+    prompts = [[5 + i for i in range(n)] for n in (1, 45, 20, 9)]
+    params = [SamplingParams(max_tokens=n, temperature=0, lora_name=name) for n, name in zip((5, 3, 4, 4), NAMES)]
+
+    def run(backend):
+        engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(
+            attention_backend=backend, enable_lora=True, num_kv_blocks=64, max_num_batched_tokens=32),
+            lora_modules=adapters)
+        assert engine.runner.lora.use_kernels == (backend == "triton")
+        return [o.token_ids for o in engine.generate(prompts, params)]
+
+    assert run("triton") == run("torch")
+
+
+# ---- the kernels against the torch path, on synthetic stacked weights ----------------------------
+SPEC = ModelSpec(vocab_size=64, hidden_size=96, intermediate_size=160, num_layers=1, num_heads=6, num_kv_heads=2,
+                 head_dim=16, rms_norm_eps=1e-6, qkv_bias=False, o_bias=False, mlp_bias=False,
+                 tie_word_embeddings=True, max_position_embeddings=64, sliding_window=None)
+# per adapter: rank and modules (slot 1 leaves k and gate/up alone: their columns stay zero)
+SYNTHETIC = [(8, ("q_proj", "k_proj", "v_proj", "down_proj")), (4, ("q_proj", "v_proj", "o_proj", "down_proj")),
+             (16, ("k_proj", "gate_proj", "up_proj", "down_proj"))]
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def synthetic_adapters(dtype: torch.dtype) -> list[LoraAdapter]:
+    g = torch.Generator().manual_seed(0)
+    shapes = module_shapes(SPEC)
+    adapters = []
+    for i, (rank, targets) in enumerate(SYNTHETIC):
+        modules = {}
+        for name in targets:
+            fan_in, fan_out = shapes[name]
+            # weights representable in `dtype`, so the fp32 reference sees the same numbers
+            a = (torch.randn(rank, fan_in, generator=g) * 0.1).to(dtype).float()
+            b = (torch.randn(fan_out, rank, generator=g) * 0.1).to(dtype).float()
+            modules[(0, name)] = LoraModule(a, b, scale=0.5 + 0.25 * i)
+        adapters.append(LoraAdapter(f"a{i}", "", rank, modules))
+    return adapters
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("group, lengths", [("qkv", (3, 70, 1)), ("down", (1, 1, 5)), ("gate_up", (2, 0, 40)),
+                                            ("o", (17, 4, 0))])
+def test_sgmv_kernels_match_the_torch_path(dtype, group, lengths):
+    """Base tokens, then runs of `lengths` tokens per adapter slot (64+ takes the large tiles), as
+    the runner packs them; the module columns are strided views of the fused output."""
+    adapters = synthetic_adapters(dtype)
+    kernels = LoraWeights(adapters, SPEC, dtype, torch.device("cpu"), use_kernels=True)
+    reference = LoraWeights(adapters, SPEC, torch.float32, torch.device("cpu"), use_kernels=False)
+    assert kernels.use_kernels and not reference.use_kernels
+    row_slots = np.concatenate([np.full(3, -1)] + [np.full(n, slot) for slot, n in enumerate(lengths)])
+    counts = np.ones(len(row_slots), dtype=np.int64)
+    counts[:3] = (2, 1, 4)                        # base rows: a prefill chunk among decodes
+    fan_in = {"qkv": 96, "o": 96, "gate_up": 96, "down": 160}[group]
+    fan_out = {"qkv": 96 + 2 * 32, "o": 96, "gate_up": 2 * 160, "down": 96}[group]
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(int(counts.sum()), fan_in, generator=g).to(dtype)
+    y = (torch.randn(len(x), fan_out, generator=g) * 0.25).to(dtype)
+    expected = y.float().clone()
+    reference.batch_runs(row_slots, counts).layer(0).add(group, x.float(), expected)
+    got = y.clone()
+    kernels.batch_runs(row_slots, counts).layer(0).add(group, x, got)
+    assert torch.equal(got[:7], y[:7]), "base tokens must not change"
+    assert not torch.equal(got, y)
+    torch.testing.assert_close(got.float(), expected, atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_sgmv_kernels_gather_and_scatter_any_token_order(dtype):
+    """The kernels take any token list (shuffled here, segments of 1 to 70 tokens) and strided
+    operands; against a per-token float64 product."""
+    from inflight.kernels.lora import lora_expand, lora_shrink
+    g = torch.Generator().manual_seed(4)
+    n, fan_in, rank, fan_out, slots = 120, 80, 24, 72, 3
+    x = torch.randn(n, fan_in + 8, generator=g).to(dtype)[:, 4:4 + fan_in]
+    a = (torch.randn(slots, fan_in, rank, generator=g) * 0.1).to(dtype)
+    b = (torch.randn(slots, rank, fan_out, generator=g) * 0.1).to(dtype)
+    y0 = (torch.randn(n, fan_out + 16, generator=g) * 0.25).to(dtype)
+    lengths = (70, 1, 30)
+    tokens = torch.randperm(n, generator=g)[:sum(lengths)].to(torch.int32)
+    starts = torch.tensor([0, 70, 71, 101], dtype=torch.int32)
+    seg_slots = torch.tensor([2, 0, 1], dtype=torch.int32)
+    h = torch.full((n, rank * 2), float("nan"), dtype=dtype)[:, :rank]
+    lora_shrink(x, a, h, tokens, starts, seg_slots, max(lengths))
+    y = y0.clone()
+    lora_expand(h, b, y[:, 8:8 + fan_out], tokens, starts, seg_slots, max(lengths))
+    expected = y0.double().clone()
+    for seg, slot in enumerate(seg_slots.tolist()):
+        for t in tokens[starts[seg]:starts[seg + 1]].long().tolist():
+            expected[t, 8:8 + fan_out] += x[t].double() @ a[slot].double() @ b[slot].double()
+    atol = {torch.float32: 1e-5, torch.float16: 5e-3}[dtype]     # fp16 also rounds h to fp16 on the way
+    torch.testing.assert_close(y.double(), expected, atol=atol, rtol=0)
+
+
+def test_rows_are_grouped_by_adapter_and_sampling_rows_mapped_back():
+    from inflight.batch_table import BatchTable
+    from inflight.scheduler import SchedulerOutput
+    weights = LoraWeights(synthetic_adapters(torch.float32), SPEC, torch.float32, torch.device("cpu"), False)
+    table = BatchTable(8, 64, 16)
+    table.lora_slot[:5] = (2, -1, 0, 2, 0)
+    out = SchedulerOutput(np.arange(5), np.array([1, 5, 1, 1, 3]), np.zeros(5, dtype=np.int64),
+                          np.array([True, False, True, True, True]))
+    grouped, batch, sample_order = weights.group_step(out, table)
+    assert grouped.rows.tolist() == [1, 2, 4, 0, 3] and grouped.num_scheduled.tolist() == [5, 1, 3, 1, 1]
+    assert batch.segments == [(0, 5, 9), (2, 9, 11)]
+    # out samples rows 0, 2, 3, 4; packed, they are the grouped step's sampling rows 2, 0, 3, 1
+    assert grouped.sample_rows[sample_order].tolist() == out.sample_rows.tolist()
+    table.lora_slot[:5] = -1
+    assert weights.group_step(out, table) == (out, None, None)
+
+
+# ---- model.json / multi_lora.json -------------------------------------------------------------------
+def write_version_dir(tmp_path, model_json: dict, multi_lora=None) -> str:
+    version = tmp_path / "llm" / "1"
+    version.mkdir(parents=True)
+    (version / "model.json").write_text(json.dumps(model_json))
+    if multi_lora is not None:
+        (version / "multi_lora.json").write_text(multi_lora if isinstance(multi_lora, str) else json.dumps(multi_lora))
+    return str(version)
+
+
+def test_settings_read_lora_keys_and_multi_lora_json(tmp_path, adapters):
+    from inflight.serving.triton_models import Settings
+    version = write_version_dir(tmp_path, {"model": "m", "enable_lora": True, "max_loras": 3,
+                                           "engine": {"max_lora_rank": 8}},
+                                {"qv": os.path.relpath(adapters["qv-r8"], tmp_path / "llm" / "1")})
+    settings = Settings.load(version)
+    assert (settings.engine.enable_lora, settings.engine.max_loras, settings.engine.max_lora_rank) == (True, 3, 8)
+    assert settings.lora_modules == {"qv": os.path.normpath(adapters["qv-r8"])}
+    assert settings.lora_file == os.path.join(version, "multi_lora.json")
+    off = Settings.load(write_version_dir(tmp_path / "off", {"model": "m"}, "not even JSON"))
+    assert not off.engine.enable_lora and off.lora_modules == {}     # LoRA off: multi_lora.json unread
+
+
+@pytest.mark.parametrize("model_json, multi_lora, message", [
+    ({"enable_lora": True}, "{nope", "multi_lora.json: not valid JSON"),
+    ({"enable_lora": True}, ["a"], "multi_lora.json: must be a JSON object"),
+    ({"enable_lora": True}, {"a": 3}, "multi_lora.json: entry 'a': the adapter directory must be a non-empty string"),
+    ({"enable_lora": True}, {"a": "missing"}, "multi_lora.json: entry 'a': adapter directory '.*missing' does not exist"),
+    ({"enable_lora": True, "engine": {"enable_lora": True}}, None,
+     "'enable_lora' is given both at the top level and in 'engine'"),
+    ({"enable_lora": "true"}, None, "'enable_lora' must be a boolean"),
+    ({"lora_modules": {}}, None, r"unknown keys \['lora_modules'\]"),
+])
+def test_bad_lora_settings_name_the_file_and_entry(tmp_path, model_json, multi_lora, message):
+    from inflight.serving.triton_models import Settings
+    with pytest.raises(ValueError, match=message):
+        Settings.load(write_version_dir(tmp_path, {"model": "m", **model_json}, multi_lora))
