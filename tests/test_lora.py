@@ -210,7 +210,7 @@ def test_triton_kernels_give_the_torch_paths_tokens(tiny_checkpoint, adapters):
 
     def run(backend):
         engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(
-            attention_backend=backend, enable_lora=True, num_kv_blocks=64, max_num_batched_tokens=32),
+            attention_backend=backend, dtype="float32", enable_lora=True, num_kv_blocks=64, max_num_batched_tokens=32),
             lora_modules=adapters)
         assert engine.runner.lora.use_kernels == (backend == "triton")
         return [o.token_ids for o in engine.generate(prompts, params)]
@@ -346,9 +346,10 @@ def test_settings_read_lora_keys_and_multi_lora_json(tmp_path, adapters):
     ({"enable_lora": True, "engine": {"enable_lora": True}}, None,
      "'enable_lora' is given both at the top level and in 'engine'"),
     ({"enable_lora": "true"}, None, "'enable_lora' must be a boolean"),
-    ({"lora_modules": {}}, None, r"unknown keys \['lora_modules'\]"),
+    ({"lora_modules": {}}, None, r"unknown key\(s\) \['lora_modules'\]"),
 ])
 def test_bad_lora_settings_name_the_file_and_entry(tmp_path, model_json, multi_lora, message):
+    from inflight.serving.startup import StartupError
     from inflight.serving.triton_models import Settings
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(StartupError, match=message):
         Settings.load(write_version_dir(tmp_path, {"model": "m", **model_json}, multi_lora))

@@ -3,6 +3,7 @@ tritonserver: completions and chat, streamed and not, token-array prompts, n > 1
 seeds, logprobs, usage, 50 concurrent streams, a dropped stream's KV blocks, and every error
 status with its message."""
 import asyncio
+import json
 import os
 import time
 
@@ -21,6 +22,7 @@ from .helpers import wait_for_metric
 pytestmark = pytest.mark.server
 
 MODEL = os.path.basename(DEFAULT_MODEL)
+ADAPTER = "pydoc-json"      # the demo LoRA adapter of the shipped repository (the session server serves it)
 ENV = {"PYTHONPATH": os.pathsep.join(os.path.join(REPO, p) for p in ("backend_src", "client", ""))}
 PROMPTS = ["The assert statement", "A class definition defines a class object", "Boolean operations",
            "The import system", "Exceptions can be raised", "The with statement is used"]
@@ -34,7 +36,7 @@ def openai_server(triton_url: str, tmp_path, *extra) -> OpenAIServerProcess:
 
 @pytest.fixture(scope="module")
 def api(server, tmp_path_factory):
-    with openai_server(server.grpc_url, tmp_path_factory.mktemp("openai")) as process:
+    with openai_server(server.grpc_url, tmp_path_factory.mktemp("openai"), "--lora-modules", ADAPTER) as process:
         yield process
 
 
@@ -55,7 +57,7 @@ def chat_ids(tokenizer, messages) -> list[int]:
 
 
 def test_models_and_health(api, client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, ADAPTER]
     assert httpx.get(api.base_url.removesuffix("/v1") + "/health").status_code == 200
 
 
@@ -292,3 +294,22 @@ def test_queue_full_is_429_and_triton_gone_is_503(tmp_path):
             assert "not reachable" in gone.json()["error"]["message"]
     finally:
         triton.stop()
+
+
+def test_a_lora_adapter_is_a_model_id_routed_to_lora_name(server, client):
+    """model=<adapter> runs the base model with that adapter: the text `llm` gives for the same
+    lora_name, not the base model's."""
+    from inflight_client.streams import http_generate
+    params = {"max_tokens": 16, "temperature": 0}
+    adapted = client.completions.create(model=ADAPTER, prompt=PROMPTS[0], **params)
+    assert adapted.model == ADAPTER
+    llm = http_generate(server.http_url, "llm", {"text_input": PROMPTS[0], "exclude_input_in_output": True,
+                                                 "sampling_parameters": json.dumps({**params, "lora_name": ADAPTER})})
+    assert adapted.choices[0].text == llm["text_output"]
+    base = client.completions.create(model=MODEL, prompt=PROMPTS[0], **params)
+    assert base.choices[0].text != adapted.choices[0].text
+    streamed = client.chat.completions.create(model=ADAPTER, messages=[{"role": "user", "content": PROMPTS[1]}],
+                                              stream=True, **params)
+    whole = client.chat.completions.create(model=ADAPTER, messages=[{"role": "user", "content": PROMPTS[1]}],
+                                           **params)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.choices[0].message.content

@@ -347,6 +347,16 @@ def served_model(model_repository: str) -> str:
         return f"the llm in {model_repository}"
 
 
+def served_lora_names(model_repository: str) -> list[str]:
+    """The LoRA adapters the repository's llm serves (its multi_lora.json, when enable_lora is on)."""
+    from .startup import StartupError
+    from .triton_models import Settings
+    try:
+        return sorted(Settings.load(os.path.join(model_repository, "llm", "1")).lora_modules)
+    except StartupError:
+        return []
+
+
 def model_names(model_repository: str) -> list[str]:
     return sorted(name for name in os.listdir(model_repository)
                   if os.path.isfile(os.path.join(model_repository, name, "config.pbtxt")))
@@ -408,8 +418,10 @@ def start_openai_server(children: Children, model_repository: str, endpoints: En
     started once tritonserver is ready and stopped with it. False (and why) if it did not start."""
     from inflight_client.openai_server.process import OpenAIServerProcess
 
+    lora_names = served_lora_names(model_repository)
     openai = OpenAIServerProcess(f"localhost:{endpoints.grpc_port}", served_model(model_repository),
-                                 port=endpoints.openai_port, host="0.0.0.0")
+                                 port=endpoints.openai_port, host="0.0.0.0",
+                                 extra=["--lora-modules", *lora_names] if lora_names else [])
     try:
         children.processes.append(openai.start(wait=True, timeout_s=60).process)
     except (RuntimeError, TimeoutError) as exc:

@@ -181,6 +181,10 @@ class EngineLoop:
                 self.outbox.put(("error", (job, str(exc).replace("'prompt_token_ids'", f"'{name}'"))))
         elif kind == "abort":
             self.engine.abort(payload)
+        elif kind == "release":        # the response thread failed: every request's blocks go back
+            for request_id in list(self.engine.requests):
+                self.engine.abort(request_id)
+            self.engine.step()
 
     def _server_stopping(self) -> bool:
         now = time.monotonic()
@@ -218,32 +222,49 @@ class EngineLoop:
                 kind, payload = self.outbox.get(timeout=self.cancel_poll_s)
             except queue.Empty:
                 kind, payload = "poll", None
-            if kind == "register":
-                jobs[payload.job_id] = payload
-                for sample in payload.samples:
-                    samples[sample.request_id] = sample
-                    owner[sample.request_id] = payload
-            elif kind == "step":
-                self._deliver(samples, owner, payload)
-            elif kind == "error":
-                job, message = payload
-                self._fail(job, message)
-            elif kind in ("fail", "drain"):
+            try:
+                if self._dispatch(kind, payload, jobs, samples, owner):
+                    return
+                now = time.monotonic()
+                if now - last_poll >= self.cancel_poll_s:
+                    last_poll = now
+                    self._poll_cancelled(jobs)
+            except Exception as exc:   # a bug here would leave every stream waiting: fail them all, loudly
+                log.exception("inflight response thread failed; failing all requests")
+                self.failure = f"the server failed: {type(exc).__name__}: {exc}"
+                self.inbox.put(("release", None))
                 for job in jobs.values():
-                    self._fail(job, payload)
+                    self._fail(job, self.failure)
                 jobs.clear()
-                if kind == "fail" and self.on_failure is not None:
-                    self.on_failure(payload)
-            elif kind == "metrics":
-                self.metrics.publish(payload)
-            elif kind == "stop":
-                for job in jobs.values():
-                    self._fail(job, self.failure or "the model is being unloaded")
-                return
-            now = time.monotonic()
-            if now - last_poll >= self.cancel_poll_s:
-                last_poll = now
-                self._poll_cancelled(jobs)
+                if self.on_failure is not None:
+                    self.on_failure(self.failure)
+
+    def _dispatch(self, kind: str, payload, jobs: dict[str, Job], samples: dict[str, Sample],
+                  owner: dict[str, Job]) -> bool:
+        """One message from the engine thread; True when the loop is done."""
+        if kind == "register":
+            jobs[payload.job_id] = payload
+            for sample in payload.samples:
+                samples[sample.request_id] = sample
+                owner[sample.request_id] = payload
+        elif kind == "step":
+            self._deliver(samples, owner, payload)
+        elif kind == "error":
+            job, message = payload
+            self._fail(job, message)
+        elif kind in ("fail", "drain"):
+            for job in jobs.values():
+                self._fail(job, payload)
+            jobs.clear()
+            if kind == "fail" and self.on_failure is not None:
+                self.on_failure(payload)
+        elif kind == "metrics":
+            self.metrics.publish(payload)
+        elif kind == "stop":
+            for job in jobs.values():
+                self._fail(job, self.failure or "the model is being unloaded")
+            return True
+        return False
 
     def _deliver(self, samples: dict[str, Sample], owner: dict[str, Job], out) -> None:
         touched: dict[Job, None] = {}        # jobs with news, in order

@@ -104,12 +104,13 @@ class EngineMetrics:
             if metric is None:
                 metric = self._by_reason[reason] = self._requests.Metric(labels={**self._labels, "finish_reason": reason})
         metric.increment(1)
-        lora = self._by_lora.get(job.params.lora_name)
+        lora = self._by_lora.get(job.samples[0].params.lora_name)
         if lora is not None:
             lora["lora_requests_total"].increment(1)
             lora["lora_prompt_tokens_total"].increment(len(job.prompt_ids))
-            if job.output_ids:
-                lora["lora_generation_tokens_total"].increment(len(job.output_ids))
+            generated = sum(len(sample.output_ids) for sample in job.samples)
+            if generated:
+                lora["lora_generation_tokens_total"].increment(generated)
         self._histograms["e2e_request_latency_seconds"].observe(now - job.arrival)
         if job.first_token_time is not None:
             self._histograms["time_to_first_token_seconds"].observe(job.first_token_time - job.arrival)

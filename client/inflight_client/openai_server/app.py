@@ -34,6 +34,7 @@ class Settings:
     triton_model: str = "llm"
     chat_template: str | None = None
     default_max_tokens: int = 16
+    lora_names: tuple[str, ...] = ()        # the LoRA adapters `llm` serves, each a model id
 
 
 def _validation_error(error: ValidationError) -> APIError:
@@ -90,7 +91,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
     ctx = Context(TritonLLM(settings.triton_url, settings.triton_model), tokenizer,
-                  ChatTemplate(tokenizer, settings.chat_template), ServedModels(settings.served_model_name),
+                  ChatTemplate(tokenizer, settings.chat_template),
+                  ServedModels(settings.served_model_name, settings.lora_names),
                   settings.default_max_tokens)
 
     @contextlib.asynccontextmanager

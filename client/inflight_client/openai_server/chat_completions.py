@@ -17,9 +17,9 @@ from .sse import event, sse_response
 
 
 async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
-    ctx.models.check(body.model)
+    lora_name = ctx.models.check(body.model)
     prompt_ids = ctx.chat.prompt_ids(body.messages)
-    calls = [ctx.triton.generate(prompt_ids, chat_sampling(body, ctx.default_max_tokens), body.stream)]
+    calls = [ctx.triton.generate(prompt_ids, chat_sampling(body, ctx.default_max_tokens, lora_name), body.stream)]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": body.model}
     top_n = body.top_logprobs or 0

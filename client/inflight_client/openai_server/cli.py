@@ -2,7 +2,7 @@
 
   inflight-openai --triton-url localhost:8001 --model-dir model_repository/llm/1/inflight-tiny
   inflight-openai --triton-url triton:8001 --tokenizer /ckpt/Llama-3-8B-Instruct \\
-      --served-model-name llama-3-8b --chat-template chat.jinja --port 9000
+      --served-model-name llama-3-8b --chat-template chat.jinja --port 9000 --lora-modules sql-bot
 """
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                                             "is the model id)")
     source.add_argument("--tokenizer", help="a directory with the model's tokenizer files")
     parser.add_argument("--served-model-name", help="the model id clients use (default: the directory's name)")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME",
+                        help="the LoRA adapters `llm` serves (its multi_lora.json names), each listed as a model id")
     parser.add_argument("--chat-template", help="a Jinja chat template file, instead of the tokenizer's own")
     parser.add_argument("--default-max-tokens", type=int, default=16,
                         help="max_tokens when a request gives none (as Triton's OpenAI frontend)")
@@ -35,8 +37,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     if args.chat_template is not None and not os.path.isfile(args.chat_template):
         parser.error(f"--chat-template {args.chat_template!r} is not a file")
     name = args.served_model_name or os.path.basename(os.path.normpath(directory))
+    if name in args.lora_modules:
+        parser.error(f"--lora-modules: {name!r} is also the served model name")
     settings = Settings(args.triton_url, directory, name, args.triton_model, args.chat_template,
-                        args.default_max_tokens)
+                        args.default_max_tokens, tuple(args.lora_modules))
     return settings, args
 
 

@@ -17,8 +17,7 @@ from .sse import event, sse_response
 
 
 async def create_completion(body: CompletionRequest, ctx: Context):
-    ctx.models.check(body.model)
-    sampling = completion_sampling(body, ctx.default_max_tokens)
+    sampling = completion_sampling(body, ctx.default_max_tokens, ctx.models.check(body.model))
     prompts = body.prompts()
     calls = [ctx.triton.generate(prompt, sampling, body.stream) for prompt in prompts]
     echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]

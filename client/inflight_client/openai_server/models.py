@@ -1,6 +1,7 @@
 """The model ids this server answers to: the checkpoint's (its directory name, or
---served-model-name). Issue 14 adds LoRA adapters here as extra ids, each resolving to the
-adapter name that sampling.py passes to `llm` as "lora_name"."""
+--served-model-name) and one per LoRA adapter `llm` serves (--lora-modules, the names in its
+multi_lora.json), as vLLM's OpenAI server lists them. A request naming an adapter runs the base
+model with that adapter: sampling.py passes the name to `llm` as "lora_name"."""
 from __future__ import annotations
 
 import time
@@ -9,19 +10,27 @@ from .errors import APIError
 
 
 class ServedModels:
-    def __init__(self, name: str):
+    def __init__(self, name: str, lora_names: list[str] = ()):
+        if name in lora_names:
+            raise ValueError(f"the LoRA adapter name {name!r} is also the served model name")
         self.name = name
+        self.lora_names = list(lora_names)
         self.created = int(time.time())
 
-    def check(self, model: str) -> None:
-        """404 unless `model` is one of the ids this server serves."""
+    def check(self, model: str) -> str | None:
+        """The adapter `model` names (None: the base model); 404 unless this server serves it."""
+        if model in self.lora_names:
+            return model
         if model != self.name:
             raise APIError(404, f"The model '{model}' does not exist; this server serves {self.ids()}",
                            "model", "model_not_found")
+        return None
 
     def ids(self) -> list[str]:
-        return [self.name]
+        return [self.name, *self.lora_names]
 
     def listing(self) -> dict:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": self.created,
-                                            "owned_by": "inflight"} for model_id in self.ids()]}
+        base = {"object": "model", "created": self.created, "owned_by": "inflight"}
+        return {"object": "list",
+                "data": [{**base, "id": self.name, "root": self.name, "parent": None}]
+                + [{**base, "id": name, "root": name, "parent": self.name} for name in self.lora_names]}

@@ -1,9 +1,8 @@
 """OpenAI request -> the `llm` model's `sampling_parameters` JSON (vLLM's SamplingParams names).
 
-One function per request kind and one place for what later features add: a LoRA adapter
-(issue 14) becomes `"lora_name"` from the served model id the request named (models.py), and
-`response_format` / `tool_choice` (issue 15) become `"structured_outputs"`; schemas.py refuses
-both until `llm` accepts those keys.
+One function per request kind; a LoRA adapter becomes `"lora_name"` from the served model id
+the request named (models.py), and `response_format` / `tool_choice` (issue 15) become
+`"structured_outputs"`; schemas.py refuses both until `llm` accepts those keys.
 """
 from __future__ import annotations
 
@@ -15,8 +14,10 @@ PASSED = ("temperature", "top_p", "top_k", "min_tokens", "seed", "stop", "stop_t
           "priority", "cache_salt")
 
 
-def _common(body: SamplingFields, max_tokens: int) -> dict:
+def _common(body: SamplingFields, max_tokens: int, lora_name: str | None) -> dict:
     params = {"max_tokens": max_tokens}
+    if lora_name is not None:
+        params["lora_name"] = lora_name
     for name in PASSED:
         value = getattr(body, name)
         if value is not None:
@@ -26,16 +27,16 @@ def _common(body: SamplingFields, max_tokens: int) -> dict:
     return params
 
 
-def completion_sampling(body: CompletionRequest, default_max_tokens: int) -> dict:
-    params = _common(body, body.max_tokens if body.max_tokens is not None else default_max_tokens)
+def completion_sampling(body: CompletionRequest, default_max_tokens: int, lora_name: str | None = None) -> dict:
+    params = _common(body, body.max_tokens if body.max_tokens is not None else default_max_tokens, lora_name)
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
     return params
 
 
-def chat_sampling(body: ChatCompletionRequest, default_max_tokens: int) -> dict:
+def chat_sampling(body: ChatCompletionRequest, default_max_tokens: int, lora_name: str | None = None) -> dict:
     max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), default_max_tokens)
-    params = _common(body, max_tokens)
+    params = _common(body, max_tokens, lora_name)
     if body.logprobs:
         params["logprobs"] = body.top_logprobs or 0
     return params
