@@ -2,12 +2,13 @@
 
 One function per request kind and one place for what later features add: a LoRA adapter
 (issue 14) becomes `"lora_name"` from the served model id the request named (models.py), and
-`response_format` / `tool_choice` (issue 15) become `"structured_outputs"`; schemas.py refuses
-both until `llm` accepts those keys.
+the request's output constraint (`response_format`, `guided_*`, `tool_choice`; structured.py)
+becomes `"structured_outputs"`.
 """
 from __future__ import annotations
 
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .structured import Constraint
 
 # request fields passed through under the same name when given
 PASSED = ("temperature", "top_p", "top_k", "min_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
@@ -15,8 +16,10 @@ PASSED = ("temperature", "top_p", "top_k", "min_tokens", "seed", "stop", "stop_t
           "priority", "cache_salt")
 
 
-def _common(body: SamplingFields, max_tokens: int) -> dict:
+def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None) -> dict:
     params = {"max_tokens": max_tokens}
+    if constraint is not None:
+        params["structured_outputs"] = constraint.structured_outputs
     for name in PASSED:
         value = getattr(body, name)
         if value is not None:
@@ -26,16 +29,16 @@ def _common(body: SamplingFields, max_tokens: int) -> dict:
     return params
 
 
-def completion_sampling(body: CompletionRequest, default_max_tokens: int) -> dict:
-    params = _common(body, body.max_tokens if body.max_tokens is not None else default_max_tokens)
+def completion_sampling(body: CompletionRequest, default_max_tokens: int, constraint: Constraint | None) -> dict:
+    params = _common(body, body.max_tokens if body.max_tokens is not None else default_max_tokens, constraint)
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
     return params
 
 
-def chat_sampling(body: ChatCompletionRequest, default_max_tokens: int) -> dict:
+def chat_sampling(body: ChatCompletionRequest, default_max_tokens: int, constraint: Constraint | None) -> dict:
     max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), default_max_tokens)
-    params = _common(body, max_tokens)
+    params = _common(body, max_tokens, constraint)
     if body.logprobs:
         params["logprobs"] = body.top_logprobs or 0
     return params
