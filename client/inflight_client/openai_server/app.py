@@ -34,6 +34,7 @@ class Settings:
     triton_model: str = "llm"
     chat_template: str | None = None
     default_max_tokens: int = 16
+    disable_any_whitespace: bool = False
 
 
 def _validation_error(error: ValidationError) -> APIError:
@@ -91,7 +92,7 @@ def create_app(settings: Settings) -> FastAPI:
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
     ctx = Context(TritonLLM(settings.triton_url, settings.triton_model), tokenizer,
                   ChatTemplate(tokenizer, settings.chat_template), ServedModels(settings.served_model_name),
-                  settings.default_max_tokens)
+                  settings.default_max_tokens, settings.disable_any_whitespace)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -22,8 +22,10 @@ from .tools import ToolCallText, called_function, tool_constraint, tool_message
 
 async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
     ctx.models.check(body.model)
-    constraint = single(request_constraints(body) + [c for c in [tool_constraint(body)] if c is not None])
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    tool = tool_constraint(body)
+    constraint = single(request_constraints(body) + ([tool] if tool else []),
+                        ctx.disable_any_whitespace)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     prompt_ids = ctx.chat.prompt_ids(body.messages, tools)
     calls = [ctx.triton.generate(prompt_ids, chat_sampling(body, ctx.default_max_tokens, constraint), body.stream)]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

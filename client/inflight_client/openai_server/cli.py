@@ -25,6 +25,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     parser.add_argument("--chat-template", help="a Jinja chat template file, instead of the tokenizer's own")
     parser.add_argument("--default-max-tokens", type=int, default=16,
                         help="max_tokens when a request gives none (as Triton's OpenAI frontend)")
+    parser.add_argument("--disable-any-whitespace", action="store_true",
+                        help="constrained JSON (response_format, tool calls, guided_json) without whitespace between "
+                             "its tokens, as vLLM's structured-outputs option of that name: a small model may "
+                             "otherwise spend max_tokens on whitespace the schema allows")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--log-level", default="info")
@@ -36,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
         parser.error(f"--chat-template {args.chat_template!r} is not a file")
     name = args.served_model_name or os.path.basename(os.path.normpath(directory))
     settings = Settings(args.triton_url, directory, name, args.triton_model, args.chat_template,
-                        args.default_max_tokens)
+                        args.default_max_tokens, args.disable_any_whitespace)
     return settings, args
 
 

@@ -20,7 +20,7 @@ from .structured import blame, request_constraints, single
 
 async def create_completion(body: CompletionRequest, ctx: Context):
     ctx.models.check(body.model)
-    constraint = single(request_constraints(body))
+    constraint = single(request_constraints(body), ctx.disable_any_whitespace)
     sampling = completion_sampling(body, ctx.default_max_tokens, constraint)
     prompts = body.prompts()
     calls = [ctx.triton.generate(prompt, sampling, body.stream) for prompt in prompts]

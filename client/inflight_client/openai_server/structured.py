@@ -47,12 +47,18 @@ def request_constraints(body: SamplingFields) -> list[Constraint]:
     return found
 
 
-def single(constraints: list[Constraint]) -> Constraint | None:
-    """The one constraint, or a 400 naming every field that gave one."""
+def single(constraints: list[Constraint], disable_any_whitespace: bool = False) -> Constraint | None:
+    """The one constraint, or a 400 naming every field that gave one. The server's
+    --disable-any-whitespace applies unless the request's structured_outputs says otherwise."""
     if len(constraints) > 1:
         names = ", ".join(f"'{c.source}'" for c in constraints)
         raise APIError(400, f"give at most one output constraint; got {names}", constraints[1].source)
-    return constraints[0] if constraints else None
+    if not constraints:
+        return None
+    constraint = constraints[0]
+    if not disable_any_whitespace:
+        return constraint
+    return Constraint({"disable_any_whitespace": True, **constraint.structured_outputs}, constraint.source)
 
 
 def blame(error: APIError, constraint: Constraint | None) -> APIError:
