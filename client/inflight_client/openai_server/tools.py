@@ -99,8 +99,9 @@ class ToolCallText:
         return deltas
 
     def finish_reason(self, reason: str) -> str:
-        """'tool_calls' when the output ended as its grammar did and holds calls."""
-        return "tool_calls" if reason == "stop" and self.num_calls else reason
+        """'tool_calls' when a "required" array ended as its grammar did; a named call keeps
+        'stop', as OpenAI and vLLM report a call the request forced."""
+        return "tool_calls" if self.function is None and reason == "stop" and self.num_calls else reason
 
 
 def tool_message(function: str | None, text: str, reason: str) -> tuple[dict, str]:
