@@ -1,13 +1,14 @@
 """The official `openai` SDK against the OpenAI-compatible server (a subprocess) in front of a real
 tritonserver: completions and chat, streamed and not, token-array prompts, n > 1, stop strings,
-seeds, logprobs, usage, 50 concurrent streams, a dropped stream's KV blocks, and every error
-status with its message."""
+seeds, logprobs, usage, 50 concurrent streams, a dropped stream's KV blocks, structured outputs
+and tool calls, and every error status with its message."""
 import asyncio
 import json
 import os
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -36,7 +37,9 @@ def openai_server(triton_url: str, tmp_path, *extra) -> OpenAIServerProcess:
 
 @pytest.fixture(scope="module")
 def api(server, tmp_path_factory):
-    with openai_server(server.grpc_url, tmp_path_factory.mktemp("openai"), "--lora-modules", ADAPTER) as process:
+    # constrained JSON without free whitespace: the tiny random test model would fill max_tokens with it
+    with openai_server(server.grpc_url, tmp_path_factory.mktemp("openai"), "--disable-any-whitespace",
+                       "--lora-modules", ADAPTER) as process:
         yield process
 
 
@@ -111,13 +114,20 @@ def test_chat_streamed_and_not_with_the_checkpoints_template(client, reference_e
 
 def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, reference_engine, tokenizer):
     template = tmp_path / "chat.jinja"
-    template.write_text("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}")
+    template.write_text("{{ bos_token }}{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
+                        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}")
     messages = [{"role": "user", "content": "Lists"}]
     ids = tokenizer("<s><user> Lists ", add_special_tokens=False)["input_ids"]
+    with_tools = tokenizer("<s>[get_weather][add]<user> Lists ", add_special_tokens=False)["input_ids"]
     with openai_server(server.grpc_url, tmp_path, "--chat-template", str(template)) as other:
-        reply = openai.OpenAI(base_url=other.base_url, api_key="-").chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=8, temperature=0)
+        other_client = openai.OpenAI(base_url=other.base_url, api_key="-")
+        reply = other_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+        # tool_choice "none": the tools only reach the template
+        tooled = other_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                      tools=TOOLS, tool_choice="none")
     assert reply.choices[0].message.content == reference(reference_engine, tokenizer, [ids], 8)[0]
+    assert tooled.choices[0].message.content == reference(reference_engine, tokenizer, [with_tools], 8)[0]
+    assert tooled.choices[0].message.tool_calls is None
 
 
 def test_n_seeds_and_stop_strings(client, reference_engine, tokenizer):
@@ -213,6 +223,99 @@ def test_a_dropped_stream_frees_its_kv_blocks(api, client, server):
     assert client.completions.create(model=MODEL, prompt="The", max_tokens=2).choices[0].text
 
 
+# bounded outputs: the tiny random test model must reach the end of the grammar within max_tokens
+COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                          "size": {"type": "string", "enum": ["S", "M", "L"]}},
+         "required": ["color", "size"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                               "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}}},
+         {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+             "a": {"type": "integer", "minimum": 0, "maximum": 99},
+             "b": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a", "b"]}}}]
+PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+def test_response_format_json_schema_and_json_object(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "shirt", "schema": COLOR}}
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=100, temperature=1.0, seed=1, response_format=fmt)
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.choices[0].message.content), COLOR)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs))
+    assert streamed == whole.choices[0].message.content, "same seed, same text"
+    anything = client.chat.completions.create(**{**kwargs, "response_format": {"type": "json_object"}})
+    assert anything.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    # /v1/completions takes response_format, and vLLM's extra fields, too
+    done = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=1.0, seed=5,
+                                     extra_body={"response_format": fmt})
+    jsonschema.validate(json.loads(done.choices[0].text), COLOR)
+
+
+def test_vllm_extra_constraint_fields(client):
+    kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=64, temperature=1.0, seed=2)
+    choice = client.completions.create(**kwargs, extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].text in ("yes", "no")
+    regex = client.completions.create(**kwargs, stream=True, extra_body={"guided_regex": "[0-9]{3}-[A-Z]{2}"})
+    assert len("".join(c.choices[0].text for c in regex)) == 6
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64,
+                                          extra_body={"structured_outputs": {"json": COLOR}})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), COLOR)
+    text = chat.choices[0].message.content
+    assert text == json.dumps(json.loads(text)), "--disable-any-whitespace: only the separators' spaces"
+    old = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64, temperature=0,
+                                         extra_body={"guided_json": COLOR})
+    jsonschema.validate(json.loads(old.choices[0].message.content), COLOR)
+
+
+def streamed_completion(client, **kwargs):
+    """The SDK's own accumulation of a stream into a ChatCompletion."""
+    with client.chat.completions.stream(**kwargs) as stream:
+        for _ in stream:
+            pass
+        return stream.get_final_completion()
+
+
+def calls_of(completion) -> list[tuple[str, str]]:
+    return [(call.function.name, call.function.arguments) for call in completion.choices[0].message.tool_calls]
+
+
+def test_named_tool_choice_gives_one_call_streamed_and_not(client):
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**kwargs)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None      # a forced call: as vLLM
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS["get_weather"])
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
+    assert len(deltas) > 1, "the arguments come as deltas"
+    assert deltas[0][0].id.startswith("call_") and deltas[0][0].function.name == "get_weather"
+    assert all(d[0].id is None and d[0].function.name is None for d in deltas[1:])
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    streamed = streamed_completion(client, **kwargs)
+    assert calls_of(streamed) == calls_of(whole) and streamed.choices[0].finish_reason == "stop"
+
+
+def test_required_tool_choice_gives_calls_of_known_tools(client):
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=150, temperature=0, tools=TOOLS, tool_choice="required")
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
+    calls = calls_of(whole)
+    assert len(calls) >= 1
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+    assert len({call.id for call in whole.choices[0].message.tool_calls}) == len(calls)
+    streamed = streamed_completion(client, **kwargs)
+    assert calls_of(streamed) == calls and streamed.choices[0].finish_reason == "tool_calls"
+
+
+ONE_USER = [{"role": "user", "content": "x"}]
 BAD = [
     ("completions", {"model": "gpt-4", "prompt": "x"}, 404, "'gpt-4' does not exist", "model"),
     ("chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "'gpt-4'", "model"),
@@ -235,8 +338,29 @@ BAD = [
     ("chat/completions", {"model": MODEL, "messages": []}, 400, "'messages'", "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "'top_logprobs' needs 'logprobs'", "top_logprobs"),
-    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                          "response_format": {"type": "json_object"}}, 400, "'response_format'", "response_format"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "response_format": {"type": "xml"}}, 400,
+     "'response_format': Input should be", "response_format"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "response_format": {"type": "json_schema"}}, 400,
+     "needs 'json_schema.schema'", "response_format"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}, 400,
+     "'structured_outputs.json' is not a valid JSON schema", "response_format"),
+    ("completions", {"model": MODEL, "prompt": "x", "guided_regex": "(ab"}, 400,
+     "'structured_outputs.regex' is not a valid regex", "guided_regex"),
+    ("completions", {"model": MODEL, "prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, 400,
+     "at most one output constraint; got 'guided_regex', 'guided_choice'", "guided_choice"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "response_format": {"type": "json_object"},
+                          "tools": TOOLS, "tool_choice": "required"}, 400,
+     "got 'response_format', 'tool_choice'", "tool_choice"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": TOOLS}, 400,
+     "'tool_choice' \"auto\" (the default when 'tools' are given) is not supported", "tool_choice"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": TOOLS, "tool_choice": "auto"}, 400,
+     "no tool-call parser", "tool_choice"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": TOOLS,
+                          "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
+     "'tool_choice' names the function 'nope', which is not in 'tools' (get_weather, add)", "tool_choice"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tool_choice": "required"}, 400,
+     "'tool_choice' needs 'tools'", "tool_choice"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "only text parts", "messages"),
 ]

@@ -35,6 +35,7 @@ class Settings:
     chat_template: str | None = None
     default_max_tokens: int = 16
     lora_names: tuple[str, ...] = ()        # the LoRA adapters `llm` serves, each a model id
+    disable_any_whitespace: bool = False
 
 
 def _validation_error(error: ValidationError) -> APIError:
@@ -93,7 +94,7 @@ def create_app(settings: Settings) -> FastAPI:
     ctx = Context(TritonLLM(settings.triton_url, settings.triton_model), tokenizer,
                   ChatTemplate(tokenizer, settings.chat_template),
                   ServedModels(settings.served_model_name, settings.lora_names),
-                  settings.default_max_tokens)
+                  settings.default_max_tokens, settings.disable_any_whitespace)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

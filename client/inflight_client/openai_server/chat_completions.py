@@ -1,6 +1,7 @@
-"""POST /v1/chat/completions: the messages rendered with the chat template into prompt token ids,
-one `llm` request with `n` outputs. A stream sends each choice's role first, then content deltas,
-then its finish_reason (and usage last, with stream_options.include_usage)."""
+"""POST /v1/chat/completions: the messages (and tools) rendered with the chat template into
+prompt token ids, one `llm` request with `n` outputs. A stream sends each choice's role first,
+then content deltas (or tool-call deltas, tools.py), then its finish_reason (and usage last, with
+stream_options.include_usage)."""
 from __future__ import annotations
 
 import time
@@ -10,27 +11,48 @@ from starlette.responses import JSONResponse
 
 from . import generation
 from .context import Context
+from .errors import APIError
 from .logprobs import chat_logprobs
 from .sampling import chat_sampling
 from .schemas import ChatCompletionRequest
 from .sse import event, sse_response
+from .structured import blame, request_constraints, single
+from .tools import ToolCallText, called_function, tool_constraint, tool_message
 
 
 async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
     lora_name = ctx.models.check(body.model)
-    prompt_ids = ctx.chat.prompt_ids(body.messages)
-    calls = [ctx.triton.generate(prompt_ids, chat_sampling(body, ctx.default_max_tokens, lora_name), body.stream)]
+    tool = tool_constraint(body)
+    constraint = single(request_constraints(body) + ([tool] if tool else []),
+                        ctx.disable_any_whitespace)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    prompt_ids = ctx.chat.prompt_ids(body.messages, tools)
+    sampling = chat_sampling(body, ctx.default_max_tokens, constraint, lora_name)
+    calls = [ctx.triton.generate(prompt_ids, sampling, body.stream)]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": body.model}
     top_n = body.top_logprobs or 0
-    if body.stream:
-        responses = await generation.stream(calls)
-        return sse_response(_chunks({**head, "object": "chat.completion.chunk"}, body, responses, top_n))
-    outputs, usage = await generation.gather(calls, body.n)
-    choices = [{"index": index, "message": {"role": "assistant", "content": "".join(out.text)},
-                "logprobs": chat_logprobs(out.logprobs, top_n) if body.logprobs else None,
-                "finish_reason": out.finish_reason} for index, out in enumerate(outputs)]
+    try:
+        if body.stream:
+            responses = await generation.stream(calls)
+            return sse_response(_chunks({**head, "object": "chat.completion.chunk"}, body, responses, top_n))
+        outputs, usage = await generation.gather(calls, body.n)
+    except APIError as exc:
+        raise blame(exc, constraint) from None
+    choices = []
+    for index, out in enumerate(outputs):
+        message = {"role": "assistant", "content": "".join(out.text)}
+        reason = out.finish_reason
+        if _calls_tools(body):
+            message, reason = tool_message(called_function(body), message["content"], reason)
+        choices.append({"index": index, "message": message,
+                        "logprobs": chat_logprobs(out.logprobs, top_n) if body.logprobs else None,
+                        "finish_reason": reason})
     return JSONResponse({**head, "choices": choices, "usage": usage.body()})
+
+
+def _calls_tools(body: ChatCompletionRequest) -> bool:
+    return body.tools is not None and body.tool_choice != "none"
 
 
 def _choice(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
@@ -39,13 +61,15 @@ def _choice(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
 
 async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int):
     include_usage = body.stream_options is not None and body.stream_options.include_usage
+    readers = [ToolCallText(called_function(body)) for _ in range(body.n)] if _calls_tools(body) else None
     usage = generation.Usage()
     first = True
     try:
         async for _, response in responses:
             if first:
                 for index in range(body.n):
-                    yield event({**head, "choices": [_choice(index, {"role": "assistant", "content": ""})]})
+                    role = {"role": "assistant", "content": None if readers else ""}
+                    yield event({**head, "choices": [_choice(index, role)]})
             usage.add(response, first)
             first = False
             for index, text in enumerate(response.texts):
@@ -53,7 +77,15 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
                 if not text and reason is None and not positions:
                     continue
                 logprobs = chat_logprobs(positions, top_n) if body.logprobs and positions is not None else None
-                yield event({**head, "choices": [_choice(index, {"content": text}, logprobs, reason)]})
+                if readers is None:
+                    yield event({**head, "choices": [_choice(index, {"content": text}, logprobs, reason)]})
+                    continue
+                calls = readers[index].feed(text)
+                if reason is not None:
+                    reason = readers[index].finish_reason(reason)
+                if calls or reason is not None or logprobs is not None:
+                    delta = {"tool_calls": calls} if calls else {}
+                    yield event({**head, "choices": [_choice(index, delta, logprobs, reason)]})
     finally:
         await responses.aclose()
     if include_usage:

@@ -27,6 +27,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     parser.add_argument("--chat-template", help="a Jinja chat template file, instead of the tokenizer's own")
     parser.add_argument("--default-max-tokens", type=int, default=16,
                         help="max_tokens when a request gives none (as Triton's OpenAI frontend)")
+    parser.add_argument("--disable-any-whitespace", action="store_true",
+                        help="constrained JSON (response_format, tool calls, guided_json) without whitespace between "
+                             "its tokens, as vLLM's structured-outputs option of that name: a small model may "
+                             "otherwise spend max_tokens on whitespace the schema allows")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--log-level", default="info")
@@ -40,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     if name in args.lora_modules:
         parser.error(f"--lora-modules: {name!r} is also the served model name")
     settings = Settings(args.triton_url, directory, name, args.triton_model, args.chat_template,
-                        args.default_max_tokens, tuple(args.lora_modules))
+                        args.default_max_tokens, tuple(args.lora_modules), args.disable_any_whitespace)
     return settings, args
 
 

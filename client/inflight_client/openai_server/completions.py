@@ -10,23 +10,30 @@ from starlette.responses import JSONResponse
 
 from . import generation
 from .context import Context
+from .errors import APIError
 from .logprobs import completion_logprobs
 from .sampling import completion_sampling
 from .schemas import CompletionRequest
 from .sse import event, sse_response
+from .structured import blame, request_constraints, single
 
 
 async def create_completion(body: CompletionRequest, ctx: Context):
-    sampling = completion_sampling(body, ctx.default_max_tokens, ctx.models.check(body.model))
+    lora_name = ctx.models.check(body.model)
+    constraint = single(request_constraints(body), ctx.disable_any_whitespace)
+    sampling = completion_sampling(body, ctx.default_max_tokens, constraint, lora_name)
     prompts = body.prompts()
     calls = [ctx.triton.generate(prompt, sampling, body.stream) for prompt in prompts]
     echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.model}
-    if body.stream:
-        responses = await generation.stream(calls)
-        return sse_response(_chunks(head, body, responses, echoes))
-    outputs, usage = await generation.gather(calls, body.n)
+    try:
+        if body.stream:
+            responses = await generation.stream(calls)
+            return sse_response(_chunks(head, body, responses, echoes))
+        outputs, usage = await generation.gather(calls, body.n)
+    except APIError as exc:
+        raise blame(exc, constraint) from None
     choices = []
     for index, out in enumerate(outputs):
         echo = echoes[index // body.n]

@@ -16,6 +16,7 @@ class Context:
     chat: ChatTemplate
     models: ServedModels
     default_max_tokens: int
+    disable_any_whitespace: bool = False         # added to every output constraint (structured.py)
 
     def prompt_text(self, prompt: str | list[int]) -> str:
         """A prompt as text (for echo): a token prompt decoded as `llm` decodes its outputs

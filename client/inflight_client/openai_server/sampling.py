@@ -1,12 +1,13 @@
 """OpenAI request -> the `llm` model's `sampling_parameters` JSON (vLLM's SamplingParams names).
 
-One function per request kind; a LoRA adapter becomes `"lora_name"` from the served model id
-the request named (models.py), and `response_format` / `tool_choice` (issue 15) become
-`"structured_outputs"`; schemas.py refuses both until `llm` accepts those keys.
+One function per request kind: a LoRA adapter becomes `"lora_name"` from the served model id the
+request named (models.py), and the request's output constraint (`response_format`, `guided_*`,
+`tool_choice`; structured.py) becomes `"structured_outputs"`.
 """
 from __future__ import annotations
 
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .structured import Constraint
 
 # request fields passed through under the same name when given
 PASSED = ("temperature", "top_p", "top_k", "min_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
@@ -14,8 +15,10 @@ PASSED = ("temperature", "top_p", "top_k", "min_tokens", "seed", "stop", "stop_t
           "priority", "cache_salt")
 
 
-def _common(body: SamplingFields, max_tokens: int, lora_name: str | None) -> dict:
+def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None, lora_name: str | None) -> dict:
     params = {"max_tokens": max_tokens}
+    if constraint is not None:
+        params["structured_outputs"] = constraint.structured_outputs
     if lora_name is not None:
         params["lora_name"] = lora_name
     for name in PASSED:
@@ -27,16 +30,19 @@ def _common(body: SamplingFields, max_tokens: int, lora_name: str | None) -> dic
     return params
 
 
-def completion_sampling(body: CompletionRequest, default_max_tokens: int, lora_name: str | None = None) -> dict:
-    params = _common(body, body.max_tokens if body.max_tokens is not None else default_max_tokens, lora_name)
+def completion_sampling(body: CompletionRequest, default_max_tokens: int, constraint: Constraint | None,
+                        lora_name: str | None = None) -> dict:
+    params = _common(body, body.max_tokens if body.max_tokens is not None else default_max_tokens, constraint,
+                     lora_name)
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
     return params
 
 
-def chat_sampling(body: ChatCompletionRequest, default_max_tokens: int, lora_name: str | None = None) -> dict:
+def chat_sampling(body: ChatCompletionRequest, default_max_tokens: int, constraint: Constraint | None,
+                  lora_name: str | None = None) -> dict:
     max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), default_max_tokens)
-    params = _common(body, max_tokens, lora_name)
+    params = _common(body, max_tokens, constraint, lora_name)
     if body.logprobs:
         params["logprobs"] = body.top_logprobs or 0
     return params

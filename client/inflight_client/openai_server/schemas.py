@@ -1,6 +1,7 @@
 """The OpenAI request bodies this server accepts (pydantic), with vLLM's extra sampling fields
 (`top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-`repetition_penalty`, `cache_salt`) and inflight's `priority`. Unknown fields are refused by name;
+`repetition_penalty`, `cache_salt`, and the constraints `structured_outputs`, `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`) and inflight's `priority`. Unknown fields are refused by name;
 fields OpenAI defines but this server cannot honour are refused with a message saying so.
 Value ranges the engine checks (top_p, max_tokens vs the context, ...) are left to `llm`, whose
 messages name the field, so each rule lives in one place.
@@ -14,6 +15,19 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .errors import APIError
 
 MAX_LOGPROBS = 20       # the engine's limit (inflight.config.MAX_LOGPROBS)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None              # {"name", "schema", "strict", "description"}
+
+    @model_validator(mode="after")
+    def _check_schema(self):
+        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema"), dict):
+            raise APIError(400, "'response_format' of type 'json_schema' needs 'json_schema.schema' (an object)",
+                           "response_format")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -45,6 +59,13 @@ class SamplingFields(BaseModel):
     user: str | None = None                      # accepted, unused
     priority: Literal["high", "normal", "low"] | None = None
     cache_salt: str | None = None
+    # constraints (structured.py turns them into `llm`'s "structured_outputs")
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_shared(self):
@@ -92,9 +113,29 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None               # a JSON schema
+    strict: bool | None = None                   # accepted: the arguments always follow `parameters`
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -103,10 +144,9 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None                # deprecated by OpenAI, still sent by many clients
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None      # accepted, unused (no tools)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None      # accepted, unused ("required" may give several calls)
     metadata: dict | None = None                 # accepted, unused
     store: bool | None = None                    # accepted, unused
 
@@ -114,12 +154,19 @@ class ChatCompletionRequest(SamplingFields):
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        # issue 15 (structured outputs) turns these into `structured_outputs` (see sampling.py)
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError(400, f"'response_format' of type {self.response_format.type!r} is not supported",
-                           "response_format")
-        if self.tools:
-            raise APIError(400, "'tools' are not supported", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise APIError(400, "'tool_choice' is not supported (only 'none')", "tool_choice")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
+        if self.tools and self.tool_choice is None:
+            self.tool_choice = "auto"            # OpenAI's default when tools are given
+        if self.tool_choice == "auto":
+            # vLLM answers the same without --enable-auto-tool-choice and a --tool-call-parser
+            raise APIError(400, "'tool_choice' \"auto\" (the default when 'tools' are given) is not supported: "
+                           "this server has no tool-call parser to find calls in free text. Give 'tool_choice' "
+                           "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}} (the "
+                           "output is then constrained to a call), or \"none\"", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [tool.function.name for tool in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise APIError(400, f"'tool_choice' names the function {self.tool_choice.function.name!r}, which "
+                               f"is not in 'tools' ({', '.join(names)})", "tool_choice")
         return self

@@ -1,0 +1,68 @@
+"""A request's output constraint as the `llm` model's "structured_outputs" object (vLLM's names,
+enforced by the engine with xgrammar), and the request field it came from, for errors.
+
+The sources: `response_format` (json_object, json_schema), vLLM's extra fields
+`structured_outputs` and the older `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar`, and for chat a named or "required" `tool_choice` (tools.py). A request gives at
+most one; `llm` checks the constraint itself (a bad schema is its error, naming
+`structured_outputs.<field>`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import APIError
+from .schemas import SamplingFields
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    structured_outputs: dict
+    source: str                 # the request field it came from
+
+
+def _from_response_format(body: SamplingFields) -> dict | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    return {"json": fmt.json_schema["schema"]}
+
+
+def request_constraints(body: SamplingFields) -> list[Constraint]:
+    """The constraints the request's own fields give (before tools)."""
+    found = []
+    response_format = _from_response_format(body)
+    if response_format is not None:
+        found.append(Constraint(response_format, "response_format"))
+    if body.structured_outputs is not None:
+        found.append(Constraint(body.structured_outputs, "structured_outputs"))
+    for field, kind in GUIDED.items():
+        value = getattr(body, field)
+        if value is not None:
+            found.append(Constraint({kind: value}, field))
+    return found
+
+
+def single(constraints: list[Constraint], disable_any_whitespace: bool = False) -> Constraint | None:
+    """The one constraint, or a 400 naming every field that gave one. The server's
+    --disable-any-whitespace applies unless the request's structured_outputs says otherwise."""
+    if len(constraints) > 1:
+        names = ", ".join(f"'{c.source}'" for c in constraints)
+        raise APIError(400, f"give at most one output constraint; got {names}", constraints[1].source)
+    if not constraints:
+        return None
+    constraint = constraints[0]
+    if not disable_any_whitespace:
+        return constraint
+    return Constraint({"disable_any_whitespace": True, **constraint.structured_outputs}, constraint.source)
+
+
+def blame(error: APIError, constraint: Constraint | None) -> APIError:
+    """`llm`'s error about the constraint, with `param` set to the request field it came from."""
+    if constraint is not None and "'structured_outputs" in error.message:
+        error.param = constraint.source
+    return error

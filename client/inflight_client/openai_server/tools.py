@@ -1,0 +1,116 @@
+"""Tool calls for chat completions without a tool-call parser, as vLLM does them: a named
+`tool_choice` constrains the output to that function's `parameters` schema (the text is its
+arguments); "required" constrains it to a JSON array of {"name", "parameters"} calls, one of the
+tools each. The text then becomes `tool_calls`, whole or as stream deltas (OpenAI's shape: the
+first delta of a call has its id, type and name, later ones add to `function.arguments`).
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from .schemas import ChatCompletionRequest, NamedToolChoice
+from .structured import Constraint
+
+EMPTY_OBJECT = {"type": "object", "properties": {}}
+_BETWEEN_CALLS = re.compile(r"[\s,\[]*")          # what separates the array's elements
+_DECODER = json.JSONDecoder()
+
+
+def _parameters(tool) -> dict:
+    return tool.function.parameters or EMPTY_OBJECT
+
+
+def _required_schema(tools) -> dict:
+    """An array of at least one {"name": <a tool's name>, "parameters": <its schema>}, with the
+    tools' "$defs" lifted to the top so that their "#/$defs/..." references still resolve."""
+    defs, calls = {}, []
+    for tool in tools:
+        parameters = dict(_parameters(tool))
+        defs.update(parameters.pop("$defs", {}))
+        calls.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                     "parameters": parameters},
+                      "required": ["name", "parameters"]})
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def tool_constraint(body: ChatCompletionRequest) -> Constraint | None:
+    """The constraint a named or "required" tool_choice puts on the output ("none": none)."""
+    if isinstance(body.tool_choice, NamedToolChoice):
+        tool = next(t for t in body.tools if t.function.name == body.tool_choice.function.name)
+        return Constraint({"json": _parameters(tool)}, "tool_choice")
+    if body.tool_choice == "required":
+        return Constraint({"json": _required_schema(body.tools)}, "tool_choice")
+    return None
+
+
+def called_function(body: ChatCompletionRequest) -> str | None:
+    """The named tool_choice's function (None for "required")."""
+    return body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+
+
+def _new_call(index: int, name: str, arguments: str) -> dict:
+    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+class ToolCallText:
+    """One choice's output text read as tool calls, as it arrives: `feed` returns the
+    `tool_calls` delta entries the new text completes."""
+
+    def __init__(self, function: str | None):
+        self.function = function          # named tool_choice; None: "required"'s array
+        self.text = ""
+        self.position = 0                 # "required": where the next call starts
+        self.num_calls = 0
+        self.closed = False               # "required": the array's "]" was read
+
+    def feed(self, text: str) -> list[dict]:
+        self.text += text
+        if self.function is not None:
+            return self._named(text)
+        return self._required()
+
+    def _named(self, text: str) -> list[dict]:
+        if self.num_calls == 0:
+            self.num_calls = 1
+            return [_new_call(0, self.function, text)]
+        return [{"index": 0, "function": {"arguments": text}}] if text else []
+
+    def _required(self) -> list[dict]:
+        """Each array element once it is complete: {"name", "parameters"} -> a call whose
+        arguments are the parameters' JSON (as vLLM writes them)."""
+        deltas = []
+        while not self.closed:
+            start = _BETWEEN_CALLS.match(self.text, self.position).end()
+            if self.text.startswith("]", start):
+                self.closed = True
+                break
+            try:
+                call, end = _DECODER.raw_decode(self.text, start)
+            except json.JSONDecodeError:       # not complete yet
+                break
+            deltas.append(_new_call(self.num_calls, call["name"],
+                                    json.dumps(call["parameters"], ensure_ascii=False)))
+            self.num_calls += 1
+            self.position = end
+        return deltas
+
+    def finish_reason(self, reason: str) -> str:
+        """'tool_calls' when a "required" array ended as its grammar did; a named call keeps
+        'stop', as OpenAI and vLLM report a call the request forced."""
+        return "tool_calls" if self.function is None and reason == "stop" and self.num_calls else reason
+
+
+def tool_message(function: str | None, text: str, reason: str) -> tuple[dict, str]:
+    """A whole output as the assistant message and its finish_reason. An array cut short by
+    max_tokens stays text (content), as it is not a call."""
+    reader = ToolCallText(function)
+    calls = reader.feed(text)
+    if function is None and not reader.closed:
+        return {"role": "assistant", "content": text}, reason
+    for call in calls:
+        del call["index"]
+    return {"role": "assistant", "content": None, "tool_calls": calls}, reader.finish_reason(reason)
