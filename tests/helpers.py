@@ -1,5 +1,6 @@
-"""Client-side helpers for tests that talk to a real server."""
+"""Helpers for tests that talk to a real server, or to the serving loop in-process."""
 import asyncio
+import threading
 import time
 
 from inflight_client.streams import Completion, grpc_stream
@@ -24,3 +25,24 @@ def wait_for_metric(server, name: str, expected: float, timeout_s: float = 10.0,
         if value == expected or time.monotonic() > deadline:
             return value
         time.sleep(0.1)
+
+
+class RecordingSink:
+    """Collects what the serving loop sends for one request (Triton's response sender, in a server)."""
+
+    def __init__(self):
+        self.sends: list[tuple[float, str, bool, str | None]] = []
+        self.finished = threading.Event()
+
+    def send(self, outputs, final, error=None):
+        text = b"".join(outputs["text_output"].reshape(-1)).decode() if outputs else ""
+        self.sends.append((time.monotonic(), text, final, error))
+        if final:
+            self.finished.set()
+
+    def is_cancelled(self):
+        return False
+
+    @property
+    def text(self):
+        return "".join(s[1] for s in self.sends)

@@ -285,3 +285,46 @@ def test_production_profile_restricts_admin_apis_and_keeps_prompts_out_of_logs(s
     assert "error" not in reply
     assert http_generate(s.http_url, "llm", {"text_input": marker, "max_tokens": 0}).get("error")
     assert marker not in open(s.log_path, errors="replace").read()
+
+
+class FailingMetrics:
+    """Metrics whose per-request hook raises: stands for any bug in the response thread."""
+
+    def snapshot(self, engine, force=False):
+        return None
+
+    def publish(self, snapshot):
+        pass
+
+    def after_request(self, job, reason, now):
+        raise RuntimeError("a bug in after_request")
+
+
+def test_a_failure_in_the_response_thread_fails_every_request_instead_of_hanging(tokenizer):
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+
+    from .helpers import RecordingSink
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=8, num_kv_blocks=256,
+                                                                   cpu_threads=1))
+    failures = []
+    loop = EngineLoop(engine, tokenizer, FailingMetrics(), on_failure=failures.append).start()
+    prompt = tokenizer("The assert statement")["input_ids"]
+    try:
+        running, short = RecordingSink(), RecordingSink()
+        loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=500, ignore_eos=True), stream=True),
+                    running)
+        loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=2, ignore_eos=True), stream=True), short)
+        assert short.finished.wait(30) and running.finished.wait(30), "a request was left waiting"
+        assert failures == ["the server failed: RuntimeError: a bug in after_request"]
+        assert running.sends[-1][2:] == (True, failures[0])
+        later = RecordingSink()
+        loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=2)), later)
+        assert later.finished.wait(5) and later.sends[-1][2:] == (True, failures[0])
+        deadline = time.monotonic() + 10
+        while engine.kv.num_used_blocks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
+    finally:
+        loop.shutdown()

@@ -5,7 +5,6 @@ schema compiles without stalling running requests, and every bad constraint is r
 message that names the field."""
 import json
 import re
-import threading
 import time
 
 import jsonschema
@@ -21,6 +20,7 @@ from inflight.serving.protocol import GenerateRequest
 from inflight.structured import parse_spec
 
 from .conftest import DEFAULT_MODEL
+from .helpers import RecordingSink
 
 PROMPTS = ["The assert statement", "A class definition", "Boolean operations", "def", "The import system",
            "JSON:", "Exceptions can be raised", "The with statement"]
@@ -171,27 +171,6 @@ def test_preempted_constrained_requests_resume_the_same_structure(reference_engi
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(text_of(tokenizer, out)), schema)
     assert small.kv.num_used_blocks == 0 and small.num_constrained == 0
-
-
-class RecordingSink:
-    """Collects what the serving loop sends for one request (Triton's response sender, in a server)."""
-
-    def __init__(self):
-        self.sends: list[tuple[float, str, bool, str | None]] = []
-        self.finished = threading.Event()
-
-    def send(self, outputs, final, error=None):
-        text = b"".join(outputs["text_output"].reshape(-1)).decode() if outputs else ""
-        self.sends.append((time.monotonic(), text, final, error))
-        if final:
-            self.finished.set()
-
-    def is_cancelled(self):
-        return False
-
-    @property
-    def text(self):
-        return "".join(s[1] for s in self.sends)
 
 
 def large_schema(n):

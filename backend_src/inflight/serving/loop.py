@@ -234,7 +234,8 @@ class EngineLoop:
                 self.failure = f"the server failed: {type(exc).__name__}: {exc}"
                 self.inbox.put(("release", None))
                 for job in jobs.values():
-                    self._fail(job, self.failure)
+                    if not job.done:      # not _fail: its bookkeeping may be what failed
+                        self._send(job, None, final=True, error=self.failure)
                 jobs.clear()
                 if self.on_failure is not None:
                     self.on_failure(self.failure)
