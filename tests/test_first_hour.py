@@ -259,7 +259,7 @@ def test_the_cpu_kv_pool_holds_what_max_num_seqs_full_sequences_use_within_the_b
     ('{"model": "x", "engine": {}', "is not valid JSON"),
     ('["x"]', "must hold a JSON object, got list"),
     ('{"engine": {}}', "'model' must name the checkpoint directory, got None"),
-    ('{"model": "x", "lora": {}}', "unknown key(s) ['lora']; known: ['engine', 'model']"),
+    ('{"model": "x", "lora": {}}', "unknown key(s) ['lora']; known: ['enable_lora', 'engine', 'max_lora_rank', 'max_loras', 'model']"),
     ('{"model": "x", "engine": {"max_num_seqs": 0}}', "'engine': 'max_num_seqs' must be a positive integer"),
 ])
 def test_model_json_errors_name_the_file_and_the_key(tmp_path, text, message):
