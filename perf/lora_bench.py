@@ -1,7 +1,8 @@
 """Multi-LoRA benchmark (`make bench-lora`): mixed-adapter batches vs the base model, side by side.
 
 The uniform workload (prompts U(32,512), outputs U(16,256), ignore_eos, greedy) on engine_bench's
-~30M-parameter random Llama, in-process, max batch 32, all requests arriving at once. Variants:
+~30M-parameter random Llama, in-process, max batch 32, all requests arriving at once, prefix
+caching off (every run sends the same prompts), the engine's default dtype. Variants:
   base                 the base model, LoRA off
   base, LoRA on        the LoRA engine (8 adapters resident) serving only base requests: what
                        enabling LoRA costs requests that do not use it
@@ -89,7 +90,9 @@ def main() -> None:
     model_dir = build_bench_model()
     adapters = build_adapters(model_dir)
     items = workloads.uniform(args.requests, BENCH_MODEL["vocab_size"], seed=3)
-    common = dict(max_num_seqs=args.max_num_seqs, num_kv_blocks=args.requests * 64)
+    # no prefix caching: every run repeats the same prompts, and cached prefills would favour
+    # whichever variant ran them before (the base engine serves one variant, the LoRA engine four)
+    common = dict(max_num_seqs=args.max_num_seqs, num_kv_blocks=args.requests * 64, enable_prefix_caching=False)
     base = LLMEngine.from_pretrained(model_dir, EngineConfig(**common))
     lora = LLMEngine.from_pretrained(model_dir, EngineConfig(**common, enable_lora=True, max_loras=NUM_ADAPTERS,
                                                              max_lora_rank=RANK), lora_modules=adapters)

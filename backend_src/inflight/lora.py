@@ -247,9 +247,13 @@ class LoraWeights:
         self.device = device
         from .kernels.lora import DTYPES
         self.use_kernels = use_kernels and dtype in DTYPES
+        # On CPU the adapters' small matmuls run in float32 even for a 16-bit model: without AMX a
+        # bf16 GEMM of a few rows costs 2-3x the float32 one (oneDNN's fixed cost), and fp32 is exact
+        on_cpu_16bit = not self.use_kernels and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+        weight_dtype = torch.float32 if on_cpu_16bit else dtype
         shapes = module_shapes(spec)
         self.layers: list[dict[str, GroupWeights]] = [
-            self._stack_layer(layer, adapters, shapes, dtype, device) for layer in range(spec.num_layers)]
+            self._stack_layer(layer, adapters, shapes, weight_dtype, device) for layer in range(spec.num_layers)]
 
     def _stack_layer(self, layer: int, adapters: list[LoraAdapter], shapes, dtype, device) -> dict[str, GroupWeights]:
         rank = self.rank
@@ -342,10 +346,17 @@ class LoraBatch:
             self._add_torch(weights, x, y)
 
     def _add_torch(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Per adapter run: h = x A, then y += h (scale B) into the group's columns, in place."""
+        """Per adapter run: h = x A, then y += h (scale B) into the group's columns, in place; in
+        the weights' dtype (x's adapter rows, one contiguous run, converted once)."""
+        first = self.segments[0][1]
+        x = x[first:self.segments[-1][2]].to(weights.a.dtype)
         for slot, start, end in self.segments:
-            h = torch.mm(x[start:end], weights.a[slot])
-            y[start:end, weights.start:weights.end].addmm_(h, weights.b[slot])
+            h = torch.mm(x[start - first:end - first], weights.a[slot])
+            out = y[start:end, weights.start:weights.end]
+            if out.dtype == h.dtype:
+                out.addmm_(h, weights.b[slot])
+            else:
+                out.add_(torch.mm(h, weights.b[slot]))
 
     def _add_kernels(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
         from .kernels.lora import lora_expand, lora_shrink
