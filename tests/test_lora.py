@@ -271,29 +271,30 @@ def test_sgmv_kernels_match_the_torch_path(dtype, group, lengths):
     torch.testing.assert_close(got.float(), expected, atol=ATOL[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("group", ["qkv", "down"])
-def test_a_bfloat16_model_on_cpu_adds_the_adapters_terms_computed_in_float32(group):
-    """On CPU a 16-bit model's adapter matmuls run in float32 (weights kept in float32, the adapter
-    rows converted once); only the final add into the bf16 output rounds."""
-    adapters = synthetic_adapters(torch.bfloat16)
-    bf16 = LoraWeights(adapters, SPEC, torch.bfloat16, torch.device("cpu"), use_kernels=False)
-    reference = LoraWeights(adapters, SPEC, torch.float64, torch.device("cpu"), use_kernels=False)
-    assert bf16.layers[0][group].a.dtype == torch.float32
+@pytest.mark.parametrize("group", ["qkv", "down", "gate_up"])
+def test_the_batched_cpu_path_equals_one_matmul_pair_per_adapter(group, monkeypatch):
+    """A decode step's adapter runs go through one batched matmul pair (every slot's run padded to
+    the longest); a step with long runs takes one pair per adapter: both give the same sums."""
+    import inflight.lora as lora
+    weights = LoraWeights(synthetic_adapters(torch.float32), SPEC, torch.float64, torch.device("cpu"), use_kernels=False)
     row_slots = np.array([-1, -1, 0, 0, 1, 2, 2, 2])
     counts = np.array([3, 1, 1, 1, 6, 1, 1, 1])
-    fan_in = {"qkv": 96, "down": 160}[group]
-    fan_out = {"qkv": 96 + 2 * 32, "down": 96}[group]
+    fan_in = {"qkv": 96, "down": 160, "gate_up": 96}[group]
+    fan_out = {"qkv": 96 + 2 * 32, "down": 96, "gate_up": 2 * 160}[group]
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(int(counts.sum()), fan_in, generator=g).to(torch.bfloat16)
-    y = (torch.randn(len(x), fan_out, generator=g) * 0.25).to(torch.bfloat16)
-    expected = y.double().clone()
-    reference.batch_runs(row_slots, counts).layer(0).add(group, x.double(), expected)
-    got = y.clone()
-    bf16.batch_runs(row_slots, counts).layer(0).add(group, x, got)
-    assert got.dtype == torch.bfloat16 and torch.equal(got[:4], y[:4]), "base tokens must not change"
-    assert not torch.equal(got, y)
-    # one bf16 rounding of the sum (relative 2^-8) and nothing else
-    torch.testing.assert_close(got.double(), expected.to(torch.bfloat16).double(), atol=0, rtol=2 ** -7)
+    x = torch.randn(int(counts.sum()), fan_in, generator=g, dtype=torch.float64)
+    y = torch.randn(len(x), fan_out, generator=g, dtype=torch.float64)
+    packed_batch = weights.batch_runs(row_slots, counts)     # runs of 2, 6, 3 tokens: 18 rows for 11
+    assert packed_batch.padded_rows is not None
+    packed = y.clone()
+    packed_batch.layer(0).add(group, x, packed)
+    monkeypatch.setattr(lora, "MAX_PADDING_FACTOR", 1)
+    per_adapter_batch = weights.batch_runs(row_slots, counts)
+    assert per_adapter_batch.padded_rows is None
+    per_adapter = y.clone()
+    per_adapter_batch.layer(0).add(group, x, per_adapter)
+    assert torch.equal(packed[:4], y[:4]) and not torch.equal(packed, y), "base rows unchanged, adapter rows not"
+    torch.testing.assert_close(packed, per_adapter, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

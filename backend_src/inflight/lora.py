@@ -223,6 +223,12 @@ def _read_tensors(path: str, fail) -> dict[str, torch.Tensor]:
     fail("no adapter_model.safetensors (or adapter_model.bin) in the directory")
 
 
+# How much padding the CPU path accepts to run a step's adapters as one batched matmul pair per
+# projection group (every slot's run padded to the longest) instead of one pair per adapter:
+# padded rows up to this many times the real ones (decode steps; per-op overhead dominates there).
+MAX_PADDING_FACTOR = 2
+
+
 # ---- stacked weights ----------------------------------------------------------------------------
 @dataclass(slots=True)
 class GroupWeights:
@@ -247,13 +253,11 @@ class LoraWeights:
         self.device = device
         from .kernels.lora import DTYPES
         self.use_kernels = use_kernels and dtype in DTYPES
-        # On CPU the adapters' small matmuls run in float32 even for a 16-bit model: without AMX a
-        # bf16 GEMM of a few rows costs 2-3x the float32 one (oneDNN's fixed cost), and fp32 is exact
-        on_cpu_16bit = not self.use_kernels and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-        weight_dtype = torch.float32 if on_cpu_16bit else dtype
+        self.num_slots = len(adapters)
+        self.dtype = dtype
         shapes = module_shapes(spec)
         self.layers: list[dict[str, GroupWeights]] = [
-            self._stack_layer(layer, adapters, shapes, weight_dtype, device) for layer in range(spec.num_layers)]
+            self._stack_layer(layer, adapters, shapes, dtype, device) for layer in range(spec.num_layers)]
 
     def _stack_layer(self, layer: int, adapters: list[LoraAdapter], shapes, dtype, device) -> dict[str, GroupWeights]:
         rank = self.rank
@@ -322,9 +326,18 @@ class LoraBatch:
     seg_starts: torch.Tensor | None = field(init=False, default=None)
     seg_slots: torch.Tensor | None = field(init=False, default=None)
     max_segment: int = field(init=False)
+    # the batched CPU path: row i of slot s's padded run reads adapter token padded_rows[s, i], and
+    # real_rows picks the real ones back out in token order (None: one matmul pair per adapter)
+    padded_rows: torch.Tensor | None = field(init=False, default=None)
+    real_rows: torch.Tensor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.max_segment = max(end - start for _, start, end in self.segments)
+        num_tokens = self.segments[-1][2] - self.segments[0][1]
+        slots = self.weights.num_slots
+        if (not self.weights.use_kernels and len(self.segments) > 1
+                and slots * self.max_segment <= MAX_PADDING_FACTOR * num_tokens):
+            self._plan_batched(slots)
         if self.weights.use_kernels:
             device = self.weights.device
             tokens = np.concatenate([np.arange(start, end) for _, start, end in self.segments])
@@ -345,18 +358,30 @@ class LoraBatch:
         else:
             self._add_torch(weights, x, y)
 
-    def _add_torch(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Per adapter run: h = x A, then y += h (scale B) into the group's columns, in place; in
-        the weights' dtype (x's adapter rows, one contiguous run, converted once)."""
-        first = self.segments[0][1]
-        x = x[first:self.segments[-1][2]].to(weights.a.dtype)
+    def _plan_batched(self, slots: int) -> None:
+        first, longest = self.segments[0][1], self.max_segment
+        padded = np.zeros((slots, longest), dtype=np.int64)      # slots without tokens read row 0, unused
+        real = []
         for slot, start, end in self.segments:
-            h = torch.mm(x[start - first:end - first], weights.a[slot])
-            out = y[start:end, weights.start:weights.end]
-            if out.dtype == h.dtype:
-                out.addmm_(h, weights.b[slot])
-            else:
-                out.add_(torch.mm(h, weights.b[slot]))
+            padded[slot, :end - start] = np.arange(start - first, end - first)
+            real.append(slot * longest + np.arange(end - start))
+        device = self.weights.device
+        self.padded_rows = torch.from_numpy(padded.reshape(-1)).to(device)
+        self.real_rows = torch.from_numpy(np.concatenate(real)).to(device)
+
+    def _add_torch(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += (x A) (scale B) into the group's columns, in place: one matmul pair per adapter
+        run, or (decode steps) one batched pair over every slot's padded run."""
+        if self.padded_rows is None:
+            for slot, start, end in self.segments:
+                h = torch.mm(x[start:end], weights.a[slot])
+                y[start:end, weights.start:weights.end].addmm_(h, weights.b[slot])
+            return
+        first, end = self.segments[0][1], self.segments[-1][2]
+        slots, in_features = weights.a.shape[0], weights.a.shape[1]
+        runs = x[first:end].index_select(0, self.padded_rows).view(slots, -1, in_features)
+        delta = torch.bmm(torch.bmm(runs, weights.a), weights.b)
+        y[first:end, weights.start:weights.end].add_(delta.view(-1, delta.shape[-1]).index_select(0, self.real_rows))
 
     def _add_kernels(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
         from .kernels.lora import lora_expand, lora_shrink
