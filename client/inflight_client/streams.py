@@ -57,6 +57,23 @@ def grpc_inputs(prompt: str | list[int], stream: bool = True, sampling: dict | N
     return inputs
 
 
+def numpy_outputs(response) -> dict[str, np.ndarray]:
+    """A ModelInferResponse's output tensors in one pass over them (InferResult.as_numpy searches
+    the outputs by name for each one; per streamed token that is most of the decoding's cost)."""
+    from tritonclient.utils import deserialize_bf16_tensor, deserialize_bytes_tensor, triton_to_np_dtype
+    assert len(response.raw_output_contents) == len(response.outputs), "Triton sends outputs as raw contents"
+    arrays = {}
+    for output, raw in zip(response.outputs, response.raw_output_contents):
+        if output.datatype == "BYTES":
+            array = deserialize_bytes_tensor(raw)
+        elif output.datatype == "BF16":
+            array = deserialize_bf16_tensor(raw)
+        else:
+            array = np.frombuffer(raw, dtype=triton_to_np_dtype(output.datatype))
+        arrays[output.name] = array.reshape(output.shape)
+    return arrays
+
+
 async def grpc_responses(client, model: str, inputs, parameters: dict | None = None, request_id: str = ""):
     """One request on its own bidirectional stream (`client` is a tritonclient.grpc.aio client);
     yields (outputs, final, error) per response, outputs being {name: numpy array}.
@@ -84,7 +101,7 @@ async def grpc_responses(client, model: str, inputs, parameters: dict | None = N
             final = response.parameters["triton_final_response"].bool_param
             if final:
                 done.set()
-            yield {o.name: result.as_numpy(o.name) for o in response.outputs}, final, None
+            yield numpy_outputs(response), final, None
     finally:
         if not done.is_set():
             stream.cancel()
