@@ -271,20 +271,24 @@ def test_sgmv_kernels_match_the_torch_path(dtype, group, lengths):
     torch.testing.assert_close(got.float(), expected, atol=ATOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("row_slots, counts", [
+    ([-1, -1, 0, 0, 1, 2, 2, 2], [3, 1, 1, 1, 6, 1, 1, 1]),     # runs of 2, 6, 3 tokens: 18 rows for 11
+    ([-1, 1, 1, 2, 2, 2], [5, 1, 1, 1, 2, 1])],                 # slots 1..2 only: a view of the weights
+    ids=["slots-0-2", "slots-1-2"])
 @pytest.mark.parametrize("group", ["qkv", "down", "gate_up"])
-def test_the_batched_cpu_path_equals_one_matmul_pair_per_adapter(group, monkeypatch):
+def test_the_batched_cpu_path_equals_one_matmul_pair_per_adapter(group, row_slots, counts, monkeypatch):
     """A decode step's adapter runs go through one batched matmul pair (every slot's run padded to
     the longest); a step with long runs takes one pair per adapter: both give the same sums."""
     import inflight.lora as lora
     weights = LoraWeights(synthetic_adapters(torch.float32), SPEC, torch.float64, torch.device("cpu"), use_kernels=False)
-    row_slots = np.array([-1, -1, 0, 0, 1, 2, 2, 2])
-    counts = np.array([3, 1, 1, 1, 6, 1, 1, 1])
+    row_slots, counts = np.array(row_slots), np.array(counts)
+    base_tokens = int(counts[row_slots < 0].sum())
     fan_in = {"qkv": 96, "down": 160, "gate_up": 96}[group]
     fan_out = {"qkv": 96 + 2 * 32, "down": 96, "gate_up": 2 * 160}[group]
     g = torch.Generator().manual_seed(5)
     x = torch.randn(int(counts.sum()), fan_in, generator=g, dtype=torch.float64)
     y = torch.randn(len(x), fan_out, generator=g, dtype=torch.float64)
-    packed_batch = weights.batch_runs(row_slots, counts)     # runs of 2, 6, 3 tokens: 18 rows for 11
+    packed_batch = weights.batch_runs(row_slots, counts)
     assert packed_batch.padded_rows is not None
     packed = y.clone()
     packed_batch.layer(0).add(group, x, packed)
@@ -293,7 +297,8 @@ def test_the_batched_cpu_path_equals_one_matmul_pair_per_adapter(group, monkeypa
     assert per_adapter_batch.padded_rows is None
     per_adapter = y.clone()
     per_adapter_batch.layer(0).add(group, x, per_adapter)
-    assert torch.equal(packed[:4], y[:4]) and not torch.equal(packed, y), "base rows unchanged, adapter rows not"
+    assert torch.equal(packed[:base_tokens], y[:base_tokens]) and not torch.equal(packed, y), \
+        "base rows unchanged, adapter rows not"
     torch.testing.assert_close(packed, per_adapter, atol=1e-12, rtol=0)
 
 

@@ -326,18 +326,21 @@ class LoraBatch:
     seg_starts: torch.Tensor | None = field(init=False, default=None)
     seg_slots: torch.Tensor | None = field(init=False, default=None)
     max_segment: int = field(init=False)
-    # the batched CPU path: row i of slot s's padded run reads adapter token padded_rows[s, i], and
+    # the batched CPU path over the step's slots first_slot..last_slot (a view of the weights):
+    # row i of slot s's padded run reads adapter token padded_rows[s - first_slot, i], and
     # real_rows picks the real ones back out in token order (None: one matmul pair per adapter)
     padded_rows: torch.Tensor | None = field(init=False, default=None)
     real_rows: torch.Tensor | None = field(init=False, default=None)
+    slot_span: slice = field(init=False)
 
     def __post_init__(self) -> None:
         self.max_segment = max(end - start for _, start, end in self.segments)
         num_tokens = self.segments[-1][2] - self.segments[0][1]
-        slots = self.weights.num_slots
+        self.slot_span = slice(self.segments[0][0], self.segments[-1][0] + 1)    # segments go by slot
+        span = self.slot_span.stop - self.slot_span.start
         if (not self.weights.use_kernels and len(self.segments) > 1
-                and slots * self.max_segment <= MAX_PADDING_FACTOR * num_tokens):
-            self._plan_batched(slots)
+                and span * self.max_segment <= MAX_PADDING_FACTOR * num_tokens):
+            self._plan_batched(span)
         if self.weights.use_kernels:
             device = self.weights.device
             tokens = np.concatenate([np.arange(start, end) for _, start, end in self.segments])
@@ -358,13 +361,13 @@ class LoraBatch:
         else:
             self._add_torch(weights, x, y)
 
-    def _plan_batched(self, slots: int) -> None:
-        first, longest = self.segments[0][1], self.max_segment
-        padded = np.zeros((slots, longest), dtype=np.int64)      # slots without tokens read row 0, unused
+    def _plan_batched(self, span: int) -> None:
+        first, longest, first_slot = self.segments[0][1], self.max_segment, self.slot_span.start
+        padded = np.zeros((span, longest), dtype=np.int64)      # slots without tokens read row 0, unused
         real = []
         for slot, start, end in self.segments:
-            padded[slot, :end - start] = np.arange(start - first, end - first)
-            real.append(slot * longest + np.arange(end - start))
+            padded[slot - first_slot, :end - start] = np.arange(start - first, end - first)
+            real.append((slot - first_slot) * longest + np.arange(end - start))
         device = self.weights.device
         self.padded_rows = torch.from_numpy(padded.reshape(-1)).to(device)
         self.real_rows = torch.from_numpy(np.concatenate(real)).to(device)
@@ -378,9 +381,9 @@ class LoraBatch:
                 y[start:end, weights.start:weights.end].addmm_(h, weights.b[slot])
             return
         first, end = self.segments[0][1], self.segments[-1][2]
-        slots, in_features = weights.a.shape[0], weights.a.shape[1]
-        runs = x[first:end].index_select(0, self.padded_rows).view(slots, -1, in_features)
-        delta = torch.bmm(torch.bmm(runs, weights.a), weights.b)
+        a, b = weights.a[self.slot_span], weights.b[self.slot_span]
+        runs = x[first:end].index_select(0, self.padded_rows).view(a.shape[0], -1, a.shape[1])
+        delta = torch.bmm(torch.bmm(runs, a), b)
         y[first:end, weights.start:weights.end].add_(delta.view(-1, delta.shape[-1]).index_select(0, self.real_rows))
 
     def _add_kernels(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
