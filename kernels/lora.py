@@ -6,6 +6,7 @@ rows, segment s is tokens[seg_starts[s] : seg_starts[s+1]] and uses adapter slot
 Weights are stacked per slot, rank zero-padded:
   shrink  h[t, :] = x[t, :] @ A[slot]       x [n, K], A [slots, K, N], h [n, N]
   expand  y[t, :] += h[t, :] @ B[slot]      h [n, K], B [slots, K, N], y [n, N]
+(one kernel, `_lora_kernel`; expand accumulates into y)
 for every listed token t (inflight.lora folds each adapter's scale into its B); rows of h and y
 not listed are neither read nor written. Any strides are accepted, so `y` may be a column slice
 of a fused projection's output.
@@ -83,12 +84,14 @@ def _segment_tile(seg_starts_ptr, seg_slots_ptr, num_segments, BLOCK_M: tl.const
 
 
 @triton.jit
-def _lora_shrink_kernel(
-    x_ptr, a_ptr, h_ptr, tokens_ptr, seg_starts_ptr, seg_slots_ptr,
+def _lora_kernel(
+    x_ptr, w_ptr, out_ptr, tokens_ptr, seg_starts_ptr, seg_slots_ptr,
     num_segments, K, N,
-    stride_xt, stride_xk, stride_as, stride_ak, stride_an, stride_ht, stride_hn,
+    stride_xt, stride_xk, stride_ws, stride_wk, stride_wn, stride_ot, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
+    """out[t] (+)= x[t] @ w[slot of t] for one tile of one segment: shrink stores, expand adds."""
     row0, end, slot = _segment_tile(seg_starts_ptr, seg_slots_ptr, num_segments, BLOCK_M)
     if row0 >= end:
         return
@@ -97,49 +100,21 @@ def _lora_shrink_kernel(
     tokens = tl.load(tokens_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    a_base = a_ptr + slot * stride_as
+    w_base = w_ptr + slot * stride_ws
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = tl.load(x_ptr + tokens[:, None] * stride_xt + ks[None, :] * stride_xk,
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        a = tl.load(a_base + ks[:, None] * stride_ak + cols[None, :] * stride_an,
+        w = tl.load(w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += tl.dot(x, a, input_precision=DOT_PRECISION)
-    tl.store(h_ptr + tokens[:, None] * stride_ht + cols[None, :] * stride_hn, acc.to(h_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _lora_expand_kernel(
-    h_ptr, b_ptr, y_ptr, tokens_ptr, seg_starts_ptr, seg_slots_ptr,
-    num_segments, K, N,
-    stride_ht, stride_hk, stride_bs, stride_bk, stride_bn, stride_yt, stride_yn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    row0, end, slot = _segment_tile(seg_starts_ptr, seg_slots_ptr, num_segments, BLOCK_M)
-    if row0 >= end:
-        return
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < end
-    tokens = tl.load(tokens_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    b_base = b_ptr + slot * stride_bs
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        h = tl.load(h_ptr + tokens[:, None] * stride_ht + ks[None, :] * stride_hk,
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_base + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc += tl.dot(h, b, input_precision=DOT_PRECISION)
+        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
     mask = row_ok[:, None] & col_ok[None, :]
-    y_ptrs = y_ptr + tokens[:, None] * stride_yt + cols[None, :] * stride_yn
-    y = tl.load(y_ptrs, mask=mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+    out_ptrs = out_ptr + tokens[:, None] * stride_ot + cols[None, :] * stride_on
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_segments(tokens: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> None:
@@ -154,43 +129,33 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, tokens: torch
     """h[t] = x[t] @ a[slot of t] for every listed token t; returns h.
     x [n, K], a [slots, K, N], h [n, N]; max_segment (the longest segment, known on the host)
     only picks the tile size."""
-    _check_segments(tokens, seg_starts, seg_slots)
-    if a.dim() != 3 or x.shape[1] != a.shape[1] or h.shape != (x.shape[0], a.shape[2]):
-        raise ValueError(f"x {tuple(x.shape)}, a {tuple(a.shape)} and h {tuple(h.shape)} do not fit")
-    m, num_segments = tokens.shape[0], seg_slots.shape[0]
-    if m == 0:
-        return h
-    K, N = a.shape[1], a.shape[2]
-    cfg = choose_config("shrink", max_segment, N, K, x.dtype)
-    grid = (m // cfg.block_m + num_segments, triton.cdiv(N, cfg.block_n))
-    _lora_shrink_kernel[grid](
-        x, a, h, tokens, seg_starts, seg_slots, num_segments, K, N,
-        *x.stride(), *a.stride(), *h.stride(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return h
+    return _launch("shrink", x, a, h, tokens, seg_starts, seg_slots, max_segment)
 
 
 def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
                 seg_starts: torch.Tensor, seg_slots: torch.Tensor, max_segment: int) -> torch.Tensor:
     """y[t] += h[t] @ b[slot] for every listed token t, in place; returns y.
     h [n, K], b [slots, K, N], y [n, N]."""
+    return _launch("expand", h, b, y, tokens, seg_starts, seg_slots, max_segment)
+
+
+def _launch(kind: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tokens: torch.Tensor,
+            seg_starts: torch.Tensor, seg_slots: torch.Tensor, max_segment: int) -> torch.Tensor:
     _check_segments(tokens, seg_starts, seg_slots)
-    if b.dim() != 3 or h.shape[1] != b.shape[1] or y.shape != (h.shape[0], b.shape[2]):
-        raise ValueError(f"h {tuple(h.shape)}, b {tuple(b.shape)} and y {tuple(y.shape)} do not fit")
+    if w.dim() != 3 or x.shape[1] != w.shape[1] or out.shape != (x.shape[0], w.shape[2]):
+        raise ValueError(f"{kind}: x {tuple(x.shape)}, weights {tuple(w.shape)} and output {tuple(out.shape)} "
+                         "do not fit")
     m, num_segments = tokens.shape[0], seg_slots.shape[0]
     if m == 0:
-        return y
-    K, N = b.shape[1], b.shape[2]
-    cfg = choose_config("expand", max_segment, N, K, y.dtype)
+        return out
+    K, N = w.shape[1], w.shape[2]
+    cfg = choose_config(kind, max_segment, N, K, out.dtype)
     grid = (m // cfg.block_m + num_segments, triton.cdiv(N, cfg.block_n))
-    _lora_expand_kernel[grid](
-        h, b, y, tokens, seg_starts, seg_slots, num_segments, K, N,
-        *h.stride(), *b.stride(), *y.stride(),
+    _lora_kernel[grid](
+        x, w, out, tokens, seg_starts, seg_slots, num_segments, K, N,
+        *x.stride(), *w.stride(), *out.stride(),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if out.dtype == torch.float32 else "tf32", ACCUMULATE=kind == "expand",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return y
+    return out

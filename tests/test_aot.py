@@ -10,8 +10,7 @@ import sys
 import textwrap
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNELS = ("_unified_attention_kernel", "_reduce_splits_kernel", "_write_kv_kernel", "_lora_shrink_kernel",
-           "_lora_expand_kernel")
+KERNELS = ("_unified_attention_kernel", "_reduce_splits_kernel", "_write_kv_kernel", "_lora_kernel")
 
 
 def run_python(*args: str) -> subprocess.CompletedProcess:
