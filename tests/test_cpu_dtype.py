@@ -10,7 +10,7 @@ from inflight import EngineConfig, LLMEngine, SamplingParams
 from inflight.cpu_features import cpu_auto_dtype, cpu_flags
 
 from .conftest import DEFAULT_MODEL
-from .test_exactness import make_workload
+from .test_exactness import hf_greedy, text_workload
 
 FIRST_TOKENS = 16
 
@@ -44,19 +44,10 @@ def test_bf16_greedy_follows_transformers_bf16_for_most_requests(record_property
     """The exactness workload (64 requests, prompts of real text) in bf16 on both sides: the first
     16 tokens agree for >= 90% of requests (rounding differs between batched and single-request
     matmuls, so later divergence is normal; the float64 suites stay exact)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    import pydoc_data.topics
-    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
-    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)[:20])
-    pool = tokenizer(text, add_special_tokens=False)["input_ids"]
-    prompts, lengths = make_workload(vocab_size=len(tokenizer), seed=7, prompt_pool=pool)
+    from transformers import AutoTokenizer
+    prompts, lengths = text_workload(AutoTokenizer.from_pretrained(DEFAULT_MODEL), seed=7)
     lengths = [min(n, FIRST_TOKENS) for n in lengths]
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.bfloat16).eval()
-    eos = model.generation_config.eos_token_id
-    with torch.no_grad():
-        expected = [model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=0, do_sample=False,
-                                   eos_token_id=eos, pad_token_id=eos)[0, len(p):].tolist()
-                    for p, n in zip(prompts, lengths)]
+    expected = hf_greedy(DEFAULT_MODEL, prompts, lengths, torch.bfloat16)
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="bfloat16", max_num_seqs=64,
                                                                    max_num_batched_tokens=256, num_kv_blocks=2048))
     got = [o.token_ids for o in engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths])]

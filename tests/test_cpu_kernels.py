@@ -134,21 +134,12 @@ def test_shapes_beyond_the_kernel_take_the_torch_path(kernels, monkeypatch):
 def test_float32_greedy_through_the_kernel_matches_transformers(kernels):
     """The shipped model in float32 through the compiled kernel (mixed steps: budget 64 chunks
     prompts beside decodes) gives transformers' float32 greedy ids."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    import pydoc_data.topics
+    from transformers import AutoTokenizer
     from .conftest import DEFAULT_MODEL
-    from .test_exactness import make_workload
-    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
-    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)[:20])
-    pool = tokenizer(text, add_special_tokens=False)["input_ids"]
-    prompts, lengths = make_workload(vocab_size=len(tokenizer), seed=11, prompt_pool=pool)
+    from .test_exactness import hf_greedy, text_workload
+    prompts, lengths = text_workload(AutoTokenizer.from_pretrained(DEFAULT_MODEL), seed=11)
     prompts, lengths = prompts[:32], lengths[:32]
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id
-    with torch.no_grad():
-        expected = [model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=0, do_sample=False,
-                                   eos_token_id=eos, pad_token_id=eos)[0, len(p):].tolist()
-                    for p, n in zip(prompts, lengths)]
+    expected = hf_greedy(DEFAULT_MODEL, prompts, lengths, torch.float32)
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", attention_backend="cpu",
                                                                    max_num_batched_tokens=64, num_kv_blocks=2048))
     got = [o.token_ids for o in engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths])]

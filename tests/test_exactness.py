@@ -34,9 +34,17 @@ def make_workload(vocab_size: int, seed: int, prompt_pool: list[int] | None = No
     return prompts, lengths
 
 
-def hf_greedy(model_dir: str, prompts, lengths) -> list[list[int]]:
+def text_workload(tokenizer, seed: int):
+    """make_workload's prompts cut from real text: the first pydoc topics, tokenized."""
+    import pydoc_data.topics
+    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)[:20])
+    pool = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return make_workload(vocab_size=len(tokenizer), seed=seed, prompt_pool=pool)
+
+
+def hf_greedy(model_dir: str, prompts, lengths, dtype: torch.dtype = torch.float64) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.eval()
     eos = model.generation_config.eos_token_id
     outs = []
@@ -82,11 +90,7 @@ def test_greedy_matches_transformers(arch_checkpoints, name):
 @pytest.mark.skipif(not os.path.exists(DEFAULT_MODEL), reason="default model not built")
 def test_default_model_matches_transformers():
     from transformers import AutoTokenizer
-    import pydoc_data.topics
-    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
-    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)[:20])
-    pool = tokenizer(text, add_special_tokens=False)["input_ids"]
-    prompts, lengths = make_workload(vocab_size=len(tokenizer), seed=7, prompt_pool=pool)
+    prompts, lengths = text_workload(AutoTokenizer.from_pretrained(DEFAULT_MODEL), seed=7)
     check_all_modes(DEFAULT_MODEL, prompts, lengths)
 
 
