@@ -347,16 +347,6 @@ def served_model(model_repository: str) -> str:
         return f"the llm in {model_repository}"
 
 
-def served_lora_names(model_repository: str) -> list[str]:
-    """The LoRA adapters the repository's llm serves (its multi_lora.json, when enable_lora is on)."""
-    from .startup import StartupError
-    from .triton_models import Settings
-    try:
-        return sorted(Settings.load(os.path.join(model_repository, "llm", "1")).lora_modules)
-    except StartupError:
-        return []
-
-
 def model_names(model_repository: str) -> list[str]:
     return sorted(name for name in os.listdir(model_repository)
                   if os.path.isfile(os.path.join(model_repository, name, "config.pbtxt")))
@@ -418,13 +408,16 @@ def start_openai_server(children: Children, model_repository: str, endpoints: En
     started once tritonserver is ready and stopped with it. False (and why) if it did not start."""
     from inflight_client.openai_server.process import OpenAIServerProcess
 
-    lora_names = served_lora_names(model_repository)
-    openai = OpenAIServerProcess(f"localhost:{endpoints.grpc_port}", served_model(model_repository),
-                                 port=endpoints.openai_port, host="0.0.0.0",
-                                 extra=["--lora-modules", *lora_names] if lora_names else [])
+    from .startup import StartupError
+    from .triton_models import Settings
     try:
+        settings = Settings.load(os.path.join(model_repository, "llm", "1"))
+        lora_names = sorted(settings.lora_modules)      # each adapter of multi_lora.json is a model id
+        openai = OpenAIServerProcess(f"localhost:{endpoints.grpc_port}", settings.model_dir,
+                                     port=endpoints.openai_port, host="0.0.0.0",
+                                     extra=["--lora-modules", *lora_names] if lora_names else [])
         children.processes.append(openai.start(wait=True, timeout_s=60).process)
-    except (RuntimeError, TimeoutError) as exc:
+    except (StartupError, RuntimeError, TimeoutError) as exc:
         print(f"inflight: the OpenAI server did not start ({exc}); tritonserver goes on without it", flush=True)
         return False
     return True
