@@ -55,11 +55,7 @@ def parse_spec(value, name: str = "structured_outputs") -> GrammarSpec:
     its canonical spec. Raises ValueError naming the field; grammars are checked by compiling."""
     if isinstance(value, GrammarSpec):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"'{name}' is not valid JSON: {exc.msg}") from None
+    value = _from_json_text(value, name)
     if not isinstance(value, dict):
         raise ValueError(f"'{name}' must be an object with one of the keys {', '.join(KINDS)}; "
                          f"got {type(value).__name__}")
@@ -87,13 +83,19 @@ def parse_spec(value, name: str = "structured_outputs") -> GrammarSpec:
     return GrammarSpec(kind, text, not value.get("disable_any_whitespace", False), name)
 
 
+def _from_json_text(value, name: str):
+    """`value` itself, or the value its JSON text holds (a string): either form is accepted."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"'{name}' is not valid JSON: {exc.msg}") from None
+
+
 def _canonical_text(kind: str, value, name: str) -> str:
     if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"'{name}' is not valid JSON: {exc.msg}") from None
+        value = _from_json_text(value, name)
         if not isinstance(value, dict):
             raise ValueError(f"'{name}' must be a JSON schema object, got {type(value).__name__}")
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False)   # key order kept: it orders the output
