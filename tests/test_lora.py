@@ -2,6 +2,7 @@
 several adapters (chunked prefill, preemption, prefix caching), adapters never share prefix-cache
 blocks, load-time refusals name the adapter and the field, the SGMV kernels equal the torch path
 under the Triton interpreter and compile for sm_80 / sm_90, and multi_lora.json is parsed strictly."""
+import dataclasses
 import json
 import os
 import random
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from inflight import EngineConfig, LLMEngine, SamplingParams
-from inflight.lora import LoraAdapter, LoraError, LoraModule, LoraWeights, module_shapes
+from inflight.lora import GROUPS, LoraAdapter, LoraError, LoraModule, LoraWeights, module_shapes
 from inflight.models import ModelSpec
 from inflight.testing import make_random_adapter, make_random_checkpoint
 
@@ -202,9 +203,11 @@ def test_lora_enabled_engine_gives_base_requests_the_base_tokens(tiny_checkpoint
         [o.token_ids for o in with_lora.generate(prompts, params)]
 
 
-def test_triton_kernels_give_the_torch_paths_tokens(tiny_checkpoint, adapters):
-    """The whole engine with the SGMV kernels (interpreted on CPU) against the torch LoRA path:
-    a chunked prefill (budget 32) mixed with decodes of three adapters and the base model."""
+@pytest.mark.parametrize("kernels", ["triton", "cpu"])
+def test_kernels_give_the_torch_paths_tokens(tiny_checkpoint, adapters, kernels):
+    """The whole engine with the SGMV kernels (interpreted on CPU) or the compiled CPU kernel
+    against the torch LoRA path: a chunked prefill (budget 32) mixed with decodes of three adapters
+    and the base model."""
     prompts = [[5 + i for i in range(n)] for n in (1, 45, 20, 9)]
     params = [SamplingParams(max_tokens=n, temperature=0, lora_name=name) for n, name in zip((5, 3, 4, 4), NAMES)]
 
@@ -213,9 +216,10 @@ def test_triton_kernels_give_the_torch_paths_tokens(tiny_checkpoint, adapters):
             attention_backend=backend, dtype="float32", enable_lora=True, num_kv_blocks=64, max_num_batched_tokens=32),
             lora_modules=adapters)
         assert engine.runner.lora.use_kernels == (backend == "triton")
+        assert (engine.runner.lora.cpu_kernels is not None) == (backend == "cpu")
         return [o.token_ids for o in engine.generate(prompts, params)]
 
-    assert run("triton") == run("torch")
+    assert run(kernels) == run("torch")
 
 
 # ---- the kernels against the torch path, on synthetic stacked weights ----------------------------
@@ -228,9 +232,9 @@ SYNTHETIC = [(8, ("q_proj", "k_proj", "v_proj", "down_proj")), (4, ("q_proj", "v
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 
-def synthetic_adapters(dtype: torch.dtype) -> list[LoraAdapter]:
+def synthetic_adapters(dtype: torch.dtype, spec: ModelSpec = SPEC) -> list[LoraAdapter]:
     g = torch.Generator().manual_seed(0)
-    shapes = module_shapes(SPEC)
+    shapes = module_shapes(spec)
     adapters = []
     for i, (rank, targets) in enumerate(SYNTHETIC):
         modules = {}
@@ -251,8 +255,8 @@ def test_sgmv_kernels_match_the_torch_path(dtype, group, lengths):
     """Base tokens, then runs of `lengths` tokens per adapter slot (64+ takes the large tiles), as
     the runner packs them; the module columns are strided views of the fused output."""
     adapters = synthetic_adapters(dtype)
-    kernels = LoraWeights(adapters, SPEC, dtype, torch.device("cpu"), use_kernels=True)
-    reference = LoraWeights(adapters, SPEC, torch.float32, torch.device("cpu"), use_kernels=False)
+    kernels = LoraWeights(adapters, SPEC, dtype, torch.device("cpu"), kernels="triton")
+    reference = LoraWeights(adapters, SPEC, torch.float32, torch.device("cpu"), kernels="torch")
     assert kernels.use_kernels and not reference.use_kernels
     row_slots = np.concatenate([np.full(3, -1)] + [np.full(n, slot) for slot, n in enumerate(lengths)])
     counts = np.ones(len(row_slots), dtype=np.int64)
@@ -271,35 +275,48 @@ def test_sgmv_kernels_match_the_torch_path(dtype, group, lengths):
     torch.testing.assert_close(got.float(), expected, atol=ATOL[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("row_slots, counts", [
-    ([-1, -1, 0, 0, 1, 2, 2, 2], [3, 1, 1, 1, 6, 1, 1, 1]),     # runs of 2, 6, 3 tokens: 18 rows for 11
-    ([-1, 1, 1, 2, 2, 2], [5, 1, 1, 1, 2, 1])],                 # slots 1..2 only: a view of the weights
-    ids=["slots-0-2", "slots-1-2"])
-@pytest.mark.parametrize("group", ["qkv", "down", "gate_up"])
-def test_the_batched_cpu_path_equals_one_matmul_pair_per_adapter(group, row_slots, counts, monkeypatch):
-    """A decode step's adapter runs go through one batched matmul pair (every slot's run padded to
-    the longest); a step with long runs takes one pair per adapter: both give the same sums."""
-    import inflight.lora as lora
-    weights = LoraWeights(synthetic_adapters(torch.float32), SPEC, torch.float64, torch.device("cpu"), use_kernels=False)
-    row_slots, counts = np.array(row_slots), np.array(counts)
-    base_tokens = int(counts[row_slots < 0].sum())
-    fan_in = {"qkv": 96, "down": 160, "gate_up": 96}[group]
-    fan_out = {"qkv": 96 + 2 * 32, "down": 96, "gate_up": 2 * 160}[group]
+# columns that are not multiples of 16 (q 88, k/v 44, intermediate 100): the kernel's scalar tails
+ODD_SPEC = dataclasses.replace(SPEC, hidden_size=88, num_heads=4, head_dim=22, intermediate_size=100)
+
+
+@pytest.mark.parametrize("spec", [SPEC, ODD_SPEC], ids=["vectors", "tails"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", ["qkv", "o", "gate_up", "down"])
+def test_the_compiled_cpu_kernel_matches_float64(group, dtype, spec):
+    """A mixed step: base rows, a run of 130 tokens (over CPU_KERNEL_MAX_TOKENS) through the matmul
+    pair, runs of 5 and 9 tokens (register blocks of four and remainders) through the compiled
+    kernel, into a strided view of the fused output; against float64 products."""
+    from inflight.lora import CPU_KERNEL_MAX_TOKENS
+    weights = LoraWeights(synthetic_adapters(dtype, spec), spec, dtype, torch.device("cpu"), kernels="cpu")
+    assert weights.cpu_kernels is not None
+    row_slots = np.array([-1, -1, 1, 0, 1, 1, 2, 1, 2])        # grouped by slot below, as the runner packs them
+    counts = np.array([3, 1, 1, 130, 1, 1, 8, 2, 1])
+    order = np.argsort(row_slots, kind="stable")
+    row_slots, counts = row_slots[order], counts[order]
+    shapes = module_shapes(spec)
+    fan_in = shapes[GROUPS[group][0]][0]
+    fan_out = sum(shapes[m][1] for m in GROUPS[group])
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(int(counts.sum()), fan_in, generator=g, dtype=torch.float64)
-    y = torch.randn(len(x), fan_out, generator=g, dtype=torch.float64)
-    packed_batch = weights.batch_runs(row_slots, counts)
-    assert packed_batch.padded_rows is not None
-    packed = y.clone()
-    packed_batch.layer(0).add(group, x, packed)
-    monkeypatch.setattr(lora, "MAX_PADDING_FACTOR", 1)
-    per_adapter_batch = weights.batch_runs(row_slots, counts)
-    assert per_adapter_batch.padded_rows is None
-    per_adapter = y.clone()
-    per_adapter_batch.layer(0).add(group, x, per_adapter)
-    assert torch.equal(packed[:base_tokens], y[:base_tokens]) and not torch.equal(packed, y), \
-        "base rows unchanged, adapter rows not"
-    torch.testing.assert_close(packed, per_adapter, atol=1e-12, rtol=0)
+    x = torch.randn(int(counts.sum()), fan_in + 8, generator=g).to(dtype)[:, 8:]
+    y = (torch.randn(len(x), fan_out + 8, generator=g) * 0.25).to(dtype)
+    batch = weights.batch_runs(row_slots, counts)
+    stacked = weights.layers[0][group]
+    expected = y.double()
+    for slot, start, end in batch.segments:       # the same stacked weights, in float64
+        expected[start:end, 8 + stacked.start:8 + stacked.end] += \
+            x[start:end].double() @ stacked.a[slot].double() @ stacked.b[slot].double()
+    assert [e - s for _, s, e in batch.long_segments] == [130] > [CPU_KERNEL_MAX_TOKENS]
+    assert [e - s for _, s, e in batch.short_segments.tolist()] == [5, 9]
+    got = y.clone()
+    batch.layer(0).add(group, x, got[:, 8:])
+    assert torch.equal(got[:4], y[:4]) and torch.equal(got[:, :8], y[:, :8]), "base rows and other columns unchanged"
+    assert not torch.equal(got, y)
+    short = slice(134, 148)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
+    else:       # the kernel rounds y once; the matmul pair also rounds x A to bfloat16 on the way
+        torch.testing.assert_close(got[short].double(), expected[short], atol=1e-6, rtol=2 ** -8)
+        torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -9,11 +9,13 @@
 // depend on the thread count or the schedule.
 //
 // Also the layer's small ops, one call each where torch takes several (rms_norm, rotary,
-// silu_and_mul, write_kv) and the sampler's argmax, rounding as the torch expressions do.
+// silu_and_mul, write_kv) and the sampler's argmax, rounding as the torch expressions do, and
+// the LoRA adapters' terms of a step (lora_add).
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
 #include <type_traits>
+#include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -427,6 +429,138 @@ void write_kv(const T *key, const int64_t *key_strides, const T *value, const in
     }
 }
 
+// ---- LoRA: y[t, columns] += (x[t] A_s) B_s for the tokens t of each segment (slot s, start, end) ----
+// A_s is [in, modules x rank] (each module's A^T side by side, `width` columns), B_s [modules x
+// rank, cols]: module m's rank rows feed only its own columns [m_cols[2m], m_cols[2m+1]) (B is
+// block-diagonal; the zero blocks are skipped). x A stays in float32 between the two products and
+// y is rounded once. rank % 16 == 0 (the loader pads). Each weight vector loaded serves a block of
+// LORA_TOKENS tokens; every output element is computed by one thread in a fixed order.
+constexpr int LORA_TOKENS = 4;
+constexpr int LORA_VECTORS = 4;    // output columns per register block, in 16-float vectors
+
+template <typename T, int TB, int NV>
+inline void lora_shrink_block(const T *x, int64_t x_stride, const T *a, int width, int in, float *h, int col) {
+    v16f acc[TB][NV] = {};
+    for (int k = 0; k < in; ++k) {
+        v16f w[NV];
+        for (int v = 0; v < NV; ++v) w[v] = load16(a + (int64_t)k * width + col + 16 * v);
+        for (int t = 0; t < TB; ++t) {
+            const float xk = to_float(x[t * x_stride + k]);
+            for (int v = 0; v < NV; ++v) acc[t][v] += xk * w[v];
+        }
+    }
+    for (int t = 0; t < TB; ++t)
+        for (int v = 0; v < NV; ++v) memcpy(h + (int64_t)t * width + col + 16 * v, &acc[t][v], 64);
+}
+
+// h: the block's first token at the module's first rank column; b: the module's first row
+template <typename T, int TB, int NV>
+inline void lora_expand_block(const float *h, int width, const T *b, int64_t b_stride, int rank, T *y,
+                              int64_t y_stride, int col) {
+    v16f acc[TB][NV] = {};
+    for (int r = 0; r < rank; ++r) {
+        v16f w[NV];
+        for (int v = 0; v < NV; ++v) w[v] = load16(b + r * b_stride + col + 16 * v);
+        for (int t = 0; t < TB; ++t) {
+            const float hr = h[t * width + r];
+            for (int v = 0; v < NV; ++v) acc[t][v] += hr * w[v];
+        }
+    }
+    for (int t = 0; t < TB; ++t)
+        for (int v = 0; v < NV; ++v) {
+            T *p = y + t * y_stride + col + 16 * v;
+            store16(p, load16(p) + acc[t][v]);
+        }
+}
+
+template <typename T>
+inline void lora_expand_tail(const float *h, const T *b, int64_t b_stride, int rank, T *y, int col, int end) {
+    for (int c = col; c < end; ++c) {
+        float sum = 0.0f;
+        for (int r = 0; r < rank; ++r) sum += h[r] * to_float(b[r * b_stride + c]);
+        from_float(to_float(y[c]) + sum, y + c);
+    }
+}
+
+#define LORA_SWITCH(TOKENS, VECTORS, CALL)                                                   \
+    switch ((TOKENS) == LORA_TOKENS ? (VECTORS) : 4 + (VECTORS)) {                           \
+        case 1: CALL(LORA_TOKENS, 1); break;                                                 \
+        case 2: CALL(LORA_TOKENS, 2); break;                                                 \
+        case 3: CALL(LORA_TOKENS, 3); break;                                                 \
+        case 4: CALL(LORA_TOKENS, 4); break;                                                 \
+        case 5: CALL(1, 1); break;                                                           \
+        case 6: CALL(1, 2); break;                                                           \
+        case 7: CALL(1, 3); break;                                                           \
+        case 8: CALL(1, 4); break;                                                           \
+    }
+
+struct LoraBlock { int slot, token, tokens; };                      // tokens <= LORA_TOKENS
+struct LoraChunk { int module, col, vectors, end; };                // vectors == 0: scalar tail [col, end)
+
+template <typename T>
+void lora_add(const T *x, int64_t x_stride, const T *a, int64_t a_slot_stride, const T *b, int64_t b_slot_stride,
+              int64_t b_stride, T *y, int64_t y_stride, const int32_t *segments, int num_segments, int in,
+              int modules, int rank, const int32_t *m_cols, int num_threads) {
+    const int width = modules * rank;
+    std::vector<LoraBlock> blocks;
+    int first = segments[1], last = segments[2];
+    for (int s = 0; s < num_segments; ++s) {
+        const int slot = segments[3 * s], start = segments[3 * s + 1], end = segments[3 * s + 2];
+        for (int t = start; t < end; t += LORA_TOKENS)
+            blocks.push_back({slot, t, end - t < LORA_TOKENS ? end - t : LORA_TOKENS});
+        first = start < first ? start : first;
+        last = end > last ? end : last;
+    }
+    std::vector<LoraChunk> chunks;
+    for (int m = 0; m < modules; ++m) {
+        const int begin = m_cols[2 * m], end = m_cols[2 * m + 1], full = begin + (end - begin) / 16 * 16;
+        for (int c = begin; c < full; c += 16 * LORA_VECTORS)
+            chunks.push_back({m, c, (full - c) / 16 < LORA_VECTORS ? (full - c) / 16 : LORA_VECTORS, 0});
+        if (full < end) chunks.push_back({m, full, 0, end});
+    }
+    const int num_blocks = blocks.size(), num_chunks = chunks.size();
+    std::vector<float> h_rows((int64_t)(last - first) * width);
+    float *h = h_rows.data();
+    const int64_t work = (int64_t)(last - first) * width * (in + 2 * rank);
+    const int shrink_chunks = (width / 16 + LORA_VECTORS - 1) / LORA_VECTORS;
+#pragma omp parallel num_threads(num_threads) if (work > 65536)
+    {
+#pragma omp for schedule(static)
+        for (int i = 0; i < num_blocks * shrink_chunks; ++i) {      // shrink: (block, rank column chunk)
+            const LoraBlock &blk = blocks[i / shrink_chunks];
+            const int col = i % shrink_chunks * 16 * LORA_VECTORS;
+            const int vectors = (width - col) / 16 < LORA_VECTORS ? (width - col) / 16 : LORA_VECTORS;
+            const T *as = a + blk.slot * a_slot_stride;
+            const int step = blk.tokens == LORA_TOKENS ? LORA_TOKENS : 1;
+            for (int t = blk.token; t < blk.token + blk.tokens; t += step) {
+                const T *xt = x + t * x_stride;
+                float *ht = h + (int64_t)(t - first) * width;
+#define SHRINK(TB, NV) lora_shrink_block<T, TB, NV>(xt, x_stride, as, width, in, ht, col)
+                LORA_SWITCH(step, vectors, SHRINK)
+#undef SHRINK
+            }
+        }
+#pragma omp for schedule(static)
+        for (int i = 0; i < num_blocks * num_chunks; ++i) {         // expand: (block, column chunk)
+            const LoraBlock &blk = blocks[i / num_chunks];
+            const LoraChunk &chunk = chunks[i % num_chunks];
+            const T *bm = b + blk.slot * b_slot_stride + (int64_t)chunk.module * rank * b_stride;
+            const int step = blk.tokens == LORA_TOKENS && chunk.vectors ? LORA_TOKENS : 1;
+            for (int t = blk.token; t < blk.token + blk.tokens; t += step) {
+                const float *ht = h + (int64_t)(t - first) * width + chunk.module * rank;
+                T *yt = y + t * y_stride;
+                if (chunk.vectors == 0) {
+                    lora_expand_tail<T>(ht, bm, b_stride, rank, yt, chunk.col, chunk.end);
+                    continue;
+                }
+#define EXPAND(TB, NV) lora_expand_block<T, TB, NV>(ht, width, bm, b_stride, rank, yt, y_stride, chunk.col)
+                LORA_SWITCH(step, chunk.vectors, EXPAND)
+#undef EXPAND
+            }
+        }
+    }
+}
+
 inline bool any_equal(v16f v, float x) {
     const v16i hit = v == x;
     v16i folded = hit;
@@ -513,6 +647,18 @@ DECODE_ENTRY(paged_decode_attention_bf16, bf16)
 
 ROW_OPS_ENTRY(f32, float)
 ROW_OPS_ENTRY(bf16, bf16)
+
+#define LORA_ENTRY(SUFFIX, T)                                                                                  \
+    void lora_add_##SUFFIX(const T *x, int64_t x_stride, const T *a, int64_t a_slot_stride, const T *b,         \
+                           int64_t b_slot_stride, int64_t b_stride, T *y, int64_t y_stride,                     \
+                           const int32_t *segments, int num_segments, int in, int modules, int rank,             \
+                           const int32_t *module_cols, int num_threads) {                                        \
+        lora_add<T>(x, x_stride, a, a_slot_stride, b, b_slot_stride, b_stride, y, y_stride, segments,            \
+                    num_segments, in, modules, rank, module_cols, num_threads);                                 \
+    }
+
+LORA_ENTRY(f32, float)
+LORA_ENTRY(bf16, bf16)
 
 void argmax_rows_f32(const float *x, int64_t row_stride, int64_t *out, int64_t rows, int64_t cols) {
     argmax_rows(x, row_stride, out, rows, cols);

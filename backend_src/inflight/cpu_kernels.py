@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import threading
 
+import numpy as np
 import torch
 
 from .cpu_features import cpu_flags
@@ -50,7 +51,8 @@ class CpuKernels:
                       "rms_norm": [p, i64, p, p, i64, i64, i32, f32, i32],
                       "rotary": [p, i64, i64, p, p, i64, p, i64, i32, i32, i32],
                       "silu_and_mul": [p, i64, p, i64, i64, i32, i32],
-                      "write_kv": [p, p, p, p, p, p, p, p, i64, i32, i32, i32]}
+                      "write_kv": [p, p, p, p, p, p, p, p, i64, i32, i32, i32],
+                      "lora_add": [p, i64, p, i64, p, i64, i64, p, i64, p, i32, i32, i32, i32, p, i32]}
         self.fns = {}
         for op, argtypes in signatures.items():
             for dtype, suffix in _SUFFIX.items():
@@ -121,6 +123,21 @@ class CpuKernels:
         self.fns["write_kv", key.dtype](key.data_ptr(), _strides(key, 2), value.data_ptr(), _strides(value, 2),
                                         k_cache.data_ptr(), v_cache.data_ptr(), _strides(k_cache, 3),
                                         slot_mapping.data_ptr(), len(key), key.shape[1], key.shape[2], k_cache.shape[1])
+
+    def lora_add(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, segments: np.ndarray,
+                 rank: int, module_cols: np.ndarray) -> None:
+        """y[t] += (x[t] a[s]) b[s] for the tokens t in [start, end) of each segment (s, start, end),
+        in place: a [slots, in, modules x rank], b [slots, modules x rank, y's columns], module m's
+        rank rows of b feeding only y's columns module_cols[m] (a (begin, end) pair; b is zero
+        elsewhere). rank % 16 == 0; x A is kept in float32 and y rounded once."""
+        assert x.dtype == a.dtype == b.dtype == y.dtype and a.is_contiguous() and b.is_contiguous()
+        assert x.stride(-1) == 1 and y.stride(-1) == 1 and rank % 16 == 0 and a.shape[2] % rank == 0
+        assert segments.dtype == module_cols.dtype == np.int32 and segments.flags.c_contiguous
+        assert module_cols.flags.c_contiguous and len(module_cols) == a.shape[2] // rank
+        self.fns["lora_add", x.dtype](x.data_ptr(), x.stride(0), a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0),
+                                      b.stride(1), y.data_ptr(), y.stride(0), segments.ctypes.data, len(segments),
+                                      a.shape[1], len(module_cols), rank, module_cols.ctypes.data,
+                                      torch.get_num_threads())
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, dim=-1) of a float32 [rows, cols] CPU tensor (the first maximum; NaN wins)."""

@@ -22,10 +22,13 @@ A step (`LoraWeights.group_step`): the runner packs the step's rows grouped by a
 first), so each adapter's tokens are one contiguous run; the logits come back in the scheduler's
 order. A step without adapter tokens is not touched and the model runs exactly as without LoRA.
 `LoraBatch.layer(i).add(group, x, y)` after each base projection adds (x A_i)(scale_i B_i) for the
-tokens of each adapter i, in place: on CPU one matmul pair per adapter in the step on views of its
-run (base tokens pay nothing, no gathers, no per-token weight copies); on CUDA one SGMV shrink and
-one expand launch per group for all adapters at once (`inflight.kernels.lora`). Up to rounding,
-that is PEFT's `base(x) + lora_B(lora_A(x)) * scaling`.
+tokens of each adapter i, in place (base tokens pay nothing). Three paths, following the attention
+backend: on CUDA ('triton') one SGMV shrink and one expand launch per group for all adapters at
+once (`inflight.kernels.lora`); on CPU ('cpu') one call of the compiled kernel (cpu_kernels.cpp
+`lora_add`) for every short run of the step (decodes: a few tokens per adapter, where torch's
+per-matmul overhead is most of the cost) and one matmul pair per long run (prefill chunks, where
+the BLAS matmul is faster); otherwise ('torch', and float64) one matmul pair per run, on views of
+it. Up to rounding, that is PEFT's `base(x) + lora_B(lora_A(x)) * scaling`.
 """
 from __future__ import annotations
 
@@ -223,10 +226,9 @@ def _read_tensors(path: str, fail) -> dict[str, torch.Tensor]:
     fail("no adapter_model.safetensors (or adapter_model.bin) in the directory")
 
 
-# How much padding the CPU path accepts to run a step's adapters as one batched matmul pair per
-# projection group (every slot's run padded to the longest) instead of one pair per adapter:
-# padded rows up to this many times the real ones (decode steps; per-op overhead dominates there).
-MAX_PADDING_FACTOR = 2
+# Runs of up to this many tokens go through the compiled CPU kernel, longer ones through a matmul
+# pair (BLAS wins once a run has enough rows to fill its tiles: ~256 on a Zen 4 core, bf16).
+CPU_KERNEL_MAX_TOKENS = 128
 
 
 # ---- stacked weights ----------------------------------------------------------------------------
@@ -240,19 +242,26 @@ class GroupWeights:
     b: torch.Tensor             # [slots, modules x R, end - start]: scale * B^T, block-diagonal
     start: int                  # the fused output columns the group's modules cover
     end: int
+    module_cols: np.ndarray     # int32 [modules, 2]: each module's columns in b (begin, end)
 
 
 class LoraWeights:
     """Every adapter's weights stacked into per-layer slot tensors; name -> slot."""
 
     def __init__(self, adapters: list[LoraAdapter], spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                 use_kernels: bool):
+                 kernels: str = "torch"):
+        """kernels: the attention backend's name ('triton', 'cpu' or 'torch'): which path computes
+        the adapters' terms where the dtype allows it."""
         self.slots = {adapter.name: slot for slot, adapter in enumerate(adapters)}
         self.keys = [adapter.key for adapter in adapters]
         self.rank = max((adapter.rank for adapter in adapters), default=0)
         self.device = device
+        from . import cpu_kernels
         from .kernels.lora import DTYPES
-        self.use_kernels = use_kernels and dtype in DTYPES
+        self.use_kernels = kernels == "triton" and dtype in DTYPES
+        self.cpu_kernels = cpu_kernels.load() if kernels == "cpu" and dtype in cpu_kernels.DTYPES else None
+        if self.cpu_kernels is not None:
+            self.rank = -(-self.rank // 16) * 16        # the compiled kernel works in vectors of 16
         self.num_slots = len(adapters)
         self.dtype = dtype
         shapes = module_shapes(spec)
@@ -270,8 +279,10 @@ class LoraWeights:
             start, end = offsets[targeted[0]], offsets[targeted[-1]] + shapes[targeted[-1]][1]
             a = torch.zeros(len(adapters), shapes[targeted[0]][0], len(targeted) * rank, dtype=torch.float64)
             b = torch.zeros(len(adapters), len(targeted) * rank, end - start, dtype=torch.float64)
+            module_cols = np.array([(offsets[n] - start, offsets[n] - start + shapes[n][1]) for n in targeted],
+                                   dtype=np.int32)
             for j, name in enumerate(targeted):
-                cols = slice(offsets[name] - start, offsets[name] - start + shapes[name][1])
+                cols = slice(*module_cols[j])
                 for slot, adapter in enumerate(adapters):
                     weights = adapter.modules.get((layer, name))
                     if weights is not None:
@@ -279,7 +290,7 @@ class LoraWeights:
                         a[slot, :, j * rank:j * rank + r] = weights.a.t()
                         b[slot, j * rank:j * rank + r, cols] = weights.b.t().double() * weights.scale
             groups[group] = GroupWeights(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype),
-                                         start, end)
+                                         start, end, module_cols)
         return groups
 
     @property
@@ -322,25 +333,22 @@ class LoraBatch:
     covers tokens [start, end). Tokens outside every segment run the base model alone."""
     weights: LoraWeights
     segments: list[tuple[int, int, int]]
-    tokens: torch.Tensor | None = field(init=False, default=None)        # the kernels' token list
+    tokens: torch.Tensor | None = field(init=False, default=None)        # the Triton kernels' token list
     seg_starts: torch.Tensor | None = field(init=False, default=None)
     seg_slots: torch.Tensor | None = field(init=False, default=None)
     max_segment: int = field(init=False)
-    # the batched CPU path over the step's slots first_slot..last_slot (a view of the weights):
-    # row i of slot s's padded run reads adapter token padded_rows[s - first_slot, i], and
-    # real_rows picks the real ones back out in token order (None: one matmul pair per adapter)
-    padded_rows: torch.Tensor | None = field(init=False, default=None)
-    real_rows: torch.Tensor | None = field(init=False, default=None)
-    slot_span: slice = field(init=False)
+    # the CPU path: the runs the compiled kernel takes (int32 [n, 3], None: none) and the others
+    short_segments: np.ndarray | None = field(init=False, default=None)
+    long_segments: list[tuple[int, int, int]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.max_segment = max(end - start for _, start, end in self.segments)
-        num_tokens = self.segments[-1][2] - self.segments[0][1]
-        self.slot_span = slice(self.segments[0][0], self.segments[-1][0] + 1)    # segments go by slot
-        span = self.slot_span.stop - self.slot_span.start
-        if (not self.weights.use_kernels and len(self.segments) > 1
-                and span * self.max_segment <= MAX_PADDING_FACTOR * num_tokens):
-            self._plan_batched(span)
+        self.long_segments = self.segments
+        if self.weights.cpu_kernels is not None:
+            short = [s for s in self.segments if s[2] - s[1] <= CPU_KERNEL_MAX_TOKENS]
+            self.long_segments = [s for s in self.segments if s[2] - s[1] > CPU_KERNEL_MAX_TOKENS]
+            if short:
+                self.short_segments = np.array(short, dtype=np.int32)
         if self.weights.use_kernels:
             device = self.weights.device
             tokens = np.concatenate([np.arange(start, end) for _, start, end in self.segments])
@@ -359,32 +367,18 @@ class LoraBatch:
         if self.weights.use_kernels:
             self._add_kernels(weights, x, y)
         else:
-            self._add_torch(weights, x, y)
+            self._add_cpu(weights, x, y)
 
-    def _plan_batched(self, span: int) -> None:
-        first, longest, first_slot = self.segments[0][1], self.max_segment, self.slot_span.start
-        padded = np.zeros((span, longest), dtype=np.int64)      # slots without tokens read row 0, unused
-        real = []
-        for slot, start, end in self.segments:
-            padded[slot - first_slot, :end - start] = np.arange(start - first, end - first)
-            real.append((slot - first_slot) * longest + np.arange(end - start))
-        device = self.weights.device
-        self.padded_rows = torch.from_numpy(padded.reshape(-1)).to(device)
-        self.real_rows = torch.from_numpy(np.concatenate(real)).to(device)
-
-    def _add_torch(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y += (x A) (scale B) into the group's columns, in place: one matmul pair per adapter
-        run, or (decode steps) one batched pair over every slot's padded run."""
-        if self.padded_rows is None:
-            for slot, start, end in self.segments:
-                h = torch.mm(x[start:end], weights.a[slot])
-                y[start:end, weights.start:weights.end].addmm_(h, weights.b[slot])
-            return
-        first, end = self.segments[0][1], self.segments[-1][2]
-        a, b = weights.a[self.slot_span], weights.b[self.slot_span]
-        runs = x[first:end].index_select(0, self.padded_rows).view(a.shape[0], -1, a.shape[1])
-        delta = torch.bmm(torch.bmm(runs, a), b)
-        y[first:end, weights.start:weights.end].add_(delta.view(-1, delta.shape[-1]).index_select(0, self.real_rows))
+    def _add_cpu(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += (x A) (scale B) into the group's columns, in place: the short runs in one call of
+        the compiled kernel, the long ones (all of them on the torch path) one matmul pair each."""
+        out = y[:, weights.start:weights.end]
+        if self.short_segments is not None:
+            self.weights.cpu_kernels.lora_add(x, weights.a, weights.b, out, self.short_segments, self.weights.rank,
+                                              weights.module_cols)
+        for slot, start, end in self.long_segments:
+            h = torch.mm(x[start:end], weights.a[slot])
+            out[start:end].addmm_(h, weights.b[slot])
 
     def _add_kernels(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
         from .kernels.lora import lora_expand, lora_shrink
@@ -405,7 +399,7 @@ class LayerLora:
 
 
 def load_lora_weights(lora_modules: dict[str, str], spec: ModelSpec, max_loras: int, max_rank: int,
-                      dtype: torch.dtype, device: torch.device, use_kernels: bool) -> LoraWeights:
+                      dtype: torch.dtype, device: torch.device, kernels: str) -> LoraWeights:
     """Load every adapter named in `lora_modules` (name -> directory) into resident slots."""
     if not isinstance(lora_modules, dict):
         raise LoraError(f"'lora_modules' must map adapter names to directories, got {type(lora_modules).__name__}")
@@ -419,4 +413,4 @@ def load_lora_weights(lora_modules: dict[str, str], spec: ModelSpec, max_loras: 
         if not isinstance(path, str) or not os.path.isdir(path):
             raise LoraError(f"LoRA adapter {name!r}: directory {path!r} does not exist")
         adapters.append(load_adapter(name, path, spec, max_rank))
-    return LoraWeights(adapters, spec, dtype, device, use_kernels)
+    return LoraWeights(adapters, spec, dtype, device, kernels)

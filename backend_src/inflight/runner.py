@@ -80,7 +80,7 @@ class ModelRunner:
         self.lora = None     # LoraWeights when enable_lora: every adapter's weights, in resident slots
         if config.enable_lora:
             self.lora = load_lora_weights(lora_modules or {}, self.spec, config.max_loras, config.max_lora_rank,
-                                          self.dtype, self.device, use_kernels=self.backend.name == "triton")
+                                          self.dtype, self.device, kernels=self.backend.name)
         self.cos, self.sin = rope_tables(hf_config, self.max_model_len, self.dtype, self.device)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
