@@ -5,6 +5,11 @@ tritonserver; medians over rounds of generated tokens/s (and their ratio) and TT
 difference). Both paths use the same HTTP client (httpx) and parse every event, so the client's
 own cost is the same on both sides. The model is serve_bench's ~30M Llama, big enough that a
 step's compute sets the pace as it would on a GPU with a real model.
+
+By default the engine's torch threads take every core, as in `make serve`, so the OpenAI server's
+CPU comes out of the engine's. `--engine-threads N` gives the engine N threads and leaves the other
+cores to tritonserver's frontends and the OpenAI server (what vLLM-CPU's
+VLLM_CPU_NUM_OF_RESERVED_CPU does for its API server).
 """
 from __future__ import annotations
 
@@ -92,14 +97,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--requests", type=int, default=128, help="requests per run at the highest concurrency")
+    parser.add_argument("--engine-threads", type=int, help="the engine's torch threads (default: every core)")
     parser.add_argument("--out", default=os.path.join(REPO, "perf", "results", "openai_bench.json"))
     args = parser.parse_args()
+    engine = {**ENGINE, **({"cpu_threads": args.engine_threads} if args.engine_threads else {})}
 
     model_dir = build_serve_model()
     with open(os.path.join(model_dir, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
     tmp = tempfile.mkdtemp(prefix="openai-bench-")
-    repo = make_repository(os.path.join(tmp, "repo"), model_dir, ENGINE)
+    repo = make_repository(os.path.join(tmp, "repo"), model_dir, engine)
     model = os.path.basename(model_dir)
     results = {}
     with ServerProcess(repo, log_path=os.path.join(tmp, "tritonserver.log")) as triton, \
@@ -151,7 +158,7 @@ def main() -> None:
               f"generated token")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"engine": ENGINE, "model": model_dir, "results": report}, f, indent=2)
+        json.dump({"engine": engine, "model": model_dir, "results": report}, f, indent=2)
 
 
 if __name__ == "__main__":
