@@ -173,7 +173,44 @@ inline void score_tile_bf16(const bf16 *q, int64_t q_head_stride, KRow k_row, in
         }
     }
 }
+
+// acc[g] += sum_t p[g][t] V[t] for a tile with the bf16 dot product: the probabilities rounded to
+// bf16 (as torch's flash attention rounds them before its second matmul), each pair of keys'
+// V rows interleaved dim by dim once per tile in L1. acc's lanes come out permuted: lane 4L+i of
+// vector 2p+h holds dim 32p+8L+4h+i (`pv_lane` undoes it).
+template <int NC, typename VRow>
+inline void accumulate_tile_bf16(VRow v_row, int first, int n, int group, float (*scores)[TILE], v16f (*acc)[NC]) {
+    constexpr int NP = NC / 2;
+    __m512i pairs[TILE / 2][NC];
+    for (int t = 0; t < n; t += 2) {
+        const bf16 *r0 = v_row(first + t), *r1 = t + 1 < n ? v_row(first + t + 1) : r0;   // (p = 0 for t + 1)
+        for (int p = 0; p < NP; ++p) {
+            const __m512i a = _mm512_loadu_si512(r0 + 32 * p), b = _mm512_loadu_si512(r1 + 32 * p);
+            pairs[t / 2][2 * p] = _mm512_unpacklo_epi16(a, b);
+            pairs[t / 2][2 * p + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+    }
+    alignas(64) int32_t probs[TILE / 2];
+    for (int g = 0; g < group; ++g) {
+        for (int t = n; t < (n + 31) / 32 * 32; ++t) scores[g][t] = 0.0f;
+        for (int c = 0; c < (n + 31) / 32; ++c)
+            _mm512_store_si512(probs + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(scores[g] + 32 * c + 16),
+                                                                           _mm512_load_ps(scores[g] + 32 * c)));
+        __m512 ag[NC];
+        for (int c = 0; c < NC; ++c) ag[c] = (__m512)acc[g][c];
+        for (int t = 0; t < (n + 1) / 2; ++t) {
+            const __m512bh pair = (__m512bh)_mm512_set1_epi32(probs[t]);
+            for (int c = 0; c < NC; ++c) ag[c] = _mm512_dpbf16_ps(ag[c], (__m512bh)pairs[t][c], pair);
+        }
+        for (int c = 0; c < NC; ++c) acc[g][c] = (v16f)ag[c];
+    }
+}
 #endif
+
+inline int pv_lane(int d) {      // dim d's place in accumulate_tile_bf16's permuted accumulators
+    const int r = d % 32;
+    return (d / 32 * 2 + r % 8 / 4) * 16 + r / 8 * 4 + r % 4;
+}
 
 template <typename T, int NC>
 void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_cache,
@@ -190,6 +227,11 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
         running_max[g] = -INFINITY;
         running_sum[g] = 0.0f;
     }
+    // bf16 rows of whole 32-dim halves: the probabilities times V with the bf16 dot product
+    bool pv_bf16 = false;
+#ifdef __AVX512BF16__
+    pv_bf16 = std::is_same_v<T, bf16> && dim == 16 * NC && NC % 2 == 0;
+#endif
     const T *k_head = k_cache + kv_head * k_strides[2], *v_head = v_cache + kv_head * v_strides[2];
     auto k_row = [&](int pos) { return k_head + blocks[pos / block_size] * k_strides[0] + (pos % block_size) * k_strides[1]; };
     auto v_row = [&](int pos) { return v_head + blocks[pos / block_size] * v_strides[0] + (pos % block_size) * v_strides[1]; };
@@ -245,6 +287,14 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
             if (correction != 1.0f)
                 for (int c = 0; c < NC; ++c) acc[g][c] *= correction;
         }
+#ifdef __AVX512BF16__
+        if constexpr (std::is_same_v<T, bf16> && NC % 2 == 0) {
+            if (pv_bf16) {
+                accumulate_tile_bf16<NC>(v_row, first, n, group, scores, acc);
+                continue;
+            }
+        }
+#endif
         for (int t = 0; t < n; ++t) load_row<T, NC>(v_row(first + t), dim, rows[t]);
         for (int g = 0; g < group; ++g) {
             v16f ag[NC];
@@ -257,7 +307,8 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
     for (int g = 0; g < group; ++g) {
         T *dst = out + (int64_t)(kv_head * group + g) * out_head_stride;
         const float inv = 1.0f / running_sum[g];
-        for (int d = 0; d < dim; ++d) from_float(acc[g][d / 16][d % 16] * inv, dst + d);
+        const float *lanes = (const float *)acc[g];
+        for (int d = 0; d < dim; ++d) from_float(lanes[pv_bf16 ? pv_lane(d) : d] * inv, dst + d);
     }
 }
 
