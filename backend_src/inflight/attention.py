@@ -10,11 +10,11 @@ full prefills alike.
 
 On CPU, `compiled_paged_attention` (backend "cpu", the default for float32 and bfloat16) runs
 every query through the compiled kernel of cpu_kernels.cpp, which reads K/V in place through the
-block table: one-token queries as they are, a prefill chunk's rows each as a one-token query whose
-context ends at its own position (causal; 1.5-3x faster than gathering the context for SDPA). Two torch implementations over the
-same layout: `paged_attention`, the reference the tests compare against, and
-`grouped_paged_attention`, the CPU fallback (backend "torch": float64, or no compiler). The
-reference pads every decoding sequence to the longest and copies the whole batch's K/V into one
+block table: one-token queries as they are, a prefill chunk's rows each as a one-token query
+whose context ends at its own position (causal; 1.5-3x faster than gathering the context for
+SDPA). Two torch implementations over the same layout: `paged_attention`, the reference the tests
+compare against, and `grouped_paged_attention`, the CPU fallback (backend "torch": float64, or no
+compiler). The reference pads every decoding sequence to the longest and copies the whole batch's K/V into one
 tensor per layer; the fallback sorts the decoding sequences by length once per step, cuts them into
 groups whose K/V fit in about 2 MiB, and per group reads exactly its sequences' blocks into a
 buffer that stays in the CPU's cache, then runs one SDPA over it (a KV head's query heads folded
@@ -244,8 +244,8 @@ def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor, for_kerne
         for seq, start, end in prefills:
             n, first = end - start, int(lens[seq]) - (end - start)
             plan.kernel_prefills.append(KernelPrefill(
-                start, end, torch.arange(n + 1, dtype=torch.int32), torch.arange(first + 1, first + n + 1, dtype=torch.int32),
-                meta.block_table[seq].expand(n, -1)))
+                start, end, torch.arange(n + 1, dtype=torch.int32),
+                torch.arange(first + 1, first + n + 1, dtype=torch.int32), meta.block_table[seq].expand(n, -1)))
     return plan
 
 

@@ -16,6 +16,7 @@ from .config import EngineConfig
 from .cpu_features import cpu_auto_dtype
 from .lora import load_lora_weights
 from .models import LlamaForCausalLM, ModelSpec, rope_tables
+from .packed_linear import pack_linears
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
 
@@ -77,6 +78,8 @@ class ModelRunner:
             with torch.no_grad():
                 self.model.load_hf_weights((n, t.to(self.dtype)) for n, t in iter_checkpoint(model_dir))
         self.model.eval()
+        if self.device.type == "cpu":
+            pack_linears(self.model)       # weights in oneDNN's layout once, not on every call
         self.lora = None     # LoraWeights when enable_lora: every adapter's weights, in resident slots
         if config.enable_lora:
             self.lora = load_lora_weights(lora_modules or {}, self.spec, config.max_loras, config.max_lora_rank,

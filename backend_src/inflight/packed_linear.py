@@ -1,0 +1,65 @@
+"""CPU linear layers whose weights are prepacked once, at load, in oneDNN's blocked layout.
+
+F.linear on a CPU tensor hands the weight to the BLAS in its plain [out, in] layout on every call:
+in bfloat16 oneDNN reorders it into its blocked layout each time, and in float32 the call goes to
+MKL's sgemm. Prepacking (torch.ops.mkldnn._reorder_linear_weight, as torch.compile's CPU backend
+does for frozen linear weights) moves that work to load time. Measured on this project's 2-core
+Zen 4 machine: bfloat16 10-75% faster, the most at decode-sized batches (a [64, 512] x [512, 8192]
+LM head 2.19 -> 1.44 ms), and bit-identical (with a bias, the bias is added before the one
+rounding instead of after a first one); float32 takes oneDNN's kernels instead of MKL's, 1.4-9x
+faster, its sums in another order (relative differences ~1e-6). Where the ops are missing, or a
+probe's packed result differs from the plain one beyond that, the layers stay as they are.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("inflight")
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear's forward over the prepacked weight (the plain weight is not kept)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear of a CPU float32 / bfloat16 model with a PackedLinear, in place;
+    returns how many were replaced (0 where the ops are not available or the probe fails)."""
+    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype in DTYPES]
+    if not linears or not _packing_works(linears[0][2]):
+        return 0
+    for parent, name, child in linears:
+        setattr(parent, name, PackedLinear(child))
+    return len(linears)
+
+
+def _packing_works(linear: nn.Linear) -> bool:
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        log.info("inflight: this torch has no oneDNN linear packing; CPU matmuls use the plain weights")
+        return False
+    x = torch.randn(5, linear.in_features, generator=torch.Generator().manual_seed(0)).to(linear.weight.dtype)
+    try:
+        packed, plain = PackedLinear(linear)(x).float(), F.linear(x, linear.weight, linear.bias).float()
+    except RuntimeError as exc:
+        log.warning("inflight: packing the linear weights failed (%s); CPU matmuls use the plain weights", exc)
+        return False
+    tolerance = 1e-4 if linear.weight.dtype == torch.float32 else 1e-2
+    if not torch.allclose(packed, plain, rtol=tolerance, atol=tolerance * float(plain.abs().max())):
+        log.warning("inflight: packed linear weights gave other results than the plain ones; not packing")
+        return False
+    return True
