@@ -159,7 +159,8 @@ def throughput(model_dir: str, n: int, max_seqs: int, repeats: int) -> dict:
 # a step's "model compute": the matmuls and the attention kernels; every other op, and the Python
 # between them, is host overhead (packing, rope, norms, sampling, scheduling)
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
-               "aten::_softmax", "aten::index_select", "aten::embedding_bag", "aten::_embedding_bag")
+               "aten::_softmax", "aten::index_select", "aten::embedding_bag", "aten::_embedding_bag",
+               "mkldnn::_linear_pointwise")      # the linears with prepacked weights (packed_linear.py)
 
 
 def decoding_engine(model_dir: str, dtype: str, num_seqs: int) -> LLMEngine:

@@ -54,7 +54,8 @@ def _packing_works(linear: nn.Linear) -> bool:
         return False
     x = torch.randn(5, linear.in_features, generator=torch.Generator().manual_seed(0)).to(linear.weight.dtype)
     try:
-        packed, plain = PackedLinear(linear)(x).float(), F.linear(x, linear.weight, linear.bias).float()
+        with torch.no_grad():
+            packed, plain = PackedLinear(linear)(x).float(), F.linear(x, linear.weight, linear.bias).float()
     except RuntimeError as exc:
         log.warning("inflight: packing the linear weights failed (%s); CPU matmuls use the plain weights", exc)
         return False
