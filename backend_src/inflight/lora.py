@@ -262,8 +262,6 @@ class LoraWeights:
         self.cpu_kernels = cpu_kernels.load() if kernels == "cpu" and dtype in cpu_kernels.DTYPES else None
         if self.cpu_kernels is not None:
             self.rank = -(-self.rank // 16) * 16        # the compiled kernel works in vectors of 16
-        self.num_slots = len(adapters)
-        self.dtype = dtype
         shapes = module_shapes(spec)
         self.layers: list[dict[str, GroupWeights]] = [
             self._stack_layer(layer, adapters, shapes, dtype, device) for layer in range(spec.num_layers)]
