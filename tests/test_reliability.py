@@ -1,5 +1,6 @@
 """What happens when clients misbehave, memory runs out, load spikes, the engine fails or the
 server stops: nothing lost, nothing leaked, nothing hung, clear errors. Real tritonservers."""
+import http.client
 import json
 import signal
 import socket
@@ -207,8 +208,11 @@ def test_an_engine_failure_fails_requests_logs_the_cause_and_takes_the_server_ou
     outs = run_streams(s, [stream(f"Prompt {i}", 200, ignore_eos=True) for i in range(3)])
     for out in outs:
         assert out.error and "the engine failed: RuntimeError: injected fault after 25 steps" in out.error
-    after = http_stream(s.http_url, "llm", {"text_input": "late", "max_tokens": 3, "stream": True}) if ready(s) else None
-    assert after is None or after.error, "no request succeeds once the engine has failed"
+    try:                                             # the server may stop listening at any moment from here
+        after = http_stream(s.http_url, "llm", {"text_input": "late", "max_tokens": 3, "stream": True})
+        assert after.error, "no request succeeds once the engine has failed"
+    except (ConnectionError, http.client.HTTPException):
+        pass
     deadline = time.monotonic() + 45
     while ready(s) == 200 and time.monotonic() < deadline:
         time.sleep(0.2)

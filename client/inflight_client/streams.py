@@ -165,9 +165,12 @@ def http_stream(url: str, model: str, payload: dict, cancel_after: int | None = 
                      {"Content-Type": "application/json"})
         response = conn.getresponse()
         for line in response:
-            if not line.startswith(b"data:"):
+            if line.startswith(b"data:"):
+                event = json.loads(line[5:])
+            elif response.status != 200 and line.strip():
+                event = json.loads(line)             # refused before streaming: a plain JSON body
+            else:
                 continue
-            event = json.loads(line[5:])
             if "error" in event:
                 out.error = event["error"]
                 break
@@ -180,6 +183,8 @@ def http_stream(url: str, model: str, payload: dict, cancel_after: int | None = 
             if cancel_after is not None and len(out.chunks) >= cancel_after:
                 out.cancelled = True
                 break
+        if response.status != 200 and out.error is None:
+            out.error = f"HTTP {response.status} {response.reason}"
     finally:
         conn.close()
     out.text = "".join(out.chunks)
