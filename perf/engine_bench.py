@@ -43,6 +43,7 @@ from inflight.runner import pack_step  # noqa: E402
 from inflight.scheduler import Scheduler  # noqa: E402
 from inflight.testing import make_random_checkpoint  # noqa: E402
 from perf import workloads  # noqa: E402
+from perf.quiet import wait_quiet  # noqa: E402
 
 BENCH_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
@@ -332,6 +333,7 @@ def vs_vllm(python: str, model_dir: str, dtypes: list[str], rounds: int) -> dict
                 items = workloads.uniform(VS_VLLM["requests"], BENCH_MODEL["vocab_size"], seed=100 + r)
                 order = ("inflight", "vllm") if r % 2 == 0 else ("vllm", "inflight")
                 for name in order:
+                    wait_quiet([os.getpid()])          # vLLM's subprocess and inflight's threads idle
                     runs[name].append(inflight_run(engine, items) if name == "inflight" else vllm.run(items))
                 print(f"  {dtype:9s} round {r + 1}/{rounds}  inflight {runs['inflight'][-1]['tokens_per_s']:7.1f} tok/s"
                       f"  vLLM-CPU {runs['vllm'][-1]['tokens_per_s']:7.1f} tok/s  ratio "

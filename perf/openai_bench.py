@@ -30,6 +30,7 @@ from inflight.serving.launch import ServerProcess, make_repository  # noqa: E402
 from inflight_client.openai_server.process import OpenAIServerProcess  # noqa: E402
 from perf import workloads  # noqa: E402
 from perf.bench_stats import RequestRecord, summarize  # noqa: E402
+from perf.quiet import tree_cpu_seconds, wait_quiet  # noqa: E402
 from perf.serve_bench import build_serve_model  # noqa: E402
 
 ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
@@ -70,13 +71,6 @@ async def openai_stream(http, url: str, model: str, item, record: RequestRecord)
                 record.response_times.append(time.monotonic())
             elif chunk.get("usage"):
                 record.num_output_tokens = chunk["usage"]["completion_tokens"]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc), to attribute the overhead."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def run(send, items, concurrency: int) -> list[RequestRecord]:
@@ -126,11 +120,12 @@ def main() -> None:
             for r in range(args.rounds):
                 order = list(paths) if r % 2 == 0 else list(reversed(paths))
                 for name in order:
-                    cpu = cpu_seconds(api.process.pid)
+                    wait_quiet([triton.process.pid, api.process.pid])
+                    cpu = tree_cpu_seconds(api.process.pid)
                     records = asyncio.run(run(paths[name], items, concurrency))
                     summary = summarize(records)
                     assert summary["errors"] == 0, [rec.error for rec in records if rec.error][:3]
-                    summary["openai_server_cpu_s"] = cpu_seconds(api.process.pid) - cpu
+                    summary["openai_server_cpu_s"] = tree_cpu_seconds(api.process.pid) - cpu
                     rounds[name].append(summary)
                     print(f"  c={concurrency} round {r + 1} {name:6s} {summary['generated_tokens_per_s']:7.1f} tok/s "
                           f"TTFT p50 {summary['ttft']['p50'] * 1000:7.1f} ms, OpenAI server CPU "

@@ -5,7 +5,8 @@ same dtype), the same load client and protocol: HTTP server-sent events (infligh
 `/v2/models/llm/generate_stream`, vLLM's `/v1/completions` with `stream`), prompts sent as token
 ids, outputs forced to their length (ignore_eos, min_tokens). Loads: a burst of 64 requests and
 Poisson arrivals at 2 and 4 requests/s; every run gets fresh prompts (no prefix-cache reuse), the
-two servers get the same ones; rounds interleaved, the order alternating. Both servers send one
+two servers get the same ones; rounds interleaved, the order alternating, each run started once
+both servers' processes are idle (perf/quiet.py). Both servers send one
 event per engine step, so TTFT = first event - sent and TPOT = (last - first) / (tokens - 1).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from inflight.serving.launch import ServerProcess, free_port, make_repository  #
 from perf import workloads  # noqa: E402
 from perf.bench_stats import RequestRecord, summarize  # noqa: E402
 from perf.engine_bench import VLLM_ENV  # noqa: E402
+from perf.quiet import wait_quiet  # noqa: E402
 from perf.serve_bench import MAX_MODEL_LEN, build_serve_model  # noqa: E402
 
 LIMITS = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "max_model_len": MAX_MODEL_LEN}
@@ -152,6 +154,7 @@ def main() -> None:
                     items = workloads.uniform(n, vocab, seed=1000 * (r + 1) + k)     # fresh prompts every run
                     order = list(sides) if (r + k) % 2 == 0 else list(sides)[::-1]
                     for side in order:
+                        wait_quiet([inflight.process.pid, vllm.proc.pid])     # the other side's run has wound down
                         recs = asyncio.run(drive(bases[side], sides[side], items, load, seed=r))
                         records[(side, label)].append(recs)
                         s = summarize(recs)
