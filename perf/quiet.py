@@ -8,42 +8,43 @@ import os
 import time
 
 
-def _children() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
+def _processes() -> dict[int, tuple[int, float]]:
+    """Every process: pid -> (parent pid, user + system CPU seconds so far)."""
+    processes = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                    fields = f.read().rsplit(")", 1)[1].split()
+                processes[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
             except (OSError, IndexError, ValueError):      # gone meanwhile
                 continue
-            children.setdefault(ppid, []).append(int(entry))
-    return children
+    return processes
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU time so far of a process and its descendants alive now."""
-    children, todo, total = _children(), [pid], 0.0
+def tree_cpu_seconds(*pids: int) -> float:
+    """User + system CPU time so far of the processes and their descendants alive now."""
+    processes = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in processes.items():
+        children.setdefault(ppid, []).append(pid)
+    todo, seen = list(pids), set()
     while todo:
-        p = todo.pop()
-        todo.extend(children.get(p, ()))
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            todo.extend(children.get(pid, ()))
+    return sum(processes[pid][1] for pid in seen if pid in processes)
 
 
 def wait_quiet(pids: list[int], cores: float = 0.2, window_s: float = 0.25, timeout_s: float = 15.0) -> float:
     """Until the trees of `pids` together use less than `cores` over a window (at most timeout_s);
     returns the seconds waited."""
     start = time.monotonic()
-    before = sum(tree_cpu_seconds(p) for p in pids)
+    before = tree_cpu_seconds(*pids)
     while time.monotonic() - start < timeout_s:
         time.sleep(window_s)
-        now = sum(tree_cpu_seconds(p) for p in pids)
+        now = tree_cpu_seconds(*pids)
         if now - before < cores * window_s:
             break
         before = now

@@ -220,7 +220,7 @@ def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor, for_kerne
     starts = meta.cu_seqlens_q.cpu().numpy()
     lens = meta.seq_lens.cpu().numpy().astype(np.int64)
     one_token = np.diff(starts) == 1
-    decode = np.flatnonzero(one_token) if not for_kernel else np.zeros(0, dtype=np.int64)
+    decode = np.zeros(0, dtype=np.int64) if for_kernel else np.flatnonzero(one_token)
     order = decode[np.argsort(lens[decode], kind="stable")]
     group_tokens = max(block_size, GROUP_KV_BYTES // (2 * kv_heads * dim * k_cache.element_size()))
     groups, i = [], 0
