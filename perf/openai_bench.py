@@ -10,6 +10,10 @@ By default the engine's torch threads take every core, as in `make serve`, so th
 CPU comes out of the engine's. `--engine-threads N` gives the engine N threads and leaves the other
 cores to tritonserver's frontends and the OpenAI server (what vLLM-CPU's
 VLLM_CPU_NUM_OF_RESERVED_CPU does for its API server).
+
+Last, the transports the OpenAI server could read Triton with, compared at the highest
+concurrency: this process's CPU per streamed token over gRPC (tritonclient.grpc.aio, what the
+server used first) and over HTTP generate_stream (aiohttp, what it uses), alternated over rounds.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ sys.path[:0] = PATHS
 
 from inflight.serving.launch import ServerProcess, make_repository  # noqa: E402
 from inflight_client.openai_server.process import OpenAIServerProcess  # noqa: E402
+from inflight_client.openai_server.triton import LLMResponse, TritonLLM  # noqa: E402
+from inflight_client.streams import grpc_inputs, grpc_responses  # noqa: E402
 from perf import workloads  # noqa: E402
 from perf.bench_stats import RequestRecord, summarize  # noqa: E402
 from perf.quiet import tree_cpu_seconds, wait_quiet  # noqa: E402
@@ -86,6 +92,75 @@ async def run(send, items, concurrency: int) -> list[RequestRecord]:
     return records
 
 
+async def grpc_transport(url: str, items, sampling, concurrency: int) -> int:
+    """What the OpenAI server did before: a tritonclient.grpc.aio stream per request on one
+    channel, each response decoded into an LLMResponse; returns the tokens read."""
+    import tritonclient.grpc.aio as grpcclient
+    tokens, slots = 0, asyncio.Semaphore(concurrency)
+
+    def texts(array) -> list[str]:
+        return [value.decode() for value in array.reshape(-1)]
+
+    async def one(client, item):
+        nonlocal tokens
+        inputs = grpc_inputs(item.prompt_token_ids, True, sampling(item), **TRANSPORT_FLAGS)
+        async with slots:
+            async for outputs, _, error in grpc_responses(client, "llm", inputs):
+                assert error is None, error
+                if outputs:
+                    response = LLMResponse(texts(outputs["text_output"]), texts(outputs["finish_reason"]),
+                                           outputs["num_output_tokens"].reshape(-1).tolist(), [None],
+                                           int(outputs["num_input_tokens"].reshape(-1)[0]))
+                    tokens += sum(response.num_output_tokens)
+    async with grpcclient.InferenceServerClient(url) as client:
+        await asyncio.gather(*(one(client, item) for item in items))
+    return tokens
+
+
+async def http_transport(url: str, items, sampling, concurrency: int) -> int:
+    """The OpenAI server's own path: TritonLLM (aiohttp, Triton's generate_stream)."""
+    llm = TritonLLM(url)
+    await llm.start()
+    tokens, slots = 0, asyncio.Semaphore(concurrency)
+
+    async def one(item):
+        nonlocal tokens
+        async with slots:
+            async for response in llm.generate(item.prompt_token_ids, sampling(item), True):
+                tokens += sum(response.num_output_tokens)
+    try:
+        await asyncio.gather(*(one(item) for item in items))
+    finally:
+        await llm.close()
+    return tokens
+
+
+TRANSPORT_FLAGS = {"exclude_input_in_output": True, "return_finish_reason": True, "return_num_input_tokens": True,
+                   "return_num_output_tokens": True}
+
+
+def compare_transports(triton, items, concurrency: int, rounds: int) -> dict[str, list[float]]:
+    """This process's CPU per streamed token reading the same streams from Triton over gRPC and
+    over HTTP, alternated over rounds (uvloop, as in the OpenAI server)."""
+    import uvloop
+
+    def sampling(item):
+        return {"max_tokens": item.max_tokens, "ignore_eos": True, "temperature": 0}
+
+    ways = {"grpc": lambda: grpc_transport(triton.grpc_url, items, sampling, concurrency),
+            "http": lambda: http_transport(triton.http_url, items, sampling, concurrency)}
+    cpu_ms = {name: [] for name in ways}
+    for r in range(rounds):
+        for name in (list(ways) if r % 2 == 0 else list(reversed(ways))):
+            wait_quiet([triton.process.pid])
+            start = time.process_time()
+            tokens = uvloop.run(ways[name]())
+            cpu_ms[name].append((time.process_time() - start) / tokens * 1000)
+            print(f"  transports round {r + 1} {name}: {cpu_ms[name][-1]:.3f} ms of client CPU per token",
+                  file=sys.stderr, flush=True)
+    return cpu_ms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -104,15 +179,18 @@ def main() -> None:
     model = os.path.basename(model_dir)
     results = {}
     with ServerProcess(repo, log_path=os.path.join(tmp, "tritonserver.log")) as triton, \
-            OpenAIServerProcess(triton.grpc_url, model_dir, log_path=os.path.join(tmp, "openai.log"),
+            OpenAIServerProcess(triton.http_url, model_dir, log_path=os.path.join(tmp, "openai.log"),
                                 env={"PYTHONPATH": os.pathsep.join(PATHS)}) as api:
         paths = {
             "triton": lambda http, item, record: triton_stream(http, f"http://{triton.http_url}", item, record),
             "openai": lambda http, item, record: openai_stream(http, api.base_url, model, item, record),
         }
-        warm = workloads.uniform(8, vocab_size, seed=99, prompt=(32, 128), output=(8, 16))
+        # a full batch on both paths first: the first 64-stream run on a fresh server was ~20% slower
+        # (kernels and oneDNN primitives met at every batch size), which skewed round 1's ratio
+        concurrency = max(args.concurrency)
+        warm = workloads.uniform(2 * concurrency, vocab_size, seed=99, prompt=(32, 256), output=(16, 32))
         for send in paths.values():
-            asyncio.run(run(send, warm, 8))
+            asyncio.run(run(send, warm, concurrency))
         for concurrency in args.concurrency:
             n = max(8, args.requests * concurrency // max(args.concurrency))
             items = workloads.uniform(n, vocab_size, seed=concurrency, prompt=(32, 256), output=(64, 128))
@@ -132,6 +210,7 @@ def main() -> None:
                           f"{summary['openai_server_cpu_s']:.2f} s of {summary['makespan_s']:.1f} s",
                           file=sys.stderr, flush=True)
             results[concurrency] = rounds
+        transports = compare_transports(triton, items, concurrency, args.rounds)
     print(f"{'streams':>7}  {'Triton tok/s':>12}  {'OpenAI tok/s':>12}  {'ratio':>6}  "
           f"{'Triton TTFT p50':>15}  {'OpenAI TTFT p50':>15}  {'added':>8}")
     report = {}
@@ -151,9 +230,15 @@ def main() -> None:
     for concurrency, row in report.items():
         print(f"OpenAI server CPU at {concurrency} streams: {row['openai_server_cpu_ms_per_token']:.3f} ms per "
               f"generated token")
+    grpc_ms, http_ms = (statistics.median(transports[name]) for name in ("grpc", "http"))
+    ratio = statistics.median(g / h for g, h in zip(transports["grpc"], transports["http"]))
+    print(f"reading {max(args.concurrency)} streams from Triton, client CPU per token: gRPC (tritonclient.grpc.aio) "
+          f"{grpc_ms:.3f} ms, HTTP generate_stream (aiohttp, the OpenAI server's) {http_ms:.3f} ms: "
+          f"gRPC/HTTP {ratio:.2f}x")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"engine": engine, "model": model_dir, "results": report}, f, indent=2)
+        json.dump({"engine": engine, "model": model_dir, "results": report,
+                   "transport_client_cpu_ms_per_token": transports}, f, indent=2)
 
 
 if __name__ == "__main__":

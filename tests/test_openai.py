@@ -38,7 +38,7 @@ def openai_server(triton_url: str, tmp_path, *extra) -> OpenAIServerProcess:
 @pytest.fixture(scope="module")
 def api(server, tmp_path_factory):
     # constrained JSON without free whitespace: the tiny random test model would fill max_tokens with it
-    with openai_server(server.grpc_url, tmp_path_factory.mktemp("openai"), "--disable-any-whitespace",
+    with openai_server(server.http_url, tmp_path_factory.mktemp("openai"), "--disable-any-whitespace",
                        "--lora-modules", ADAPTER) as process:
         yield process
 
@@ -119,7 +119,7 @@ def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, refere
     messages = [{"role": "user", "content": "Lists"}]
     ids = tokenizer("<s><user> Lists ", add_special_tokens=False)["input_ids"]
     with_tools = tokenizer("<s>[get_weather][add]<user> Lists ", add_special_tokens=False)["input_ids"]
-    with openai_server(server.grpc_url, tmp_path, "--chat-template", str(template)) as other:
+    with openai_server(server.http_url, tmp_path, "--chat-template", str(template)) as other:
         other_client = openai.OpenAI(base_url=other.base_url, api_key="-")
         reply = other_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
         # tool_choice "none": the tools only reach the template
@@ -179,6 +179,17 @@ def test_logprobs_in_both_shapes(client, reference_engine, tokenizer):
         assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob and c.bytes == list(c.token.encode())
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_a_whole_output_with_top_20_logprobs_arrives_whole(client):
+    """Triton sends a non-streamed output as one event; with 400 tokens of top-20 log-probabilities
+    it is ~0.5 MB, far past an HTTP client's usual line limit."""
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=400, temperature=0, logprobs=20,
+                                      extra_body={"ignore_eos": True})
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == 400 and whole.usage.completion_tokens == 400
+    assert all(len(top) == 20 for top in lp.top_logprobs)
+    assert "".join(lp.tokens) == whole.choices[0].text
 
 
 def test_50_concurrent_async_streams_are_all_correct(api, reference_engine, tokenizer):
@@ -391,7 +402,7 @@ def test_queue_full_is_429_and_triton_gone_is_503(tmp_path):
                            {**TEST_ENGINE, "max_num_seqs": 1, "max_queue_size": 1})
     triton = ServerProcess(repo).start()
     try:
-        with openai_server(triton.grpc_url, tmp_path) as api:
+        with openai_server(triton.http_url, tmp_path) as api:
             async def main():
                 body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 500, "ignore_eos": True, "stream": True}
                 async with httpx.AsyncClient(base_url=api.base_url, timeout=120) as http:

@@ -413,7 +413,7 @@ def start_openai_server(children: Children, model_repository: str, endpoints: En
     try:
         settings = Settings.load(os.path.join(model_repository, "llm", "1"))
         lora_names = sorted(settings.lora_modules)      # each adapter of multi_lora.json is a model id
-        openai = OpenAIServerProcess(f"localhost:{endpoints.grpc_port}", settings.model_dir,
+        openai = OpenAIServerProcess(f"localhost:{endpoints.http_port}", settings.model_dir,
                                      port=endpoints.openai_port, host="0.0.0.0",
                                      extra=["--lora-modules", *lora_names] if lora_names else [])
         children.processes.append(openai.start(wait=True, timeout_s=60).process)

@@ -1,7 +1,7 @@
 """inflight-openai: the OpenAI-compatible server in front of a Triton `llm` model.
 
-  inflight-openai --triton-url localhost:8001 --model-dir model_repository/llm/1/inflight-tiny
-  inflight-openai --triton-url triton:8001 --tokenizer /ckpt/Llama-3-8B-Instruct \\
+  inflight-openai --triton-url localhost:8000 --model-dir model_repository/llm/1/inflight-tiny
+  inflight-openai --triton-url triton:8000 --tokenizer /ckpt/Llama-3-8B-Instruct \\
       --served-model-name llama-3-8b --chat-template chat.jinja --port 9000 --lora-modules sql-bot
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from .app import Settings, create_app
 def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="inflight-openai", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--triton-url", default="localhost:8001", help="Triton's gRPC address (host:port)")
+    parser.add_argument("--triton-url", default="localhost:8000", help="Triton's HTTP address (host:port)")
     parser.add_argument("--triton-model", default="llm", help="the Triton model with the vLLM backend's tensors")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model-dir", help="the checkpoint directory Triton serves (its tokenizer; its name "

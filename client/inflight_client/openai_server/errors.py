@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import re
 
-import grpc
-
 TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
          500: "internal_error", 503: "service_unavailable"}
 
@@ -46,11 +44,3 @@ def from_triton(message: str) -> APIError:
         return APIError(503, message)
     return APIError(400, message, param=_named_field(message))
 
-
-def from_grpc(error: grpc.RpcError, url: str) -> APIError:
-    """The gRPC call itself failed: Triton unreachable, or going away."""
-    code = error.code() if hasattr(error, "code") else None
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return APIError(503, f"Triton at {url} is not reachable")
-    details = error.details() if hasattr(error, "details") else str(error)
-    return APIError(503, f"Triton at {url} failed the request: {details}")

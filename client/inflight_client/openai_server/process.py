@@ -1,5 +1,5 @@
 """The OpenAI server as a child process (used by `make serve`, the tests and the benchmark):
-`with OpenAIServerProcess("localhost:8001", model_dir) as server: server.base_url`."""
+`with OpenAIServerProcess("localhost:8000", model_dir) as server: server.base_url`."""
 from __future__ import annotations
 
 import os
