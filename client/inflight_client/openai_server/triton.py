@@ -4,9 +4,9 @@ are `llm`'s responses, read into LLMResponses. Leaving early closes the request'
 which Triton takes as the request's cancellation (the engine aborts it and frees its blocks).
 
 HTTP rather than Triton's gRPC stream: per streamed token, receiving a response through
-tritonclient's grpc.aio stack costs this process ~0.19 ms of CPU, reading the same response as an
-event with aiohttp ~0.07 ms (README, "The OpenAI server: overhead"), and on a small host that
-CPU is taken from the engine."""
+tritonclient's grpc.aio stack costs this process ~0.24 ms of CPU, reading the same response as an
+event with aiohttp ~0.08 ms (`make bench-openai`; README, "The OpenAI server: overhead"): CPU that
+a small host takes from the engine, and that caps what one server process can forward."""
 from __future__ import annotations
 
 import json
@@ -44,10 +44,14 @@ def parse_event(event: dict) -> LLMResponse:
 async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
     """The JSON of each `data:` event (however long: a whole output's logprobs can exceed
     aiohttp's line limit)."""
-    pending = b""
+    pending = bytearray()
     async for data in response.content.iter_any():
+        start = max(len(pending) - 1, 0)          # a blank line can straddle two reads
         pending += data
-        *events, pending = pending.split(b"\n\n")
+        if pending.find(b"\n\n", start) < 0:     # a long event, still arriving
+            continue
+        *events, rest = pending.split(b"\n\n")
+        pending = bytearray(rest)
         for raw in events:
             if raw.startswith(b"data:"):
                 yield json.loads(raw[5:])
