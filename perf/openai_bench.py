@@ -92,6 +92,11 @@ async def run(send, items, concurrency: int) -> list[RequestRecord]:
     return records
 
 
+# the outputs TritonLLM asks llm for (no logprobs here), so that both transports read the same responses
+TRANSPORT_FLAGS = {"exclude_input_in_output": True, "return_finish_reason": True, "return_num_input_tokens": True,
+                   "return_num_output_tokens": True}
+
+
 async def grpc_transport(url: str, items, sampling, concurrency: int) -> int:
     """What the OpenAI server did before: a tritonclient.grpc.aio stream per request on one
     channel, each response decoded into an LLMResponse; returns the tokens read."""
@@ -133,10 +138,6 @@ async def http_transport(url: str, items, sampling, concurrency: int) -> int:
     finally:
         await llm.close()
     return tokens
-
-
-TRANSPORT_FLAGS = {"exclude_input_in_output": True, "return_finish_reason": True, "return_num_input_tokens": True,
-                   "return_num_output_tokens": True}
 
 
 def compare_transports(triton, items, concurrency: int, rounds: int) -> dict[str, list[float]]:
@@ -185,15 +186,19 @@ def main() -> None:
             "triton": lambda http, item, record: triton_stream(http, f"http://{triton.http_url}", item, record),
             "openai": lambda http, item, record: openai_stream(http, api.base_url, model, item, record),
         }
+        highest = max(args.concurrency)
+
+        def workload(concurrency: int):
+            n = max(8, args.requests * concurrency // highest)
+            return workloads.uniform(n, vocab_size, seed=concurrency, prompt=(32, 256), output=(64, 128))
+
         # a full batch on both paths first: the first 64-stream run on a fresh server was ~20% slower
         # (kernels and oneDNN primitives met at every batch size), which skewed round 1's ratio
-        concurrency = max(args.concurrency)
-        warm = workloads.uniform(2 * concurrency, vocab_size, seed=99, prompt=(32, 256), output=(16, 32))
+        warm = workloads.uniform(2 * highest, vocab_size, seed=99, prompt=(32, 256), output=(16, 32))
         for send in paths.values():
-            asyncio.run(run(send, warm, concurrency))
+            asyncio.run(run(send, warm, highest))
         for concurrency in args.concurrency:
-            n = max(8, args.requests * concurrency // max(args.concurrency))
-            items = workloads.uniform(n, vocab_size, seed=concurrency, prompt=(32, 256), output=(64, 128))
+            items = workload(concurrency)
             rounds = {name: [] for name in paths}
             for r in range(args.rounds):
                 order = list(paths) if r % 2 == 0 else list(reversed(paths))
@@ -211,7 +216,7 @@ def main() -> None:
                           f"{summary['openai_server_cpu_s']:.2f} s of {summary['makespan_s']:.1f} s",
                           file=sys.stderr, flush=True)
             results[concurrency] = rounds
-        transports = compare_transports(triton, items, concurrency, args.rounds)
+        transports = compare_transports(triton, workload(highest), highest, args.rounds)
     print(f"{'streams':>7}  {'Triton tok/s':>12}  {'OpenAI tok/s':>12}  {'ratio':>6}  "
           f"{'Triton TTFT p50':>15}  {'OpenAI TTFT p50':>15}  {'added':>8}")
     report = {}
@@ -243,7 +248,7 @@ def main() -> None:
               f"generated token")
     grpc_ms, http_ms = (statistics.median(transports[name]) for name in ("grpc", "http"))
     ratio = statistics.median(g / h for g, h in zip(transports["grpc"], transports["http"]))
-    print(f"reading {max(args.concurrency)} streams from Triton, client CPU per token: gRPC (tritonclient.grpc.aio) "
+    print(f"reading {highest} streams from Triton, client CPU per token: gRPC (tritonclient.grpc.aio) "
           f"{grpc_ms:.3f} ms, HTTP generate_stream (aiohttp, the OpenAI server's) {http_ms:.3f} ms: "
           f"gRPC/HTTP {ratio:.2f}x")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
