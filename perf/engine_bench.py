@@ -194,15 +194,18 @@ def _timed(fn, times: list):
 
 @contextlib.contextmanager
 def compiled_kernel_timer():
-    """Seconds of each compiled decode-attention call (a ctypes call, invisible to torch.profiler)."""
+    """Seconds of each compiled attention call (ctypes calls, invisible to torch.profiler)."""
     kernels, times = cpu_kernels.load(), []
+    names = ("paged_decode_attention", "paged_prefill_attention")
     if kernels is not None:
-        kernels.paged_decode_attention = _timed(kernels.paged_decode_attention, times)
+        for name in names:
+            setattr(kernels, name, _timed(getattr(kernels, name), times))
     try:
         yield times
     finally:
         if kernels is not None:
-            del kernels.paged_decode_attention
+            for name in names:
+                delattr(kernels, name)
 
 
 def host_overhead(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) -> dict:

@@ -1,4 +1,4 @@
-"""The compiled CPU decode-attention kernel (cpu_kernels.cpp through attention.compiled_paged_attention):
+"""The compiled CPU attention kernels, decode and prefill (cpu_kernels.cpp through attention.compiled_paged_attention):
 the reference's result on random mixed steps, deterministic, built once into the cache, and the
 torch path with one logged line where it cannot be built."""
 import logging
@@ -58,8 +58,19 @@ def test_random_mixed_steps_match_the_reference(kernels, seed):
     torch.testing.assert_close(run(kernels, step).double(), reference(step), atol=ATOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group, head_dim", [(1, 64), (4, 128), (16, 256), (2, 24)])
+def test_long_prefill_chunks_match_the_reference(kernels, dtype, group, head_dim):
+    """Prefill chunks over many of the prefill kernel's tiles (64 query rows, 32 keys): fresh,
+    after a context, ending mid-tile, next to decodes."""
+    cases = [(1, 40), (200, 200), (1, 333), (97, 400), (95, 95 + 33), (3, 3), (2, 700)]
+    step = make_step(cases, 2 * group, 2, head_dim, 16, dtype, seed=group, strided=group == 4)
+    torch.testing.assert_close(run(kernels, step).double(), reference(step), atol=ATOL[dtype], rtol=0)
+
+
 def test_results_are_bitwise_the_same_with_any_thread_count(kernels):
-    step = make_step([(1, n) for n in (700, 3, 129, 40, 1, 260)] + [(5, 30)], 8, 2, 64, 16, torch.bfloat16)
+    step = make_step([(1, n) for n in (700, 3, 129, 40, 1, 260)] + [(5, 30), (150, 300)], 8, 2, 64, 16,
+                     torch.bfloat16)
     saved = torch.get_num_threads()
     outs = []
     try:

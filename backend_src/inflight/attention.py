@@ -197,30 +197,16 @@ class CpuAttentionPlan:
     groups: list[DecodeGroup]
     prefills: list[tuple[int, int, int]]        # (sequence, first query row, end row) of the others
     prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)   # by prefill, from the first layer
-    kernel_prefills: list["KernelPrefill"] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class KernelPrefill:
-    """A prefill chunk as the compiled decode kernel takes it: row j of the chunk is a one-token
-    query whose context is the sequence's first (position of row j) + 1 tokens, every row reading
-    the sequence's block-table row (repeated with stride 0)."""
-    start: int
-    end: int
-    cu_seqlens_q: torch.Tensor       # int32 [n + 1]: 0, 1, ..., n
-    seq_lens: torch.Tensor           # int32 [n]: each row's causal context length
-    block_table: torch.Tensor        # int32 [n, max_blocks], stride 0 over rows
-
-
-def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor, for_kernel: bool = False) -> CpuAttentionPlan:
-    """The prefill chunks, and the decodes cut into groups for the torch path (for_kernel: the
-    chunks as KernelPrefills instead; the compiled kernel reads the block table itself)."""
+def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> CpuAttentionPlan:
+    """The prefill chunks, and the decodes cut into groups for the torch path."""
     block_size, kv_heads, dim = k_cache.shape[1:]
     device = k_cache.device          # the torch backend also runs on CUDA when asked for
     starts = meta.cu_seqlens_q.cpu().numpy()
     lens = meta.seq_lens.cpu().numpy().astype(np.int64)
     one_token = np.diff(starts) == 1
-    decode = np.zeros(0, dtype=np.int64) if for_kernel else np.flatnonzero(one_token)
+    decode = np.flatnonzero(one_token)
     order = decode[np.argsort(lens[decode], kind="stable")]
     group_tokens = max(block_size, GROUP_KV_BYTES // (2 * kv_heads * dim * k_cache.element_size()))
     groups, i = [], 0
@@ -239,14 +225,7 @@ def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor, for_kerne
                                   num_blocks))
         i = j
     prefills = [(int(s), int(starts[s]), int(starts[s + 1])) for s in np.flatnonzero(~one_token)]
-    plan = CpuAttentionPlan(groups, prefills)
-    if for_kernel:
-        for seq, start, end in prefills:
-            n, first = end - start, int(lens[seq]) - (end - start)
-            plan.kernel_prefills.append(KernelPrefill(
-                start, end, torch.arange(n + 1, dtype=torch.int32),
-                torch.arange(first + 1, first + n + 1, dtype=torch.int32), meta.block_table[seq].expand(n, -1)))
-    return plan
+    return CpuAttentionPlan(groups, prefills)
 
 
 def grouped_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
@@ -284,18 +263,15 @@ def _compiled_backend(device: torch.device, dtype: torch.dtype) -> Callable:
 def compiled_paged_attention(kernels: "cpu_kernels.CpuKernels", q: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
                              scale: float) -> torch.Tensor:
-    """The CPU backend with the compiled kernel (cpu_kernels.cpp): every query reads its K/V in
-    place through the block table, a prefill chunk's rows each up to its own position."""
+    """The CPU backend with the compiled kernels (cpu_kernels.cpp): every query reads its K/V in
+    place through the block table; decodes one token each, prefill chunks a tile of tokens each."""
     kv_heads, dim = k_cache.shape[2:]
     if not kernels.supports(q.dtype, q.shape[1], kv_heads, dim):
         return grouped_paged_attention(q, k_cache, v_cache, out, meta, scale)
-    if meta.cpu_plan is None:
-        meta.cpu_plan = plan_cpu_attention(meta, k_cache, for_kernel=True)
-    kernels.paged_decode_attention(q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_table,
-                                   scale)
-    for chunk in meta.cpu_plan.kernel_prefills:
-        kernels.paged_decode_attention(q[chunk.start:chunk.end], k_cache, v_cache, out[chunk.start:chunk.end],
-                                       chunk.cu_seqlens_q, chunk.seq_lens, chunk.block_table, scale)
+    args = (q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_table, scale)
+    kernels.paged_decode_attention(*args)
+    if meta.num_real_tokens > len(meta.seq_lens):       # some sequence has several query tokens
+        kernels.paged_prefill_attention(*args)
     return out
 
 

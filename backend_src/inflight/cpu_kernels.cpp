@@ -8,12 +8,16 @@
 // over OpenMP threads; each item is computed by one thread in a fixed order, so results do not
 // depend on the thread count or the schedule.
 //
+// paged_prefill_attention: the sequences with several query tokens (prefill chunks), a tile of
+// tokens at a time, so that each K/V row read serves the whole tile (see prefill_tile).
+//
 // Also the layer's small ops, one call each where torch takes several (rms_norm, rotary,
 // silu_and_mul, write_kv) and the sampler's argmax, rounding as the torch expressions do, and
 // the LoRA adapters' terms of a step (lora_add).
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 #ifdef __AVX512F__
@@ -68,6 +72,26 @@ inline v16f load16(const bf16 *p) {
 #endif
 }
 
+// round to the dtype and back, 16 lanes: bf16 by round-to-nearest-even on the bits (as torch
+// does; NaN stays a quiet NaN)
+inline v16u bf16_bits(v16f x) {
+    v16u bits;
+    memcpy(&bits, &x, 64);
+    const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded;
+}
+inline v16f rounded16(v16f x, const float *) { return x; }
+inline v16f rounded16(v16f x, const bf16 *) {
+    const v16u bits = bf16_bits(x) << 16;
+    v16f v;
+    memcpy(&v, &bits, 64);
+    return v;
+}
+inline void store16(float *p, v16f x) { memcpy(p, &x, 64); }
+inline void store16(bf16 *p, v16f x) {
+    const v16h h = __builtin_convertvector(bf16_bits(x), v16h);
+    memcpy(p, &h, 32);
+}
 template <typename T, int NC>
 inline void load_row(const T *p, int dim, v16f *row) {
     for (int c = 0; c < NC; ++c) {
@@ -357,30 +381,290 @@ void paged_decode_attention(const T *q, const int64_t *q_strides, const T *k_cac
     }
 }
 
+// ---- prefill chunks: many query tokens of one sequence at a time
+// A work item is a tile of a chunk's consecutive query tokens with all the query heads of one KV
+// head (up to PREFILL_ROWS rows) against the keys up to the tile's last position, vectorised over
+// the rows, 16 to a register: Q is transposed once per item, and each K and V element, read in
+// place and as stored, is broadcast against 16 rows at once. A context row is loaded once per tile
+// instead of once per query token (as the decode layout above would), and the arithmetic runs as
+// a small matrix product. bf16 with AVX512-BF16 (PAIRS) takes both products with the bf16 dot
+// product: Q as pairs of dims against K pairs; the probabilities, rounded to bf16 as torch's flash
+// attention rounds them, as pairs of keys against V pairs.
+constexpr int PREFILL_ROWS = 64;
+// keeps a loaded vector in its register: GCC otherwise loads it again from L1 for each of the four
+// products that use it, and the loads, not the products, become the limit (without AVX-512 a
+// 16-lane vector is two registers, and the hint is left out)
+template <typename V>
+inline void in_register(V &x) {
+#ifdef __AVX512F__
+    asm("" : "+v"(x));
+#endif
+}   // rows of a work item: tokens x the KV head's query heads
+constexpr int PREFILL_KEYS = 32;   // keys per online-softmax step
+
+template <typename T, bool PAIRS, int RV, typename KRow, typename VRow>
+void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRow k_row, VRow v_row, int dim,
+                  int group, int kv_head, int tokens, int first_pos, float scale, T *out,
+                  int64_t out_token_stride, int64_t out_head_stride) {
+    const int rows = tokens * group;
+    const int steps = PAIRS ? dim / 2 : dim;               // products that make one score
+    const int out_dims = PAIRS ? (dim + 31) / 32 * 32 : dim;   // PAIRS: whole 32-dim chunks, pv_lane order
+    alignas(64) uint32_t qt[MAX_DIM][PREFILL_ROWS];        // Q transposed: float bits, or bf16 pairs
+    alignas(64) float acc[MAX_DIM][PREFILL_ROWS];          // the output transposed, not yet normalised
+    alignas(64) float scores[PREFILL_KEYS][PREFILL_ROWS];
+    const T *k_rows[PREFILL_KEYS], *v_rows[PREFILL_KEYS];
+    for (int s = 0; s < steps; ++s) memset(qt[s], 0, sizeof(qt[s]));
+    for (int r = 0; r < rows; ++r) {
+        const T *src = q + (int64_t)(r / group) * q_token_stride + (int64_t)(kv_head * group + r % group) * q_head_stride;
+        for (int s = 0; s < steps; ++s) {
+            if constexpr (PAIRS) {
+                memcpy(&qt[s][r], src + 2 * s, 4);
+            } else {
+                const float x = to_float(src[s]);
+                memcpy(&qt[s][r], &x, 4);
+            }
+        }
+    }
+    for (int d = 0; d < out_dims; ++d) std::fill_n(acc[d], 16 * RV, 0.0f);
+    v16f running_max[RV], running_sum[RV];
+    v16i position[RV];             // each row's token position: its keys end there
+    for (int v = 0; v < RV; ++v) {
+        running_max[v] = (v16f){} - INFINITY;
+        running_sum[v] = (v16f){};
+        for (int lane = 0; lane < 16; ++lane) {
+            const int r = 16 * v + lane;
+            position[v][lane] = first_pos + (r < rows ? r : rows - 1) / group;
+        }
+    }
+    const int last = first_pos + tokens - 1;
+    for (int first = 0; first <= last; first += PREFILL_KEYS) {
+        const int n = last + 1 - first < PREFILL_KEYS ? last + 1 - first : PREFILL_KEYS;
+        const int n4 = (n + 3) / 4 * 4;          // keys past n (n < PREFILL_KEYS) lie past `last`: masked below
+        for (int t = 0; t < n4; ++t) {
+            k_rows[t] = k_row(first + (t < n ? t : n - 1));
+            v_rows[t] = v_row(first + (t < n ? t : n - 1));
+        }
+        // scores, four keys against every row vector at a time
+        for (int t = 0; t < n4; t += 4) {
+            if (t + 4 < n) {
+                for (int i = 0; i < 4 && t + 4 + i < n; ++i) prefetch_row(k_rows[t + 4 + i], dim);
+            }
+            for (int i = 0; i < 4; ++i) prefetch_row(v_rows[t + i], dim);
+            v16f s[4][RV];
+#ifdef __AVX512BF16__
+            if constexpr (PAIRS) {
+                __m512 a[4][RV];       // (__m512 throughout: through v16f, GCC reloaded Q for every product)
+                for (int i = 0; i < 4; ++i)
+                    for (int v = 0; v < RV; ++v) a[i][v] = _mm512_setzero_ps();
+                for (int j = 0; j < steps; ++j) {
+                    __m512bh qv[RV];
+                    for (int v = 0; v < RV; ++v) {
+                        qv[v] = (__m512bh)_mm512_load_si512(&qt[j][16 * v]);
+                        in_register(qv[v]);
+                    }
+                    for (int i = 0; i < 4; ++i) {
+                        int32_t pair;
+                        memcpy(&pair, k_rows[t + i] + 2 * j, 4);
+                        const __m512bh kv = (__m512bh)_mm512_set1_epi32(pair);
+                        for (int v = 0; v < RV; ++v) a[i][v] = _mm512_dpbf16_ps(a[i][v], qv[v], kv);
+                    }
+                }
+                for (int i = 0; i < 4; ++i)
+                    for (int v = 0; v < RV; ++v) s[i][v] = (v16f)a[i][v];
+            } else
+#endif
+            {
+                for (int i = 0; i < 4; ++i)
+                    for (int v = 0; v < RV; ++v) s[i][v] = (v16f){};
+                for (int j = 0; j < steps; ++j) {
+                    v16f qv[RV];
+                    for (int v = 0; v < RV; ++v) {
+                        memcpy(&qv[v], &qt[j][16 * v], 64);
+                        in_register(qv[v]);
+                    }
+                    for (int i = 0; i < 4; ++i) {
+                        const float kf = to_float(k_rows[t + i][j]);
+                        for (int v = 0; v < RV; ++v) s[i][v] += qv[v] * kf;
+                    }
+                }
+            }
+            for (int i = 0; i < 4; ++i)
+                for (int v = 0; v < RV; ++v) {
+                    v16f x = s[i][v] * scale;
+                    if (first + t + i > first_pos)          // causal: a key past a row's position
+                        x = ((v16i){} + (first + t + i)) > position[v] ? (v16f){} - INFINITY : x;
+                    memcpy(&scores[t + i][16 * v], &x, 64);
+                }
+        }
+        // online softmax, row vector by row vector (each row keeps key 0, so its maximum is finite)
+        v16f correction[RV];
+        for (int v = 0; v < RV; ++v) {
+            v16f tile_max = (v16f){} - INFINITY;
+            for (int t = 0; t < n4; ++t) {
+                const v16f x = load16(&scores[t][16 * v]);
+                tile_max = x > tile_max ? x : tile_max;
+            }
+            const v16f new_max = tile_max > running_max[v] ? tile_max : running_max[v];
+            correction[v] = exp_nonpositive(running_max[v] - new_max);
+            v16f sum = {};
+            for (int t = 0; t < n4; ++t) {
+                const v16f p = exp_nonpositive(load16(&scores[t][16 * v]) - new_max);
+                memcpy(&scores[t][16 * v], &p, 64);
+                sum += p;
+            }
+            running_sum[v] = running_sum[v] * correction[v] + sum;
+            running_max[v] = new_max;
+        }
+#ifdef __AVX512BF16__
+        if constexpr (PAIRS) {
+            // V as pairs of keys dim by dim (pv_lane order), the probabilities as pairs of keys
+            alignas(64) uint32_t v_pairs[PREFILL_KEYS / 2][MAX_DIM];
+            alignas(64) uint32_t p_pairs[PREFILL_KEYS / 2][PREFILL_ROWS];
+            const int pairs = (n + 1) / 2;
+            const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            for (int u = 0; u < pairs; ++u) {
+                const T *r0 = v_rows[2 * u], *r1 = 2 * u + 1 < n ? v_rows[2 * u + 1] : r0;   // (p = 0 for it)
+                for (int c = 0; c < out_dims / 32; ++c) {
+                    const int left = dim - 32 * c;
+                    const __mmask32 m = left >= 32 ? 0xffffffffu : (1u << left) - 1u;
+                    const __m512i a = _mm512_maskz_loadu_epi16(m, r0 + 32 * c), b = _mm512_maskz_loadu_epi16(m, r1 + 32 * c);
+                    _mm512_store_si512(&v_pairs[u][32 * c], _mm512_unpacklo_epi16(a, b));
+                    _mm512_store_si512(&v_pairs[u][32 * c + 16], _mm512_unpackhi_epi16(a, b));
+                }
+                for (int v = 0; v < RV; ++v) {
+                    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(&scores[2 * u + 1][16 * v]),
+                                                              _mm512_load_ps(&scores[2 * u][16 * v]));
+                    _mm512_store_si512(&p_pairs[u][16 * v], _mm512_permutexvar_epi16(interleave, (__m512i)both));
+                }
+            }
+            for (int d = 0; d < out_dims; d += 4) {
+                __m512 o[4][RV];
+                for (int i = 0; i < 4; ++i)
+                    for (int v = 0; v < RV; ++v) o[i][v] = _mm512_load_ps(&acc[d + i][16 * v]) * (__m512)correction[v];
+                for (int u = 0; u < pairs; ++u) {
+                    __m512bh pv[RV];
+                    for (int v = 0; v < RV; ++v) {
+                        pv[v] = (__m512bh)_mm512_load_si512(&p_pairs[u][16 * v]);
+                        in_register(pv[v]);
+                    }
+                    for (int i = 0; i < 4; ++i) {
+                        const __m512bh vv = (__m512bh)_mm512_set1_epi32((int32_t)v_pairs[u][d + i]);
+                        for (int v = 0; v < RV; ++v) o[i][v] = _mm512_dpbf16_ps(o[i][v], pv[v], vv);
+                    }
+                }
+                for (int i = 0; i < 4; ++i)
+                    for (int v = 0; v < RV; ++v) _mm512_store_ps(&acc[d + i][16 * v], o[i][v]);
+            }
+            continue;
+        }
+#endif
+        for (int d = 0; d < dim; d += 4) {
+            const int width = dim - d < 4 ? dim - d : 4;
+            v16f o[4][RV];
+            for (int i = 0; i < width; ++i)
+                for (int v = 0; v < RV; ++v) o[i][v] = load16(&acc[d + i][16 * v]) * correction[v];
+            for (int t = 0; t < n; ++t) {
+                v16f p[RV];
+                for (int v = 0; v < RV; ++v) {
+                    p[v] = load16(&scores[t][16 * v]);
+                    in_register(p[v]);
+                }
+                for (int i = 0; i < width; ++i) {
+                    const float x = to_float(v_rows[t][d + i]);
+                    for (int v = 0; v < RV; ++v) o[i][v] += p[v] * x;
+                }
+            }
+            for (int i = 0; i < width; ++i)
+                for (int v = 0; v < RV; ++v) memcpy(&acc[d + i][16 * v], &o[i][v], 64);
+        }
+    }
+    int lane[MAX_DIM];
+    for (int d = 0; d < dim; ++d) lane[d] = PAIRS ? pv_lane(d) : d;
+    for (int v = 0; v < RV; ++v) {
+        T *dst[16];
+        const int count = rows - 16 * v < 16 ? rows - 16 * v : 16;
+        for (int i = 0; i < count; ++i) {
+            const int r = 16 * v + i;
+            dst[i] = out + (int64_t)(r / group) * out_token_stride + (int64_t)(kv_head * group + r % group) * out_head_stride;
+        }
+        const v16f inv = 1.0f / running_sum[v];
+        for (int d = 0; d < dim; ++d) {
+            T values[16];
+            store16(values, load16(&acc[lane[d]][16 * v]) * inv);
+            for (int i = 0; i < count; ++i) dst[i][d] = values[i];
+        }
+    }
+}
+
+// the same arguments as paged_decode_attention; computes the sequences with more than one query
+// token (prefill chunks: query token i of n sits at position seq_len - n + i), leaves the others
+template <typename T>
+void paged_prefill_attention(const T *q, const int64_t *q_strides, const T *k_cache, const int64_t *k_strides,
+                             const T *v_cache, const int64_t *v_strides, T *out, const int64_t *out_strides,
+                             const int32_t *cu_seqlens_q, const int32_t *seq_lens, const int32_t *block_table,
+                             int64_t block_table_stride, int num_seqs, int num_heads, int num_kv_heads, int dim,
+                             int block_size, float scale, int num_threads) {
+    const int group = num_heads / num_kv_heads;
+    const int tile_tokens = PREFILL_ROWS / group;
+    struct Tile { int seq, first, tokens, end; };
+    std::vector<Tile> tiles;
+    for (int seq = 0; seq < num_seqs; ++seq) {
+        const int n = cu_seqlens_q[seq + 1] - cu_seqlens_q[seq];
+        if (n < 2) continue;
+        for (int first = 0; first < n; first += tile_tokens) {
+            const int tokens = n - first < tile_tokens ? n - first : tile_tokens;
+            tiles.push_back({seq, first, tokens, seq_lens[seq] - n + first + tokens});
+        }
+    }
+    // the longest contexts first, so that the dynamic schedule ends evenly
+    std::stable_sort(tiles.begin(), tiles.end(), [](const Tile &a, const Tile &b) { return a.end > b.end; });
+#ifdef __AVX512BF16__
+    constexpr bool bf16_dot = std::is_same_v<T, bf16>;
+#else
+    constexpr bool bf16_dot = false;
+#endif
+    const bool pairs = bf16_dot && dim % 2 == 0;
+    const int64_t items = (int64_t)tiles.size() * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < items; ++item) {
+        const Tile &tile = tiles[item / num_kv_heads];
+        const int kv_head = (int)(item % num_kv_heads);
+        const int token = cu_seqlens_q[tile.seq] + tile.first;
+        const int first_pos = tile.end - tile.tokens;
+        const int32_t *blocks = block_table + tile.seq * block_table_stride;
+        const T *k_head = k_cache + kv_head * k_strides[2], *v_head = v_cache + kv_head * v_strides[2];
+        auto k_row = [&](int pos) { return k_head + blocks[pos / block_size] * k_strides[0] + (pos % block_size) * k_strides[1]; };
+        auto v_row = [&](int pos) { return v_head + blocks[pos / block_size] * v_strides[0] + (pos % block_size) * v_strides[1]; };
+        const T *q_tile = q + token * q_strides[0];
+        T *out_tile = out + token * out_strides[0];
+#define INFLIGHT_PREFILL(P, RV) prefill_tile<T, P, RV>(q_tile, q_strides[0], q_strides[1], k_row, v_row, dim, group, \
+                                                     kv_head, tile.tokens, first_pos, scale, out_tile, out_strides[0], \
+                                                     out_strides[1])
+#define INFLIGHT_PREFILL_RV(P) switch ((tile.tokens * group + 15) / 16) { \
+            case 1: INFLIGHT_PREFILL(P, 1); break;                          \
+            case 2: INFLIGHT_PREFILL(P, 2); break;                          \
+            case 3: INFLIGHT_PREFILL(P, 3); break;                          \
+            default: INFLIGHT_PREFILL(P, 4); break;                         \
+        }
+        if constexpr (bf16_dot) {
+            if (pairs) {
+                INFLIGHT_PREFILL_RV(true)
+                continue;
+            }
+        }
+        {
+            INFLIGHT_PREFILL_RV(false)
+        }
+#undef INFLIGHT_PREFILL_RV
+#undef INFLIGHT_PREFILL
+    }
+}
+
 // ---- the layer's small ops, fused (decode steps are a few dozen rows: one call instead of several
 // torch ops, each of which costs more to dispatch than to compute). They round like the torch
 // expressions they replace (each product and sum rounded to the tensor's dtype, no contraction).
 
-// round to the dtype and back, 16 lanes: bf16 by round-to-nearest-even on the bits (as torch
-// does; NaN stays a quiet NaN)
-inline v16u bf16_bits(v16f x) {
-    v16u bits;
-    memcpy(&bits, &x, 64);
-    const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    return (bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded;
-}
-inline v16f rounded16(v16f x, const float *) { return x; }
-inline v16f rounded16(v16f x, const bf16 *) {
-    const v16u bits = bf16_bits(x) << 16;
-    v16f v;
-    memcpy(&v, &bits, 64);
-    return v;
-}
-inline void store16(float *p, v16f x) { memcpy(p, &x, 64); }
-inline void store16(bf16 *p, v16f x) {
-    const v16h h = __builtin_convertvector(bf16_bits(x), v16h);
-    memcpy(p, &h, 32);
-}
 template <typename T>
 inline float rounded(float x) { T r; from_float(x, &r); return to_float(r); }
 
@@ -663,18 +947,21 @@ int inflight_kernel_limits(int *max_dim, int *max_group) {
     return 0;
 }
 
-#define DECODE_ENTRY(NAME, T)                                                                                  \
-    void NAME(const T *q, const int64_t *q_strides, const T *k_cache, const int64_t *k_strides, const T *v_cache, \
-              const int64_t *v_strides, T *out, const int64_t *out_strides, const int32_t *cu_seqlens_q,          \
-              const int32_t *seq_lens, const int32_t *block_table, int64_t block_table_stride, int num_seqs,      \
-              int num_heads, int num_kv_heads, int dim, int block_size, float scale, int num_threads) {          \
-        paged_decode_attention<T>(q, q_strides, k_cache, k_strides, v_cache, v_strides, out, out_strides,       \
-                                  cu_seqlens_q, seq_lens, block_table, block_table_stride, num_seqs, num_heads,  \
-                                  num_kv_heads, dim, block_size, scale, num_threads);                            \
+#define ATTENTION_ENTRY(KERNEL, SUFFIX, T)                                                                        \
+    void KERNEL##_##SUFFIX(const T *q, const int64_t *q_strides, const T *k_cache, const int64_t *k_strides,       \
+                           const T *v_cache, const int64_t *v_strides, T *out, const int64_t *out_strides,          \
+                           const int32_t *cu_seqlens_q, const int32_t *seq_lens, const int32_t *block_table,        \
+                           int64_t block_table_stride, int num_seqs, int num_heads, int num_kv_heads, int dim,       \
+                           int block_size, float scale, int num_threads) {                                          \
+        KERNEL<T>(q, q_strides, k_cache, k_strides, v_cache, v_strides, out, out_strides, cu_seqlens_q, seq_lens,   \
+                  block_table, block_table_stride, num_seqs, num_heads, num_kv_heads, dim, block_size, scale,        \
+                  num_threads);                                                                                     \
     }
 
-DECODE_ENTRY(paged_decode_attention_f32, float)
-DECODE_ENTRY(paged_decode_attention_bf16, bf16)
+ATTENTION_ENTRY(paged_decode_attention, f32, float)
+ATTENTION_ENTRY(paged_decode_attention, bf16, bf16)
+ATTENTION_ENTRY(paged_prefill_attention, f32, float)
+ATTENTION_ENTRY(paged_prefill_attention, bf16, bf16)
 
 #define ROW_OPS_ENTRY(SUFFIX, T)                                                                              \
     void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *weight, T *out, int64_t out_stride, int64_t rows, \

@@ -47,7 +47,8 @@ class CpuKernels:
         lib.inflight_kernel_limits(ctypes.byref(max_dim), ctypes.byref(max_group))
         self.max_dim, self.max_group = max_dim.value, max_group.value
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        signatures = {"paged_decode_attention": [p, p, p, p, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32],
+        attention = [p, p, p, p, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32]
+        signatures = {"paged_decode_attention": attention, "paged_prefill_attention": attention,
                       "rms_norm": [p, i64, p, p, i64, i64, i32, f32, i32],
                       "rotary": [p, i64, i64, p, p, i64, p, i64, i32, i32, i32],
                       "silu_and_mul": [p, i64, p, i64, i64, i32, i32],
@@ -70,6 +71,16 @@ class CpuKernels:
                                out: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                                block_table: torch.Tensor, scale: float) -> None:
         """out[t] for every sequence with one query token t (the others are left as they are)."""
+        self._attention("paged_decode_attention", q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, scale)
+
+    def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                out: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                                block_table: torch.Tensor, scale: float) -> None:
+        """out for every sequence with several query tokens, token i of n at position
+        seq_len - n + i (the one-token sequences are left as they are)."""
+        self._attention("paged_prefill_attention", q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, scale)
+
+    def _attention(self, op: str, q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, scale) -> None:
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
             assert t.dtype == q.dtype and t.stride(-1) == 1 and t.device.type == "cpu", name
         for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens), ("block_table", block_table)):
@@ -79,12 +90,11 @@ class CpuKernels:
         if num_seqs == 0:
             return
         _, block_size, num_kv_heads, dim = k_cache.shape
-        self.fns["paged_decode_attention", q.dtype](
+        self.fns[op, q.dtype](
             q.data_ptr(), _strides(q, 2), k_cache.data_ptr(), _strides(k_cache, 3), v_cache.data_ptr(),
             _strides(v_cache, 3), out.data_ptr(), _strides(out, 2), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(),
             block_table.data_ptr(), block_table.stride(0), num_seqs, q.shape[1], num_kv_heads, dim, block_size,
             scale, torch.get_num_threads())
-
 
     # ---- the layer's small ops: x a CPU tensor of one of DTYPES, the last dim contiguous ----------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
