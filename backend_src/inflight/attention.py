@@ -9,9 +9,9 @@ block_table [num_seqs, max_blocks_per_seq]. The queries of sequence i are its la
 full prefills alike.
 
 On CPU, `compiled_paged_attention` (backend "cpu", the default for float32 and bfloat16) runs
-every query through the compiled kernel of cpu_kernels.cpp, which reads K/V in place through the
-block table: one-token queries as they are, a prefill chunk's rows each as a one-token query
-whose context ends at its own position (causal; 1.5-3x faster than gathering the context for
+every query through the compiled kernels of cpu_kernels.cpp, which read K/V in place through the
+block table: one-token queries through the decode kernel, prefill chunks through the prefill
+kernel a tile of query tokens at a time (causal; 3-4x faster than gathering the context for
 SDPA). Two torch implementations over the same layout: `paged_attention`, the reference the tests
 compare against, and `grouped_paged_attention`, the CPU fallback (backend "torch": float64, or no
 compiler). The reference pads every decoding sequence to the longest and copies the whole batch's K/V into one

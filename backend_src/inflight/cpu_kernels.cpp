@@ -390,7 +390,10 @@ void paged_decode_attention(const T *q, const int64_t *q_strides, const T *k_cac
 // a small matrix product. bf16 with AVX512-BF16 (PAIRS) takes both products with the bf16 dot
 // product: Q as pairs of dims against K pairs; the probabilities, rounded to bf16 as torch's flash
 // attention rounds them, as pairs of keys against V pairs.
-constexpr int PREFILL_ROWS = 64;
+constexpr int PREFILL_ROWS = 64;   // rows of a work item: tokens x the KV head's query heads
+constexpr int PREFILL_KEYS = 32;   // keys per online-softmax step
+static_assert(PREFILL_ROWS >= MAX_GROUP, "a work item holds at least one token's query heads");
+
 // keeps a loaded vector in its register: GCC otherwise loads it again from L1 for each of the four
 // products that use it, and the loads, not the products, become the limit (without AVX-512 a
 // 16-lane vector is two registers, and the hint is left out)
@@ -399,8 +402,7 @@ inline void in_register(V &x) {
 #ifdef __AVX512F__
     asm("" : "+v"(x));
 #endif
-}   // rows of a work item: tokens x the KV head's query heads
-constexpr int PREFILL_KEYS = 32;   // keys per online-softmax step
+}
 
 template <typename T, bool PAIRS, int RV, typename KRow, typename VRow>
 void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRow k_row, VRow v_row, int dim,
@@ -453,7 +455,7 @@ void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRo
             v16f s[4][RV];
 #ifdef __AVX512BF16__
             if constexpr (PAIRS) {
-                __m512 a[4][RV];       // (__m512 throughout: through v16f, GCC reloaded Q for every product)
+                __m512 a[4][RV];
                 for (int i = 0; i < 4; ++i)
                     for (int v = 0; v < RV; ++v) a[i][v] = _mm512_setzero_ps();
                 for (int j = 0; j < steps; ++j) {
