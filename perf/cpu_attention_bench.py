@@ -256,9 +256,9 @@ def main() -> None:
         print(f"{name:16s}" + "".join(f"{results[d][name]:14.2f}" for d in results))
     prefill = prefill_table(args.rounds)
     print("\none fresh prefill, ms")
-    print(f"{'option':28s}" + "".join(f"{str(n) + ' tokens':>14s}" for n in prefill))
+    print(f"{'option':32s}" + "".join(f"{str(n) + ' tokens':>14s}" for n in prefill))
     for name in prefill[PREFILL_LENGTHS[0]]:
-        print(f"{name:28s}" + "".join(f"{prefill[n][name]:14.2f}" for n in prefill))
+        print(f"{name:32s}" + "".join(f"{prefill[n][name]:14.2f}" for n in prefill))
     for n, r in prefill.items():
         kernel = r["paged: compiled kernel (cpu)"]
         print(f"prefill of {n} tokens: the compiled kernel is {r['paged: gather + SDPA (torch)'] / kernel:.2f}x "
