@@ -404,6 +404,25 @@ inline void in_register(V &x) {
 #endif
 }
 
+#ifdef __AVX512BF16__
+// a[i][v] += sum over steps j < count of rows[j] (16 rows' bf16 pairs per vector v) times the pair
+// pair(j, i), broadcast: four outer-product columns at once with the bf16 dot product
+template <int RV, typename Pair>
+inline void dot_four_bf16(__m512 (*a)[RV], const uint32_t (*rows)[PREFILL_ROWS], int count, Pair pair) {
+    for (int j = 0; j < count; ++j) {
+        __m512bh r[RV];
+        for (int v = 0; v < RV; ++v) {
+            r[v] = (__m512bh)_mm512_load_si512(&rows[j][16 * v]);
+            in_register(r[v]);
+        }
+        for (int i = 0; i < 4; ++i) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(pair(j, i));
+            for (int v = 0; v < RV; ++v) a[i][v] = _mm512_dpbf16_ps(a[i][v], r[v], b);
+        }
+    }
+}
+#endif
+
 template <typename T, bool PAIRS, int RV, typename KRow, typename VRow>
 void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRow k_row, VRow v_row, int dim,
                   int group, int kv_head, int tokens, int first_pos, float scale, T *out,
@@ -458,19 +477,11 @@ void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRo
                 __m512 a[4][RV];
                 for (int i = 0; i < 4; ++i)
                     for (int v = 0; v < RV; ++v) a[i][v] = _mm512_setzero_ps();
-                for (int j = 0; j < steps; ++j) {
-                    __m512bh qv[RV];
-                    for (int v = 0; v < RV; ++v) {
-                        qv[v] = (__m512bh)_mm512_load_si512(&qt[j][16 * v]);
-                        in_register(qv[v]);
-                    }
-                    for (int i = 0; i < 4; ++i) {
-                        int32_t pair;
-                        memcpy(&pair, k_rows[t + i] + 2 * j, 4);
-                        const __m512bh kv = (__m512bh)_mm512_set1_epi32(pair);
-                        for (int v = 0; v < RV; ++v) a[i][v] = _mm512_dpbf16_ps(a[i][v], qv[v], kv);
-                    }
-                }
+                dot_four_bf16<RV>(a, qt, steps, [&](int j, int i) {     // Q's dims j against key t + i's
+                    int32_t pair;
+                    memcpy(&pair, k_rows[t + i] + 2 * j, 4);
+                    return pair;
+                });
                 for (int i = 0; i < 4; ++i)
                     for (int v = 0; v < RV; ++v) s[i][v] = (v16f)a[i][v];
             } else
@@ -544,17 +555,8 @@ void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRo
                 __m512 o[4][RV];
                 for (int i = 0; i < 4; ++i)
                     for (int v = 0; v < RV; ++v) o[i][v] = _mm512_load_ps(&acc[d + i][16 * v]) * (__m512)correction[v];
-                for (int u = 0; u < pairs; ++u) {
-                    __m512bh pv[RV];
-                    for (int v = 0; v < RV; ++v) {
-                        pv[v] = (__m512bh)_mm512_load_si512(&p_pairs[u][16 * v]);
-                        in_register(pv[v]);
-                    }
-                    for (int i = 0; i < 4; ++i) {
-                        const __m512bh vv = (__m512bh)_mm512_set1_epi32((int32_t)v_pairs[u][d + i]);
-                        for (int v = 0; v < RV; ++v) o[i][v] = _mm512_dpbf16_ps(o[i][v], pv[v], vv);
-                    }
-                }
+                // keys u's probabilities against their V at dims d + i
+                dot_four_bf16<RV>(o, p_pairs, pairs, [&](int u, int i) { return (int32_t)v_pairs[u][d + i]; });
                 for (int i = 0; i < 4; ++i)
                     for (int v = 0; v < RV; ++v) _mm512_store_ps(&acc[d + i][16 * v], o[i][v]);
             }
