@@ -1,6 +1,7 @@
-"""The compiled CPU attention kernels, decode and prefill (cpu_kernels.cpp through attention.compiled_paged_attention):
-the reference's result on random mixed steps, deterministic, built once into the cache, and the
-torch path with one logged line where it cannot be built."""
+"""The compiled CPU attention kernels, decode and prefill (cpu_kernels.cpp through
+attention.compiled_paged_attention): the reference's result on random mixed steps and long prefill
+chunks, deterministic, built once into the cache, and the torch path with one logged line where it
+cannot be built."""
 import logging
 import os
 
