@@ -135,6 +135,22 @@ inline v16f exp_any(v16f x) {
     return x > 88.7f ? (v16f){} + INFINITY : (x > 0.0f ? positive : e);
 }
 
+// one KV head's K (or V) row at each position of one sequence, read in place through its block-table
+// row: caches [blocks, block_size, kv_heads, dim] with strides (block, slot, head)
+template <typename T>
+struct PagedRows {
+    const T *head;
+    const int32_t *blocks;
+    int64_t block_stride, slot_stride;
+    int block_size;
+    PagedRows(const T *cache, const int64_t *strides, const int32_t *blocks, int kv_head, int block_size)
+        : head(cache + kv_head * strides[2]), blocks(blocks), block_stride(strides[0]), slot_stride(strides[1]),
+          block_size(block_size) {}
+    const T *operator()(int pos) const {
+        return head + blocks[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
+    }
+};
+
 template <typename T>
 inline void prefetch_row(const T *p, int dim) {
     for (int offset = 0; offset < dim * (int)sizeof(T); offset += 64) __builtin_prefetch((const char *)p + offset);
@@ -256,9 +272,8 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
 #ifdef __AVX512BF16__
     pv_bf16 = std::is_same_v<T, bf16> && dim == 16 * NC && NC % 2 == 0;
 #endif
-    const T *k_head = k_cache + kv_head * k_strides[2], *v_head = v_cache + kv_head * v_strides[2];
-    auto k_row = [&](int pos) { return k_head + blocks[pos / block_size] * k_strides[0] + (pos % block_size) * k_strides[1]; };
-    auto v_row = [&](int pos) { return v_head + blocks[pos / block_size] * v_strides[0] + (pos % block_size) * v_strides[1]; };
+    const PagedRows<T> k_row(k_cache, k_strides, blocks, kv_head, block_size);
+    const PagedRows<T> v_row(v_cache, v_strides, blocks, kv_head, block_size);
     for (int first = 0; first < seq_len; first += TILE) {
         const int n = seq_len - first < TILE ? seq_len - first : TILE;
 #ifdef __AVX512BF16__
@@ -637,9 +652,8 @@ void paged_prefill_attention(const T *q, const int64_t *q_strides, const T *k_ca
         const int token = cu_seqlens_q[tile.seq] + tile.first;
         const int first_pos = tile.end - tile.tokens;
         const int32_t *blocks = block_table + tile.seq * block_table_stride;
-        const T *k_head = k_cache + kv_head * k_strides[2], *v_head = v_cache + kv_head * v_strides[2];
-        auto k_row = [&](int pos) { return k_head + blocks[pos / block_size] * k_strides[0] + (pos % block_size) * k_strides[1]; };
-        auto v_row = [&](int pos) { return v_head + blocks[pos / block_size] * v_strides[0] + (pos % block_size) * v_strides[1]; };
+        const PagedRows<T> k_row(k_cache, k_strides, blocks, kv_head, block_size);
+        const PagedRows<T> v_row(v_cache, v_strides, blocks, kv_head, block_size);
         const T *q_tile = q + token * q_strides[0];
         T *out_tile = out + token * out_strides[0];
 #define INFLIGHT_PREFILL(P, RV) prefill_tile<T, P, RV>(q_tile, q_strides[0], q_strides[1], k_row, v_row, dim, group, \
