@@ -27,7 +27,8 @@
 namespace {
 
 constexpr int TILE = 64;           // keys per online-softmax step (their K/V rows stay in L1)
-constexpr int PREFETCH = 16;       // keys ahead to fetch from memory
+constexpr int PREFETCH = 16;       // keys ahead to fetch K into L1
+constexpr int PREFETCH_L2 = 48;    // keys ahead to fetch K and V into L2 (see fetch_ahead)
 constexpr int MAX_DIM = 256;       // head_dim limit (the loader checks it)
 constexpr int MAX_GROUP = 16;      // query heads per KV head limit
 
@@ -151,9 +152,26 @@ struct PagedRows {
     }
 };
 
-template <typename T>
+template <int LEVEL = 3, typename T>      // LEVEL: __builtin_prefetch's locality, 3 = into L1, 2 = into L2
 inline void prefetch_row(const T *p, int dim) {
-    for (int offset = 0; offset < dim * (int)sizeof(T); offset += 64) __builtin_prefetch((const char *)p + offset);
+    for (int offset = 0; offset < dim * (int)sizeof(T); offset += 64)
+        __builtin_prefetch((const char *)p + offset, 0, LEVEL);
+}
+
+// before a decode tile reads key pos: blocks sit anywhere in the pool, so the hardware prefetchers
+// do not run ahead across them. K PREFETCH keys ahead and this key's V (for the pass after the
+// softmax) into L1, and both PREFETCH_L2 keys ahead into L2, which has more misses in flight than
+// L1: fetching further ahead into L1 alone gained under 2%, the L2 step made a 64-sequence decode
+// layer 1.2-1.4x faster in both dtypes (caches flushed between calls). always_inline: GCC counts
+// prefetches as no side effect, so a call made of nothing else is deleted unless inlined early.
+template <typename KRow, typename VRow>
+__attribute__((always_inline)) inline void fetch_ahead(KRow k_row, VRow v_row, int pos, int seq_len, int dim) {
+    if (pos + PREFETCH_L2 < seq_len) {
+        prefetch_row<2>(k_row(pos + PREFETCH_L2), dim);
+        prefetch_row<2>(v_row(pos + PREFETCH_L2), dim);
+    }
+    if (pos + PREFETCH < seq_len) prefetch_row(k_row(pos + PREFETCH), dim);
+    prefetch_row(v_row(pos), dim);
 }
 
 // lanes 0, 4, 8, 12 = the sums of a, b, c, d
@@ -190,8 +208,7 @@ inline void score_tile_bf16(const bf16 *q, int64_t q_head_stride, KRow k_row, in
         return left >= 32 ? 0xffffffffu : left <= 0 ? 0u : (1u << left) - 1u;
     };
     for (int t = 0; t < n; ++t) {
-        if (first + t + PREFETCH < seq_len) prefetch_row(k_row(first + t + PREFETCH), dim);
-        prefetch_row(v_row(first + t), dim);
+        fetch_ahead(k_row, v_row, first + t, seq_len, dim);
         const bf16 *row = k_row(first + t);
         for (int p = 0; p < NP; ++p) keys[t][p] = _mm512_maskz_loadu_epi16(mask(p), row + 32 * p);
     }
@@ -283,10 +300,7 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
 #endif
         {
         for (int t = 0; t < n; ++t) {
-            // blocks sit anywhere in the pool: fetch K PREFETCH keys ahead, and this key's V for
-            // the pass below, so the loads do not wait on memory
-            if (first + t + PREFETCH < seq_len) prefetch_row(k_row(first + t + PREFETCH), dim);
-            prefetch_row(v_row(first + t), dim);
+            fetch_ahead(k_row, v_row, first + t, seq_len, dim);
             load_row<T, NC>(k_row(first + t), dim, rows[t]);
         }
         for (int t = n; t < (n + 3) / 4 * 4; ++t)
