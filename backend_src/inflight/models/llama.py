@@ -137,8 +137,9 @@ class Attention(nn.Module):
         q = rotate(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = rotate(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = torch.zeros_like(q)
         real = meta.num_real_tokens     # padding rows (static/dynamic policies) skip attention
+        out = torch.empty_like(q)       # attention writes every real row
+        out[real:].zero_()
         if real:
             backend.write_kv(k[:real], v[:real], k_cache, v_cache, meta.slot_mapping)
             backend.attention(q[:real], k_cache, v_cache, out[:real], meta, self.scale)
