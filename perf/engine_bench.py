@@ -224,11 +224,13 @@ def host_overhead(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) ->
         engine.step()
         walls.append(time.perf_counter() - start)
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof, compiled_kernel_timer() as kernel_times:
-        for _ in range(steps // 2):
+    computes = []       # one profile per step: a step stalled by another process skews only its own
+    for _ in range(steps // 2):
+        with profile(activities=[ProfilerActivity.CPU]) as prof, compiled_kernel_timer() as kernel_times:
             engine.step()
-    ops = prof.key_averages()
-    compute = (sum(e.self_cpu_time_total for e in ops if e.key in COMPUTE_OPS) / 1e6 + sum(kernel_times)) / (steps // 2)
+        computes.append(sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in COMPUTE_OPS) / 1e6
+                        + sum(kernel_times))
+    compute = statistics.median(computes)
     median = {k: statistics.median(v[-steps:]) for k, v in phases.items()}
     step = statistics.median(walls)
     outside_forward = median["schedule"] + median["pack"] + median["sample"] + median["update"]
