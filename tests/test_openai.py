@@ -81,6 +81,24 @@ def test_completions_streamed_and_not_equal_the_engine(client, reference_engine,
     assert echoed.choices[0].text == PROMPTS[0] + expected
 
 
+def test_a_stream_has_a_chunk_per_token_even_inside_a_character(client):
+    """As vLLM's server: every generated token gets its chunk, with empty text while a multi-byte
+    character is incomplete, so a client timing chunks sees the engine's pace. "你好" is six byte
+    tokens in the shipped vocabulary."""
+    constraint = {"structured_outputs": {"choice": ["你好"]}}
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body=constraint))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == "你好" and "" in texts
+    assert len(texts) == chunks[-1].usage.completion_tokens
+    chat = list(client.chat.completions.create(model=MODEL, messages=ASK, max_completion_tokens=16, stream=True,
+                                               stream_options={"include_usage": True}, extra_body=constraint))
+    deltas = [c.choices[0].delta.content for c in chat if c.choices][1:]      # after the role's chunk
+    assert "".join(deltas) == "你好" and "" in deltas
+    assert len(deltas) == chat[-1].usage.completion_tokens
+
+
 def test_token_array_prompts_and_lists_of_prompts(client, reference_engine, tokenizer):
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
     expected = reference(reference_engine, tokenizer, ids, 12)

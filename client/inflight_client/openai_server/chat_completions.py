@@ -74,8 +74,8 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
             first = False
             for index, text in enumerate(response.texts):
                 reason, positions = response.finish_reasons[index], response.logprobs[index]
-                if not text and reason is None and not positions:
-                    continue
+                if not (response.num_output_tokens[index] or text or reason or positions):
+                    continue        # this output had nothing in this step (n > 1: ended earlier)
                 logprobs = chat_logprobs(positions, top_n) if body.logprobs and positions is not None else None
                 if readers is None:
                     yield event({**head, "choices": [_choice(index, {"content": text}, logprobs, reason)]})

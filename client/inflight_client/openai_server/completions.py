@@ -58,8 +58,8 @@ async def _chunks(head: dict, body: CompletionRequest, responses, echoes: list[s
                 index = prompt_index * n + j
                 text = echoes[prompt_index] + generated if first else generated
                 reason, positions = response.finish_reasons[j], response.logprobs[j]
-                if not text and reason is None and not positions:
-                    continue
+                if not (response.num_output_tokens[j] or text or reason or positions):
+                    continue        # this output had nothing in this step (n > 1: ended earlier)
                 logprobs = None
                 if positions is not None:
                     logprobs = completion_logprobs(positions, offsets[index] + len(text) - len(generated))
