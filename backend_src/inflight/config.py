@@ -120,7 +120,9 @@ class SamplingParams:
                f"must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be an integer >= -1, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        # torch's generators take 64 bits; vLLM's API allows the signed range
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63), "seed",
+               f"must be an integer in [-2**63, 2**63), got {self.seed!r}")
         self.stop_token_ids = tuple(self.stop_token_ids)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be a list of non-negative integers")

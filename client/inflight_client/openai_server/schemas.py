@@ -88,6 +88,13 @@ class CompletionRequest(SamplingFields):
     def _check_completion(self):
         if self.prompt == "" or self.prompt == [] or any(p == "" or p == [] for p in self.prompts()):
             raise APIError(400, "'prompt' must not be empty", "prompt")
+        for prompt in self.prompts():
+            # `llm` checks ids against its vocabulary, but its input_ids are INT32: Triton would wrap
+            # a larger id into another one first
+            huge = [(i, t) for i, t in enumerate(prompt) if t >= 2**31] if isinstance(prompt, list) else []
+            if huge:
+                raise APIError(400, f"'prompt': token id {huge[0][1]} at position {huge[0][0]} is outside the "
+                               "vocabulary", "prompt")
         if self.suffix is not None:
             raise APIError(400, "'suffix' is not supported", "suffix")
         if self.best_of not in (None, 1):
