@@ -81,22 +81,29 @@ def test_completions_streamed_and_not_equal_the_engine(client, reference_engine,
     assert echoed.choices[0].text == PROMPTS[0] + expected
 
 
-def test_a_stream_has_a_chunk_per_token_even_inside_a_character(client):
+def test_a_stream_has_a_chunk_per_token_even_inside_a_character(client, tokenizer):
     """As vLLM's server: every generated token gets its chunk, with empty text while a multi-byte
     character is incomplete, so a client timing chunks sees the engine's pace. "你好" is six byte
-    tokens in the shipped vocabulary."""
+    tokens in the shipped vocabulary. With vLLM's `continuous_usage_stats` each chunk says its
+    choice's usage so far."""
     constraint = {"structured_outputs": {"choice": ["你好"]}}
+    options = {"include_usage": True, "continuous_usage_stats": True}
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body=constraint))
+                                            stream=True, stream_options=options, extra_body=constraint))
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert "".join(texts) == "你好" and "" in texts
     assert len(texts) == chunks[-1].usage.completion_tokens
+    assert [c.usage.completion_tokens for c in chunks if c.choices] == list(range(1, len(texts) + 1))
+    assert {c.usage.prompt_tokens for c in chunks} == {len(tokenizer(PROMPTS[2])["input_ids"])}
     chat = list(client.chat.completions.create(model=MODEL, messages=ASK, max_completion_tokens=16, stream=True,
-                                               stream_options={"include_usage": True}, extra_body=constraint))
+                                               stream_options=options, extra_body=constraint))
     deltas = [c.choices[0].delta.content for c in chat if c.choices][1:]      # after the role's chunk
     assert "".join(deltas) == "你好" and "" in deltas
     assert len(deltas) == chat[-1].usage.completion_tokens
+    assert [c.usage.completion_tokens for c in chat if c.choices] == list(range(len(deltas) + 1))
+    plain = list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert [c.usage for c in plain[:-1]] == [None] * (len(plain) - 1), "usage only at the end by default"
 
 
 def test_token_array_prompts_and_lists_of_prompts(client, reference_engine, tokenizer):

@@ -18,6 +18,7 @@ from .schemas import ChatCompletionRequest
 from .sse import event, sse_response
 from .structured import blame, request_constraints, single
 from .tools import ToolCallText, called_function, tool_constraint, tool_message
+from .triton import LLMResponse
 
 
 async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
@@ -60,32 +61,40 @@ def _choice(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
 
 
 async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int):
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    include_usage, continuous = body.stream_options.usage() if body.stream_options else (False, False)
     readers = [ToolCallText(called_function(body)) for _ in range(body.n)] if _calls_tools(body) else None
     usage = generation.Usage()
+    counts = [0] * body.n                   # each choice's tokens so far
+
+    def chunk(response: LLMResponse, index: int, delta: dict, logprobs=None, reason=None) -> bytes:
+        out = {**head, "choices": [_choice(index, delta, logprobs, reason)]}
+        if continuous:
+            out["usage"] = generation.usage_body(response.num_input_tokens, counts[index])
+        return event(out)
+
     first = True
     try:
         async for _, response in responses:
             if first:
                 for index in range(body.n):
-                    role = {"role": "assistant", "content": None if readers else ""}
-                    yield event({**head, "choices": [_choice(index, role)]})
+                    yield chunk(response, index, {"role": "assistant", "content": None if readers else ""})
             usage.add(response, first)
             first = False
             for index, text in enumerate(response.texts):
+                counts[index] += response.num_output_tokens[index]
                 reason, positions = response.finish_reasons[index], response.logprobs[index]
                 if not (response.num_output_tokens[index] or text or reason or positions):
                     continue        # this output had nothing in this step (n > 1: ended earlier)
                 logprobs = chat_logprobs(positions, top_n) if body.logprobs and positions is not None else None
                 if readers is None:
-                    yield event({**head, "choices": [_choice(index, {"content": text}, logprobs, reason)]})
+                    yield chunk(response, index, {"content": text}, logprobs, reason)
                     continue
                 calls = readers[index].feed(text)
                 if reason is not None:
                     reason = readers[index].finish_reason(reason)
                 if calls or reason is not None or logprobs is not None:
                     delta = {"tool_calls": calls} if calls else {}
-                    yield event({**head, "choices": [_choice(index, delta, logprobs, reason)]})
+                    yield chunk(response, index, delta, logprobs, reason)
     finally:
         await responses.aclose()
     if include_usage:

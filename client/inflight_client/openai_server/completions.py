@@ -45,9 +45,10 @@ async def create_completion(body: CompletionRequest, ctx: Context):
 
 async def _chunks(head: dict, body: CompletionRequest, responses, echoes: list[str]):
     n = body.n
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    include_usage, continuous = body.stream_options.usage() if body.stream_options else (False, False)
     usage = generation.Usage()
     offsets = [0] * (len(echoes) * n)          # each choice's text so far, for text_offset
+    counts = [0] * (len(echoes) * n)           # each choice's tokens so far
     seen = set()                                # prompts with a response
     try:
         async for prompt_index, response in responses:
@@ -56,6 +57,7 @@ async def _chunks(head: dict, body: CompletionRequest, responses, echoes: list[s
             usage.add(response, first)
             for j, generated in enumerate(response.texts):
                 index = prompt_index * n + j
+                counts[index] += response.num_output_tokens[j]
                 text = echoes[prompt_index] + generated if first else generated
                 reason, positions = response.finish_reasons[j], response.logprobs[j]
                 if not (response.num_output_tokens[j] or text or reason or positions):
@@ -64,8 +66,11 @@ async def _chunks(head: dict, body: CompletionRequest, responses, echoes: list[s
                 if positions is not None:
                     logprobs = completion_logprobs(positions, offsets[index] + len(text) - len(generated))
                 offsets[index] += len(text)
-                yield event({**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                                  "finish_reason": reason}]})
+                chunk = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                              "finish_reason": reason}]}
+                if continuous:
+                    chunk["usage"] = generation.usage_body(response.num_input_tokens, counts[index])
+                yield event(chunk)
     finally:
         await responses.aclose()
     if include_usage:

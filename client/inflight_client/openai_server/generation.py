@@ -29,8 +29,12 @@ class Usage:
         self.completion_tokens += sum(response.num_output_tokens)
 
     def body(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return usage_body(self.prompt_tokens, self.completion_tokens)
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 async def _collect(call: AsyncIterator[LLMResponse]) -> list[LLMResponse]:

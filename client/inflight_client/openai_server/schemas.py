@@ -33,6 +33,11 @@ class ResponseFormat(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False         # vLLM's: with include_usage, every chunk has its choice's usage
+
+    def usage(self) -> tuple[bool, bool]:
+        """(a usage chunk at the end, usage in every chunk): the second needs the first, as in vLLM."""
+        return self.include_usage, self.include_usage and self.continuous_usage_stats
 
 
 class SamplingFields(BaseModel):
