@@ -106,6 +106,16 @@ def test_a_stream_has_a_chunk_per_token_even_inside_a_character(client, tokenize
     assert [c.usage for c in plain[:-1]] == [None] * (len(plain) - 1), "usage only at the end by default"
 
 
+def test_penalties_reach_the_engine(client, reference_engine, tokenizer):
+    penalties = {"repetition_penalty": 1.8, "frequency_penalty": 0.5, "presence_penalty": 0.3}
+    expected = reference(reference_engine, tokenizer, PROMPTS[3:4], 24, **penalties)[0]
+    assert expected != reference(reference_engine, tokenizer, PROMPTS[3:4], 24)[0]
+    got = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0,
+                                    frequency_penalty=0.5, presence_penalty=0.3,
+                                    extra_body={"repetition_penalty": 1.8})
+    assert got.choices[0].text == expected
+
+
 def test_token_array_prompts_and_lists_of_prompts(client, reference_engine, tokenizer):
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
     expected = reference(reference_engine, tokenizer, ids, 12)
@@ -367,8 +377,8 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": [[1], [2, 10**12]]}, 400,
      "'prompt': token id 1000000000000 at position 1 is outside the vocabulary", "prompt"),
     ("completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "'seed' must be an integer in", "seed"),
-    ("completions", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "'presence_penalty'",
-     "presence_penalty"),
+    ("completions", {"model": MODEL, "prompt": "x", "presence_penalty": 3}, 400,
+     "'presence_penalty' must be a number in [-2, 2], got 3.0", "presence_penalty"),
     ("completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "'echo'", "echo"),
     ("completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "'stream_options'", "stream_options"),

@@ -73,6 +73,11 @@ def test_ensemble_streams_the_same_text_as_llm(server):
     http = http_stream(server.http_url, "ensemble", {"text_input": prompt, "max_tokens": 24, "temperature": 0.0,
                                                      "stream": True})
     assert http.text == llm.text
+    penalized = {"max_tokens": 24, "temperature": 0.0, "stream": True, "repetition_penalty": 1.8,
+                 "frequency_penalty": 0.5}
+    via_ensemble = http_stream(server.http_url, "ensemble", {"text_input": prompt, **penalized})
+    via_llm = http_stream(server.http_url, "llm", {"text_input": prompt, **penalized})
+    assert via_ensemble.error is None and via_ensemble.text == via_llm.text != llm.text
     whole = http_generate(server.http_url, "ensemble", {"text_input": prompt, "max_tokens": 24, "temperature": 0.0,
                                                         "exclude_input_in_output": True})
     assert whole["text_output"] == llm.text

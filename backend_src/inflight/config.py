@@ -106,6 +106,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None               # None: off; N >= 0: the sampled token's log-prob + the top N (vLLM)
+    repetition_penalty: float = 1.0           # 1: off (penalties.py)
+    frequency_penalty: float = 0.0            # 0: off
+    presence_penalty: float = 0.0             # 0: off
     bad_words_ids: tuple[tuple[int, ...], ...] = ()   # token sequences that must not be generated
     stop: tuple[str, ...] = field(default=())  # stop strings: applied by the detokenizing layer
     # vLLM's {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ebnf} | {"json_object": True}
@@ -120,9 +123,14 @@ class SamplingParams:
                f"must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be an integer >= -1, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        # torch's generators take 64 bits; vLLM's API allows the signed range
-        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**63), "seed",
-               f"must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        # torch's generators take 64 bits, signed (vLLM's API) or not (TensorRT-LLM's random_seed)
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
+               f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               f"must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):       # vLLM's and OpenAI's range
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, f"must be a number in [-2, 2], got {value!r}")
         self.stop_token_ids = tuple(self.stop_token_ids)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be a list of non-negative integers")

@@ -1,6 +1,7 @@
 """Logits -> next tokens for a whole step, with torch ops over the batch.
 
-Greedy rows take the argmax. Sampled rows apply temperature, top-k and top-p, then draw with the
+Bans (min_tokens, bad words) and penalties (penalties.py) come first. Greedy rows take the argmax.
+Sampled rows apply temperature, top-k and top-p, then draw with the
 exponential-race trick (argmax of p / E, E ~ Exp(1)), which needs exactly one noise vector per
 token: a seeded request draws it from its own generator, so its tokens do not depend on what else
 is in the batch. Log-probabilities (logprobs.py) are those of the model's own distribution.
@@ -15,6 +16,7 @@ import torch
 from . import cpu_kernels
 from .batch_table import BatchTable
 from .logprobs import StepLogprobs, step_logprobs
+from .penalties import apply_penalties
 
 
 class Sampler:
@@ -31,7 +33,7 @@ class Sampler:
         if logits.dtype != torch.float64:   # float64 stays: exactness tests compare argmaxes
             logits = logits.float()
         raw = logits
-        logits = self._apply_bans(logits, table, rows)
+        logits = apply_penalties(self._apply_bans(logits, table, rows), table, rows)
         if grammar_mask is not None:
             wants_raw = logits is raw and (table.num_logprobs[rows] >= 0).any()
             logits = grammar_mask(logits.clone() if wants_raw else logits)

@@ -34,11 +34,10 @@ KNOBS = {
     # vLLM's constraint object (or its JSON text); guided_decoding is its older name
     "structured_outputs": "constraint", "guided_decoding": "constraint",
     "lora_name": "str",
+    "repetition_penalty": "float", "frequency_penalty": "float", "presence_penalty": "float",
 }
 # per-request settings that may also come through the same channels
 SETTINGS = {"priority": "str", "cache_salt": "str", "n": "int", "include_stop_str_in_output": "bool"}
-# vLLM knobs accepted at their neutral value only (the engine has no penalties)
-NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
 # request parameters Triton or its clients set on their own; never sampling knobs
 IGNORED_PARAMETERS = {"triton_enable_empty_final_response", "sequence_id", "sequence_start", "sequence_end",
                       "priority_level", "timeout", "headers", "binary_data_output"}
@@ -172,13 +171,9 @@ def _knobs(sampling_parameters: str | None, parameters: dict) -> dict:
             raise RequestError(f"'{key}' is given both in 'sampling_parameters' and as a request parameter")
         merged[key] = value
     merged = {key: value for key, value in merged.items() if value is not None}
-    unknown = sorted(set(merged) - set(KNOBS) - set(SETTINGS) - set(NEUTRAL))
+    unknown = sorted(set(merged) - set(KNOBS) - set(SETTINGS))
     if unknown:
-        raise RequestError(f"unknown sampling parameter(s) {unknown}; known: "
-                           f"{sorted(KNOBS) + sorted(SETTINGS) + sorted(NEUTRAL)}")
-    for key, neutral in NEUTRAL.items():
-        if key in merged and _coerce(key, "float", merged.pop(key)) != neutral:
-            raise RequestError(f"'{key}' is not supported; only {neutral:g} (no penalty) is accepted")
+        raise RequestError(f"unknown sampling parameter(s) {unknown}; known: {sorted(KNOBS) + sorted(SETTINGS)}")
     return {key: _coerce(key, (KNOBS | SETTINGS)[key], value) for key, value in merged.items()}
 
 

@@ -246,7 +246,8 @@ class LLMModel:
 TRTLLM_KNOBS = {
     "max_tokens": ("max_tokens", int), "temperature": ("temperature", float), "top_k": ("top_k", int),
     "top_p": ("top_p", float), "min_tokens": ("min_tokens", int), "min_length": ("min_tokens", int),
-    "seed": ("seed", int), "random_seed": ("seed", int),
+    "seed": ("seed", int), "random_seed": ("seed", int), "repetition_penalty": ("repetition_penalty", float),
+    "frequency_penalty": ("frequency_penalty", float), "presence_penalty": ("presence_penalty", float),
 }
 # TensorRT-LLM guided_decoding_guide_type -> the llm's structured_outputs key (None: needs no guide)
 GUIDE_TYPES = {"json": None, "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
