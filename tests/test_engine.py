@@ -146,6 +146,11 @@ def test_requests_that_can_never_run_are_rejected_at_once(engine):
         engine.add_request("empty", [])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("oov", [5, engine.vocab_size])
+    # the sampler indexes the logits with these: an unchecked one failed the whole step
+    with pytest.raises(ValueError, match="'stop_token_ids': token id .* is outside the vocabulary"):
+        engine.add_request("stop-oov", [5], SamplingParams(min_tokens=2, stop_token_ids=[engine.vocab_size]))
+    with pytest.raises(ValueError, match="'bad_words_ids': token id .* is outside the vocabulary"):
+        engine.add_request("bad-oov", [5], SamplingParams(bad_words_ids=[[5, engine.vocab_size + 7]]))
     with pytest.raises(ValueError, match="'priority'"):
         engine.add_request("prio", [5], priority="urgent")
     engine.add_request("dup", [5], SamplingParams(max_tokens=1))

@@ -91,6 +91,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"'request_id' {request_id!r} is already in use")
         prompt = self._check_prompt(prompt_token_ids)
+        self._check_token_params(params)
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + 'max_tokens' ({params.max_tokens}) = {total} "
@@ -148,6 +149,15 @@ class LLMEngine:
             raise ValueError(f"'prompt_token_ids': token id {int(ids[bad[0]])} at position {int(bad[0])} "
                              f"is outside the vocabulary [0, {self.vocab_size})")
         return [int(t) for t in prompt]
+
+    def _check_token_params(self, params: SamplingParams) -> None:
+        """The sampler indexes the logits with these ids: one outside the vocabulary would fail the
+        whole step, so it is refused here."""
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("bad_words_ids", [t for word in params.bad_words_ids for t in word])):
+            outside = [t for t in ids if t >= self.vocab_size]
+            if outside:
+                raise ValueError(f"'{name}': token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
 
     def abort(self, request_id: str) -> bool:
         """End a request now (reported with finish reason 'abort' by the next step)."""
