@@ -148,8 +148,10 @@ ERRORS = [
     ({"text_input": "hi", "top_k": -2}, "'top_k'"),
     ({"text_input": "hi", "priority": "urgent"}, "'priority'"),
     ({"input_ids": [1, 99999], "max_tokens": 4}, "'input_ids': token id 99999 at position 1 is outside the vocabulary"),
-    ({"text_input": "hi", "min_tokens": 2, "stop_token_ids": [99999]}, "'stop_token_ids': token id 99999 is outside"),
-    ({"text_input": "hi", "bad_words_ids": [[99999]]}, "'bad_words_ids': token id 99999 is outside the vocabulary"),
+    ({"text_input": "hi", "sampling_parameters": '{"min_tokens": 2, "stop_token_ids": [99999]}'},
+     "'stop_token_ids': token id 99999 is outside the vocabulary"),
+    ({"text_input": "hi", "sampling_parameters": '{"bad_words_ids": [[99999]]}'},
+     "'bad_words_ids': token id 99999 is outside the vocabulary"),
 ]
 
 
