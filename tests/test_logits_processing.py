@@ -1,6 +1,9 @@
-"""Repetition, frequency and presence penalties: greedy token ids equal transformers' `generate`
-with the same penalties (its own repetition_penalty; OpenAI's frequency/presence definition as a
-logits processor), each request with its own penalties in one mixed batch, chunked and not."""
+"""vLLM's logits processing: repetition, frequency and presence penalties and logit_bias give the
+greedy token ids of transformers' `generate` with the same settings (its own repetition_penalty
+and sequence_bias; OpenAI's frequency/presence definition as a logits processor), each request
+with its own settings in one mixed batch, chunked and not; min_p keeps only tokens that likely."""
+import math
+
 import pytest
 import torch
 
@@ -11,7 +14,8 @@ from .test_exactness import text_workload
 
 PENALTIES = [{}, {"repetition_penalty": 1.8}, {"repetition_penalty": 0.7}, {"frequency_penalty": 1.5},
              {"presence_penalty": 2.0}, {"frequency_penalty": -0.5, "presence_penalty": 0.8},
-             {"repetition_penalty": 1.3, "frequency_penalty": 0.7, "presence_penalty": 0.4}]
+             {"repetition_penalty": 1.3, "frequency_penalty": 0.7, "presence_penalty": 0.4},
+             {"logit_bias": {13: 6.0, 271: -100.0}}, {"logit_bias": {397: 100.0}}]
 
 
 class OpenAIPenalties:
@@ -33,9 +37,10 @@ def hf_penalized(model, prompt, n, penalties) -> list[int]:
     processors = LogitsProcessorList([OpenAIPenalties(len(prompt), penalties.get("frequency_penalty", 0.0),
                                                       penalties.get("presence_penalty", 0.0))])
     eos = model.generation_config.eos_token_id
+    bias = {(token,): value for token, value in penalties.get("logit_bias", {}).items()} or None
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=0, do_sample=False,
                          repetition_penalty=penalties.get("repetition_penalty", 1.0), logits_processor=processors,
-                         eos_token_id=eos, pad_token_id=eos)
+                         sequence_bias=bias, eos_token_id=eos, pad_token_id=eos)
     return out[0, len(prompt):].tolist()
 
 
@@ -43,7 +48,7 @@ def hf_penalized(model, prompt, n, penalties) -> list[int]:
 def test_penalized_greedy_equals_transformers(tokenizer, budget):
     from transformers import AutoModelForCausalLM
     prompts, _ = text_workload(tokenizer, seed=7)
-    cases = [(prompts[i][:60], PENALTIES[i % len(PENALTIES)]) for i in range(14)]
+    cases = [(prompts[i][:60], PENALTIES[i % len(PENALTIES)]) for i in range(2 * len(PENALTIES))]
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float64", max_num_batched_tokens=budget))
     got = engine.generate([p for p, _ in cases], [SamplingParams(max_tokens=64, temperature=0, **penalties)
                                                   for _, penalties in cases])
@@ -56,15 +61,39 @@ def test_penalized_greedy_equals_transformers(tokenizer, budget):
     plain = engine.generate([p for p, _ in cases], SamplingParams(max_tokens=64, temperature=0))
     changed = [cases[i][1] for i, (g, p) in enumerate(zip(got, plain)) if g.token_ids != p.token_ids]
     assert {} not in changed
-    # the penalties must bite: repetition alone, and frequency/presence without it
-    assert {"repetition_penalty": 1.8} in changed and any("repetition_penalty" not in p for p in changed), changed
+    # each must bite: repetition alone, frequency/presence without it, the bias
+    assert {"repetition_penalty": 1.8} in changed and any(set(p) <= {"frequency_penalty", "presence_penalty"}
+                                                           for p in changed), changed
+    assert all(t == 397 for t in got[-1].token_ids), "a bias of 100 makes the token certain"
+
+
+def test_min_p_keeps_only_tokens_that_likely(tokenizer):
+    """A sampled token's probability is at least min_p x the likeliest token's (logprobs are the
+    model's own, at temperature 1); min_p = 1 leaves only the likeliest: the greedy output."""
+    prompts, _ = text_workload(tokenizer, seed=3)
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float64"))
+    batch = [p[:40] for p in prompts[:8]]
+    outs = engine.generate(batch, SamplingParams(max_tokens=32, temperature=1.0, min_p=0.2, seed=5, logprobs=1))
+    for out in outs:
+        for token, entry in zip(out.token_ids, out.logprobs):
+            best = next(e.logprob for e in entry.values() if e.rank == 1)
+            assert entry[token].logprob >= best + math.log(0.2) - 1e-9
+    free = engine.generate(batch, SamplingParams(max_tokens=32, temperature=1.0, seed=5, logprobs=1))
+    assert any(entry[t].logprob < next(e.logprob for e in entry.values() if e.rank == 1) + math.log(0.2)
+               for out in free for t, entry in zip(out.token_ids, out.logprobs)), "without min_p such tokens occur"
+    greedy = engine.generate(batch, SamplingParams(max_tokens=32, temperature=0))
+    certain = engine.generate(batch, SamplingParams(max_tokens=32, temperature=1.0, min_p=1.0, seed=5))
+    assert [o.token_ids for o in certain] == [o.token_ids for o in greedy]
 
 
 @pytest.mark.parametrize("knob, value, message", [
     ("repetition_penalty", 0, "'repetition_penalty' must be a finite number > 0"),
     ("frequency_penalty", 2.5, "'frequency_penalty' must be a number in [-2, 2]"),
     ("presence_penalty", float("nan"), "'presence_penalty' must be a number in [-2, 2]"),
+    ("min_p", 1.5, "'min_p' must be in [0, 1]"),
+    ("logit_bias", {5: 101}, "'logit_bias' must map token ids to numbers in [-100, 100]"),
+    ("logit_bias", {-1: 1}, "'logit_bias' must map token ids"),
 ])
-def test_out_of_range_penalties_name_the_field(knob, value, message):
+def test_out_of_range_settings_name_the_field(knob, value, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         SamplingParams(**{knob: value})

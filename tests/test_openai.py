@@ -106,7 +106,7 @@ def test_a_stream_has_a_chunk_per_token_even_inside_a_character(client, tokenize
     assert [c.usage for c in plain[:-1]] == [None] * (len(plain) - 1), "usage only at the end by default"
 
 
-def test_penalties_reach_the_engine(client, reference_engine, tokenizer):
+def test_penalties_logit_bias_and_min_p_reach_the_engine(client, reference_engine, tokenizer):
     penalties = {"repetition_penalty": 1.8, "frequency_penalty": 0.5, "presence_penalty": 0.3}
     expected = reference(reference_engine, tokenizer, PROMPTS[3:4], 24, **penalties)[0]
     assert expected != reference(reference_engine, tokenizer, PROMPTS[3:4], 24)[0]
@@ -114,6 +114,15 @@ def test_penalties_reach_the_engine(client, reference_engine, tokenizer):
                                     frequency_penalty=0.5, presence_penalty=0.3,
                                     extra_body={"repetition_penalty": 1.8})
     assert got.choices[0].text == expected
+    forced = tokenizer(" class", add_special_tokens=False)["input_ids"]
+    assert len(forced) == 1
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_completion_tokens=5, temperature=0,
+                                          logit_bias={str(forced[0]): 100})
+    assert chat.choices[0].message.content == " class" * 5
+    greedy = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=16, temperature=0)
+    certain = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=16, temperature=1, seed=3,
+                                        extra_body={"min_p": 1.0})
+    assert certain.choices[0].text == greedy.choices[0].text
 
 
 def test_token_array_prompts_and_lists_of_prompts(client, reference_engine, tokenizer):
@@ -377,6 +386,11 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": [[1], [2, 10**12]]}, 400,
      "'prompt': token id 1000000000000 at position 1 is outside the vocabulary", "prompt"),
     ("completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "'seed' must be an integer in", "seed"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"spam": 3}}, 400,
+     "'logit_bias' key 'spam' must be an integer", "logit_bias"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"99999": 3}}, 400,
+     "'logit_bias': token id 99999 is outside the vocabulary", "logit_bias"),
+    ("completions", {"model": MODEL, "prompt": "x", "min_p": 2}, 400, "'min_p' must be in [0, 1]", "min_p"),
     ("completions", {"model": MODEL, "prompt": "x", "presence_penalty": 3}, 400,
      "'presence_penalty' must be a number in [-2, 2], got 3.0", "presence_penalty"),
     ("completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "'echo'", "echo"),

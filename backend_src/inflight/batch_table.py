@@ -29,11 +29,13 @@ class BatchTable:
         self.temperature = np.zeros(rows, dtype=np.float32)
         self.top_k = np.zeros(rows, dtype=np.int32)
         self.top_p = np.ones(rows, dtype=np.float32)
+        self.min_p = np.zeros(rows, dtype=np.float32)
         self.num_logprobs = np.full(rows, -1, dtype=np.int32)   # -1: none; N: sampled token + top N
         self.repetition_penalty = np.ones(rows, dtype=np.float32)
         self.frequency_penalty = np.zeros(rows, dtype=np.float32)
         self.presence_penalty = np.zeros(rows, dtype=np.float32)
         self.has_bad_words = np.zeros(rows, dtype=bool)
+        self.has_logit_bias = np.zeros(rows, dtype=bool)
         self.constrained = np.zeros(rows, dtype=bool)          # has structured outputs (a grammar matcher)
         self.lora_slot = np.full(rows, -1, dtype=np.int32)      # LoRA adapter slot; -1: base model
         self.request_ids = np.empty(rows, dtype=object)
@@ -65,11 +67,13 @@ class BatchTable:
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k
         self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.repetition_penalty[row] = params.repetition_penalty
         self.frequency_penalty[row] = params.frequency_penalty
         self.presence_penalty[row] = params.presence_penalty
         self.has_bad_words[row] = bool(params.bad_words_ids)
+        self.has_logit_bias[row] = bool(params.logit_bias)
         self.constrained[row] = req.matcher is not None
         self.lora_slot[row] = req.lora_slot
         self.request_ids[row] = req.request_id

@@ -102,6 +102,7 @@ class SamplingParams:
     temperature: float = 1.0                  # 0 means greedy
     top_k: int = -1                           # -1 or 0: off
     top_p: float = 1.0
+    min_p: float = 0.0                        # drop tokens under min_p x the likeliest one's probability
     seed: int | None = None                   # per-request generator: same tokens in any batch
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -109,6 +110,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0           # 1: off (penalties.py)
     frequency_penalty: float = 0.0            # 0: off
     presence_penalty: float = 0.0             # 0: off
+    logit_bias: tuple[tuple[int, float], ...] = ()    # (token id, added to its logit): OpenAI's, given as a dict
     bad_words_ids: tuple[tuple[int, ...], ...] = ()   # token sequences that must not be generated
     stop: tuple[str, ...] = field(default=())  # stop strings: applied by the detokenizing layer
     # vLLM's {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ebnf} | {"json_object": True}
@@ -123,6 +125,11 @@ class SamplingParams:
                f"must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be an integer >= -1, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        self.logit_bias = tuple(tuple(entry) if isinstance(entry, (tuple, list)) else (entry,) for entry in bias)
+        _check(all(len(e) == 2 and _is_int(e[0]) and e[0] >= 0 and _is_number(e[1]) and -100 <= e[1] <= 100
+                   for e in self.logit_bias), "logit_bias", "must map token ids to numbers in [-100, 100]")
         # torch's generators take 64 bits, signed (vLLM's API) or not (TensorRT-LLM's random_seed)
         _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
                f"must be an integer in [-2**63, 2**64), got {self.seed!r}")

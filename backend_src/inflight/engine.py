@@ -154,7 +154,8 @@ class LLMEngine:
         """The sampler indexes the logits with these ids: one outside the vocabulary would fail the
         whole step, so it is refused here."""
         for name, ids in (("stop_token_ids", params.stop_token_ids),
-                          ("bad_words_ids", [t for word in params.bad_words_ids for t in word])):
+                          ("bad_words_ids", [t for word in params.bad_words_ids for t in word]),
+                          ("logit_bias", [t for t, _ in params.logit_bias])):
             outside = [t for t in ids if t >= self.vocab_size]
             if outside:
                 raise ValueError(f"'{name}': token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")

@@ -1,7 +1,7 @@
 """Logits -> next tokens for a whole step, with torch ops over the batch.
 
-Bans (min_tokens, bad words) and penalties (penalties.py) come first. Greedy rows take the argmax.
-Sampled rows apply temperature, top-k and top-p, then draw with the
+logit_bias, bans (min_tokens, bad words) and penalties (penalties.py) come first. Greedy rows take
+the argmax. Sampled rows apply temperature, min-p, top-k and top-p, then draw with the
 exponential-race trick (argmax of p / E, E ~ Exp(1)), which needs exactly one noise vector per
 token: a seeded request draws it from its own generator, so its tokens do not depend on what else
 is in the batch. Log-probabilities (logprobs.py) are those of the model's own distribution.
@@ -33,7 +33,7 @@ class Sampler:
         if logits.dtype != torch.float64:   # float64 stays: exactness tests compare argmaxes
             logits = logits.float()
         raw = logits
-        logits = apply_penalties(self._apply_bans(logits, table, rows), table, rows)
+        logits = apply_penalties(self._apply_bans(self._apply_bias(logits, table, rows), table, rows), table, rows)
         if grammar_mask is not None:
             wants_raw = logits is raw and (table.num_logprobs[rows] >= 0).any()
             logits = grammar_mask(logits.clone() if wants_raw else logits)
@@ -43,10 +43,23 @@ class Sampler:
         if sampled.size:
             index = torch.from_numpy(sampled).to(logits.device)
             probs = self._probs(logits[index], temperature[sampled], table.top_k[rows[sampled]],
-                                table.top_p[rows[sampled]])
+                                table.top_p[rows[sampled]], table.min_p[rows[sampled]])
             noise = self._noise(probs, table, rows[sampled])
             tokens[index] = (probs / noise).argmax(dim=-1)
         return tokens.cpu().numpy(), step_logprobs(raw, tokens, table.num_logprobs[rows])
+
+    @staticmethod
+    def _apply_bias(logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> torch.Tensor:
+        """OpenAI's logit_bias: each listed token's logit plus its bias (on a copy)."""
+        biased = np.flatnonzero(table.has_logit_bias[rows])
+        if not biased.size:
+            return logits
+        entries = [(i, token, bias) for i in biased.tolist()
+                   for token, bias in table.requests[int(rows[i])].params.logit_bias]
+        at, tokens, biases = zip(*entries)
+        logits = logits.clone()
+        logits[torch.tensor(at), torch.tensor(tokens)] += torch.tensor(biases, dtype=logits.dtype).to(logits.device)
+        return logits
 
     def _apply_bans(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> torch.Tensor:
         """-inf for stop tokens before min_tokens is reached, and for the last token of any bad
@@ -70,9 +83,14 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _probs(logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
+    def _probs(logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+               min_p: np.ndarray) -> torch.Tensor:
         device = logits.device
         logits = logits / torch.from_numpy(temperature).to(device, logits.dtype)[:, None]
+        if (min_p > 0).any():       # p < min_p x p_max  <=>  logit < max logit + log(min_p)
+            log_min_p = torch.from_numpy(min_p).to(device, logits.dtype).log()[:, None]
+            floor = logits.max(dim=-1, keepdim=True).values + log_min_p
+            logits = logits.masked_fill(logits < floor, -torch.inf)
         vocab = logits.shape[-1]
         k = np.where(top_k > 0, np.minimum(top_k, vocab), vocab)
         if (k < vocab).any() or (top_p < 1).any():

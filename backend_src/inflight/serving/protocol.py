@@ -35,6 +35,7 @@ KNOBS = {
     "structured_outputs": "constraint", "guided_decoding": "constraint",
     "lora_name": "str",
     "repetition_penalty": "float", "frequency_penalty": "float", "presence_penalty": "float",
+    "min_p": "float", "logit_bias": "bias",
 }
 # per-request settings that may also come through the same channels
 SETTINGS = {"priority": "str", "cache_salt": "str", "n": "int", "include_stop_str_in_output": "bool"}
@@ -142,6 +143,11 @@ def _coerce(name: str, kind: str, value):
         if isinstance(value, list):
             return tuple(_coerce(name, "int", v) for v in value)
         fail("a list of integers")
+    if kind == "bias":          # {token id (a JSON key, so a string): bias}
+        if isinstance(value, dict):
+            return tuple((_coerce(f"{name}' key '{key}", "int", key), _coerce(name, "float", bias))
+                         for key, bias in value.items())
+        fail("an object mapping token ids to numbers")
     if kind == "constraint":
         try:
             return parse_spec(value, name)

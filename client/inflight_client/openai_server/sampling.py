@@ -10,9 +10,9 @@ from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .structured import Constraint
 
 # request fields passed through under the same name when given
-PASSED = ("temperature", "top_p", "top_k", "min_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
+PASSED = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
           "include_stop_str_in_output", "frequency_penalty", "presence_penalty", "repetition_penalty",
-          "priority", "cache_salt")
+          "logit_bias", "priority", "cache_salt")
 
 
 def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None, lora_name: str | None) -> dict:

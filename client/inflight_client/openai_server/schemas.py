@@ -1,5 +1,5 @@
 """The OpenAI request bodies this server accepts (pydantic), with vLLM's extra sampling fields
-(`top_k`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
+(`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
 `repetition_penalty`, `cache_salt`, and the constraints `structured_outputs`, `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar`) and inflight's `priority`. Unknown fields are refused by name;
 fields OpenAI defines but this server cannot honour are refused with a message saying so.
@@ -48,6 +48,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     min_tokens: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -76,8 +77,6 @@ class SamplingFields(BaseModel):
     def _check_shared(self):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "'stream_options' can only be used when 'stream' is true", "stream_options")
-        if self.logit_bias:
-            raise APIError(400, "'logit_bias' is not supported", "logit_bias")
         return self
 
 
