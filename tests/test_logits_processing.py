@@ -44,18 +44,26 @@ def hf_penalized(model, prompt, n, penalties) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("budget", [16, 2048])
-def test_penalized_greedy_equals_transformers(tokenizer, budget):
+@pytest.fixture(scope="module")
+def cases_and_expected(tokenizer):
+    """(prompt, settings) pairs and transformers' greedy output for each."""
     from transformers import AutoModelForCausalLM
     prompts, _ = text_workload(tokenizer, seed=7)
     cases = [(prompts[i][:60], PENALTIES[i % len(PENALTIES)]) for i in range(2 * len(PENALTIES))]
-    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float64", max_num_batched_tokens=budget))
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float64).eval()
+    with torch.no_grad():
+        return cases, [hf_penalized(model, prompt, 64, penalties) for prompt, penalties in cases]
+
+
+@pytest.mark.parametrize("budget, blocks", [(16, None), (2048, None), (64, 24)], ids=["chunked", "whole", "preempted"])
+def test_penalized_greedy_equals_transformers(cases_and_expected, budget, blocks):
+    cases, expected = cases_and_expected
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float64", max_num_batched_tokens=budget,
+                                                                   num_kv_blocks=blocks))
     got = engine.generate([p for p, _ in cases], [SamplingParams(max_tokens=64, temperature=0, **penalties)
                                                   for _, penalties in cases])
     assert engine.stats()["kv_blocks_used"] == 0
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float64).eval()
-    with torch.no_grad():
-        expected = [hf_penalized(model, prompt, 64, penalties) for prompt, penalties in cases]
+    assert (engine.stats()["preemptions"] > 0) == (blocks is not None), "a small pool must preempt (and resume)"
     mismatches = [i for i, (g, e) in enumerate(zip(got, expected)) if g.token_ids != e]
     assert not mismatches, f"requests {mismatches} differ from transformers"
     plain = engine.generate([p for p, _ in cases], SamplingParams(max_tokens=64, temperature=0))
