@@ -126,10 +126,12 @@ class SamplingParams:
         _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be an integer >= -1, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        self.logit_bias = tuple(tuple(entry) if isinstance(entry, (tuple, list)) else (entry,) for entry in bias)
-        _check(all(len(e) == 2 and _is_int(e[0]) and e[0] >= 0 and _is_number(e[1]) and -100 <= e[1] <= 100
-                   for e in self.logit_bias), "logit_bias", "must map token ids to numbers in [-100, 100]")
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = tuple(self.logit_bias.items())
+        _check(isinstance(self.logit_bias, tuple) and all(
+            isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and e[0] >= 0 and _is_number(e[1])
+            and -100 <= e[1] <= 100 for e in self.logit_bias), "logit_bias",
+               "must map token ids to numbers in [-100, 100]")
         # torch's generators take 64 bits, signed (vLLM's API) or not (TensorRT-LLM's random_seed)
         _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
                f"must be an integer in [-2**63, 2**64), got {self.seed!r}")

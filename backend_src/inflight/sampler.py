@@ -33,7 +33,9 @@ class Sampler:
         if logits.dtype != torch.float64:   # float64 stays: exactness tests compare argmaxes
             logits = logits.float()
         raw = logits
-        logits = apply_penalties(self._apply_bans(self._apply_bias(logits, table, rows), table, rows), table, rows)
+        logits = self._apply_bias(logits, table, rows)       # each returns a copy when it changes anything
+        logits = self._apply_bans(logits, table, rows)
+        logits = apply_penalties(logits, table, rows)
         if grammar_mask is not None:
             wants_raw = logits is raw and (table.num_logprobs[rows] >= 0).any()
             logits = grammar_mask(logits.clone() if wants_raw else logits)
