@@ -158,9 +158,10 @@ class ModelRunner:
                                 [(None, None)] * self.spec.num_layers, self.backend)
             logits = self.model.compute_logits(hidden[:self.config.max_num_seqs])
             del hidden
-            # the sampler's working set on these logits: fp32 copy, top-p sort and scatter, the draw
+            # the sampler's working set on these logits: fp32 copy, min-p mask, top-p sort and scatter, the draw
             rows = logits.shape[0]
-            probs = Sampler._probs(logits.float(), np.ones(rows), np.full(rows, -1), np.full(rows, 0.9))
+            probs = Sampler._probs(logits.float(), np.ones(rows), np.full(rows, -1), np.full(rows, 0.9),
+                                   np.full(rows, 0.1))
             (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
