@@ -328,11 +328,18 @@ def stage_exactness(sizes: Sizes, dry_run: bool) -> dict:
     return {"ok": ok, "summary": summary, "device": device, "models": per_model}
 
 
+# per request in turn: plain greedy, the penalties, a logit bias with min_p = 1 (a sampled request
+# that can only take the likeliest token), so the sampler's logit edits run on the device too
+SETTINGS = [{}, {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3},
+            {"logit_bias": {5: 3.0, 7: -2.0}, "min_p": 1.0, "temperature": 1.0, "seed": 1}]
+
+
 def compare_greedy(model_dir: str, sizes: Sizes, device: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.testing import hf_greedy
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(
         device=device, dtype="float32", attention_backend="triton", max_num_seqs=sizes.exactness_requests,
         max_num_batched_tokens=64, num_kv_blocks=1024))      # a 64-token budget: chunked prefills, mixed steps
@@ -340,15 +347,14 @@ def compare_greedy(model_dir: str, sizes: Sizes, device: str) -> dict:
     prompts = [[rng.randrange(3, engine.vocab_size) for _ in range(rng.randint(1, sizes.exactness_max_prompt))]
                for _ in range(sizes.exactness_requests)]
     lengths = [rng.randint(1, sizes.exactness_max_output) for _ in prompts]
-    got = [o.token_ids for o in engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0)
-                                                          for n in lengths])]
+    settings = [SETTINGS[i % len(SETTINGS)] for i in range(len(prompts))]
+    got = [o.token_ids for o in engine.generate(prompts, [SamplingParams(**{"temperature": 0, **s, "max_tokens": n})
+                                                          for n, s in zip(lengths, settings)])]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    eos = model.generation_config.eos_token_id
     identical, near_ties, mismatches = 0, [], []
     with torch.no_grad():
         for i, (prompt, n, tokens) in enumerate(zip(prompts, lengths, got)):
-            expected = model.generate(torch.tensor([prompt], device=device), max_new_tokens=n, min_new_tokens=0,
-                                      do_sample=False, eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
+            expected = hf_greedy(model, prompt, n, settings[i])
             if tokens == expected:
                 identical += 1
                 continue
@@ -362,7 +368,8 @@ def compare_greedy(model_dir: str, sizes: Sizes, device: str) -> dict:
 
 def divergence_gap(model, context, expected, got, j, device) -> float | None:
     """transformers' logit of its own token minus that of the engine's at the first difference;
-    None where one sequence merely ended early (an EOS difference)."""
+    None where one sequence merely ended early (an EOS difference). The model's own logits: for a
+    request with penalties or a bias the gap is before them, a guide only."""
     import torch
     if j >= len(expected) or j >= len(got):
         return None

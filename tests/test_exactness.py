@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from inflight import EngineConfig, LLMEngine, SamplingParams
+from inflight import EngineConfig, LLMEngine, SamplingParams, testing
 
 from .conftest import ARCH_CONFIGS, DEFAULT_MODEL
 
@@ -44,16 +44,9 @@ def text_workload(tokenizer, seed: int):
 
 def hf_greedy(model_dir: str, prompts, lengths, dtype: torch.dtype = torch.float64) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    model.eval()
-    eos = model.generation_config.eos_token_id
-    outs = []
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     with torch.no_grad():
-        for prompt, n in zip(prompts, lengths):
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=0, do_sample=False,
-                                 eos_token_id=eos, pad_token_id=eos)[0, len(prompt):].tolist()
-            outs.append(ids)
-    return outs
+        return [testing.hf_greedy(model, prompt, n) for prompt, n in zip(prompts, lengths)]
 
 
 def engine_greedy(model_dir: str, prompts, lengths, **config) -> tuple[list[list[int]], dict]:

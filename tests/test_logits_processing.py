@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from inflight import EngineConfig, LLMEngine, SamplingParams
+from inflight.testing import hf_greedy
 
 from .conftest import DEFAULT_MODEL
 from .test_exactness import text_workload
@@ -18,32 +19,6 @@ PENALTIES = [{}, {"repetition_penalty": 1.8}, {"repetition_penalty": 0.7}, {"fre
              {"logit_bias": {13: 6.0, 271: -100.0}}, {"logit_bias": {397: 100.0}}]
 
 
-class OpenAIPenalties:
-    """The reference: logit -= f x count in the output + p x (count > 0), after transformers'
-    repetition penalty (which runs first, as in the engine)."""
-
-    def __init__(self, prompt_len: int, frequency: float, presence: float):
-        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
-
-    def __call__(self, input_ids, scores):
-        counts = torch.zeros_like(scores)
-        counts.scatter_add_(1, input_ids[:, self.prompt_len:], torch.ones_like(input_ids[:, self.prompt_len:],
-                                                                                   dtype=scores.dtype))
-        return scores - self.frequency * counts - self.presence * (counts > 0)
-
-
-def hf_penalized(model, prompt, n, penalties) -> list[int]:
-    from transformers import LogitsProcessorList
-    processors = LogitsProcessorList([OpenAIPenalties(len(prompt), penalties.get("frequency_penalty", 0.0),
-                                                      penalties.get("presence_penalty", 0.0))])
-    eos = model.generation_config.eos_token_id
-    bias = {(token,): value for token, value in penalties.get("logit_bias", {}).items()} or None
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=0, do_sample=False,
-                         repetition_penalty=penalties.get("repetition_penalty", 1.0), logits_processor=processors,
-                         sequence_bias=bias, eos_token_id=eos, pad_token_id=eos)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.fixture(scope="module")
 def cases_and_expected(tokenizer):
     """(prompt, settings) pairs and transformers' greedy output for each."""
@@ -52,7 +27,7 @@ def cases_and_expected(tokenizer):
     cases = [(prompts[i][:60], PENALTIES[i % len(PENALTIES)]) for i in range(2 * len(PENALTIES))]
     model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float64).eval()
     with torch.no_grad():
-        return cases, [hf_penalized(model, prompt, 64, penalties) for prompt, penalties in cases]
+        return cases, [hf_greedy(model, prompt, 64, penalties) for prompt, penalties in cases]
 
 
 @pytest.mark.parametrize("budget, blocks", [(16, None), (2048, None), (64, 24)], ids=["chunked", "whole", "preempted"])

@@ -1,6 +1,7 @@
 """Random models for tests and benchmarks: HF checkpoints built with transformers itself and saved
 as safetensors (exactly what a user's checkpoint directory looks like), and engines whose random
-weights are initialised where they run (no file at all: `make gpu-check`'s Llama-3-8B shape)."""
+weights are initialised where they run (no file at all: `make gpu-check`'s Llama-3-8B shape). And
+the reference the engine's greedy outputs are checked against: transformers' `generate`."""
 from __future__ import annotations
 
 import torch
@@ -54,3 +55,34 @@ def make_random_adapter(base_dir: str, path: str, seed: int = 0, scale: float = 
                 param.copy_(torch.randn(param.shape, generator=generator) * scale)
     model.save_pretrained(path)
     return path
+
+
+class _OpenAIPenalties:
+    """OpenAI's frequency/presence penalties as a transformers logits processor (transformers has
+    none): logit -= f x the token's count in the output + p x (count > 0)."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float):
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids, scores):
+        output = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, output, torch.ones_like(output, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, settings: dict | None = None) -> list[int]:
+    """transformers' greedy output for a prompt, with the engine's repetition_penalty,
+    frequency_penalty, presence_penalty and logit_bias from `settings` (its own repetition_penalty
+    and sequence_bias, which run before the processor above, as in the engine)."""
+    from transformers import LogitsProcessorList
+    settings = settings or {}
+    device = next(model.parameters()).device
+    penalties = _OpenAIPenalties(len(prompt), settings.get("frequency_penalty", 0.0),
+                                 settings.get("presence_penalty", 0.0))
+    bias = {(token,): value for token, value in settings.get("logit_bias", {}).items()} or None
+    eos = model.generation_config.eos_token_id
+    out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens, min_new_tokens=0,
+                         do_sample=False, repetition_penalty=settings.get("repetition_penalty", 1.0),
+                         logits_processor=LogitsProcessorList([penalties]), sequence_bias=bias,
+                         eos_token_id=eos, pad_token_id=eos)
+    return out[0, len(prompt):].tolist()
