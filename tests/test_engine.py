@@ -23,6 +23,16 @@ def greedy(engine, prompt, **params):
     return engine.generate([prompt], SamplingParams(temperature=0, **params))[0]
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy(engine):
+    """vLLM's rule (under 1e-5 is greedy): dividing the logits by 1e-40 overflowed into NaN, and
+    the request came out as token 0 over and over."""
+    prompt = prompts(1, seed=4)[0]
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].token_ids
+    for temperature in (1e-40, 1e-6):
+        out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=temperature, seed=1))[0]
+        assert out.token_ids == greedy
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(engine):
     target = prompts(1, seed=1)[0]
     params = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)

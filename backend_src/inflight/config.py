@@ -11,6 +11,7 @@ PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 MAX_LOGPROBS = 20       # most top log-probabilities per token (vLLM's default max_logprobs)
+SAMPLING_EPS = 1e-5     # vLLM's: a temperature below it is greedy (dividing by less overflows float32)
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -99,7 +100,7 @@ class EngineConfig:
 class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
-    temperature: float = 1.0                  # 0 means greedy
+    temperature: float = 1.0                  # 0 (or under SAMPLING_EPS) means greedy
     top_k: int = -1                           # -1 or 0: off
     top_p: float = 1.0
     min_p: float = 0.0                        # drop tokens under min_p x the likeliest one's probability
@@ -135,8 +136,9 @@ class SamplingParams:
         # torch's generators take 64 bits, signed (vLLM's API) or not (TensorRT-LLM's random_seed)
         _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
                f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
-        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               f"must be a finite number > 0, got {self.repetition_penalty!r}")
+        # beyond this range float32 logits overflow or underflow into NaN
+        _check(_is_number(self.repetition_penalty) and 1e-6 <= self.repetition_penalty <= 1e6, "repetition_penalty",
+               f"must be a number in [1e-06, 1e+06] (1: off), got {self.repetition_penalty!r}")
         for name in ("frequency_penalty", "presence_penalty"):       # vLLM's and OpenAI's range
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, f"must be a number in [-2, 2], got {value!r}")
@@ -157,7 +159,3 @@ class SamplingParams:
             _check(self.min_tokens == 0, "min_tokens", "cannot be combined with 'structured_outputs'")
         _check(self.lora_name is None or (isinstance(self.lora_name, str) and self.lora_name != ""), "lora_name",
                f"must be a non-empty string or None, got {self.lora_name!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0

@@ -1,10 +1,10 @@
 """Logits -> next tokens for a whole step, with torch ops over the batch.
 
-logit_bias, bans (min_tokens, bad words) and penalties (penalties.py) come first. Greedy rows take
-the argmax. Sampled rows apply temperature, min-p, top-k and top-p, then draw with the
-exponential-race trick (argmax of p / E, E ~ Exp(1)), which needs exactly one noise vector per
-token: a seeded request draws it from its own generator, so its tokens do not depend on what else
-is in the batch. Log-probabilities (logprobs.py) are those of the model's own distribution.
+logit_bias, bans (min_tokens, bad words) and penalties (penalties.py) come first. Greedy rows
+(temperature under SAMPLING_EPS, as in vLLM) take the argmax. Sampled rows apply temperature,
+min-p, top-k and top-p, then draw with the exponential-race trick (argmax of p / E, E ~ Exp(1)),
+which needs exactly one noise vector per token: a seeded request draws it from its own generator,
+so its tokens do not depend on what else is in the batch. Log-probabilities (logprobs.py) are those of the model's own distribution.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 
 from . import cpu_kernels
 from .batch_table import BatchTable
+from .config import SAMPLING_EPS
 from .logprobs import StepLogprobs, step_logprobs
 from .penalties import apply_penalties
 
@@ -41,7 +42,7 @@ class Sampler:
             logits = grammar_mask(logits.clone() if wants_raw else logits)
         temperature = table.temperature[rows]
         tokens = cpu_kernels.argmax(logits)
-        sampled = np.flatnonzero(temperature > 0)
+        sampled = np.flatnonzero(temperature >= SAMPLING_EPS)
         if sampled.size:
             index = torch.from_numpy(sampled).to(logits.device)
             probs = self._probs(logits[index], temperature[sampled], table.top_k[rows[sampled]],
