@@ -4,7 +4,8 @@ logit_bias, bans (min_tokens, bad words) and penalties (penalties.py) come first
 (temperature under SAMPLING_EPS, as in vLLM) take the argmax. Sampled rows apply temperature,
 min-p, top-k and top-p, then draw with the exponential-race trick (argmax of p / E, E ~ Exp(1)),
 which needs exactly one noise vector per token: a seeded request draws it from its own generator,
-so its tokens do not depend on what else is in the batch. Log-probabilities (logprobs.py) are those of the model's own distribution.
+so its tokens do not depend on what else is in the batch. Log-probabilities (logprobs.py) are
+those of the model's own distribution.
 """
 from __future__ import annotations
 
