@@ -61,7 +61,7 @@ def _choice(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
 
 
 async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int):
-    include_usage, continuous = body.stream_options.usage() if body.stream_options else (False, False)
+    include_usage, continuous = body.stream_usage()
     readers = [ToolCallText(called_function(body)) for _ in range(body.n)] if _calls_tools(body) else None
     usage = generation.Usage()
     counts = [0] * body.n                   # each choice's tokens so far

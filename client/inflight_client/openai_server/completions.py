@@ -45,7 +45,7 @@ async def create_completion(body: CompletionRequest, ctx: Context):
 
 async def _chunks(head: dict, body: CompletionRequest, responses, echoes: list[str]):
     n = body.n
-    include_usage, continuous = body.stream_options.usage() if body.stream_options else (False, False)
+    include_usage, continuous = body.stream_usage()
     usage = generation.Usage()
     offsets = [0] * (len(echoes) * n)          # each choice's text so far, for text_offset
     counts = [0] * (len(echoes) * n)           # each choice's tokens so far

@@ -35,10 +35,6 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False         # vLLM's: with include_usage, every chunk has its choice's usage
 
-    def usage(self) -> tuple[bool, bool]:
-        """(a usage chunk at the end, usage in every chunk): the second needs the first, as in vLLM."""
-        return self.include_usage, self.include_usage and self.continuous_usage_stats
-
 
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
@@ -72,6 +68,11 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    def stream_usage(self) -> tuple[bool, bool]:
+        """(a usage chunk at the end, usage in every chunk): the second needs the first, as in vLLM."""
+        options = self.stream_options or StreamOptions()
+        return options.include_usage, options.include_usage and options.continuous_usage_stats
 
     @model_validator(mode="after")
     def _check_shared(self):
