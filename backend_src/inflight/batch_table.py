@@ -31,6 +31,8 @@ class BatchTable:
         self.top_p = np.ones(rows, dtype=np.float32)
         self.min_p = np.zeros(rows, dtype=np.float32)
         self.num_logprobs = np.full(rows, -1, dtype=np.int32)   # -1: none; N: sampled token + top N
+        self.num_prompt_logprobs = np.full(rows, -1, dtype=np.int32)   # the same for the prompt's tokens
+        self.prompt_logprobs_from = np.zeros(rows, dtype=np.int32)     # positions before it have them already
         self.repetition_penalty = np.ones(rows, dtype=np.float32)
         self.frequency_penalty = np.zeros(rows, dtype=np.float32)
         self.presence_penalty = np.zeros(rows, dtype=np.float32)
@@ -69,6 +71,8 @@ class BatchTable:
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.num_prompt_logprobs[row] = -1 if params.prompt_logprobs is None else params.prompt_logprobs
+        self.prompt_logprobs_from[row] = len(req.prompt_logprobs)     # a recompute does not repeat them
         self.repetition_penalty[row] = params.repetition_penalty
         self.frequency_penalty[row] = params.frequency_penalty
         self.presence_penalty[row] = params.presence_penalty

@@ -108,6 +108,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None               # None: off; N >= 0: the sampled token's log-prob + the top N (vLLM)
+    prompt_logprobs: int | None = None        # the same for every prompt token after the first (vLLM)
     repetition_penalty: float = 1.0           # 1: off (penalties.py)
     frequency_penalty: float = 0.0            # 0: off
     presence_penalty: float = 0.0             # 0: off
@@ -153,6 +154,9 @@ class SamplingParams:
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
                f"must be None or an integer in [0, {MAX_LOGPROBS}] (the number of top tokens), got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}] (the number of top tokens), "
+               f"got {self.prompt_logprobs!r}")
         if self.structured_outputs is not None:
             self.structured_outputs = parse_spec(self.structured_outputs)
             # the grammar decides where the output ends; banning EOS before that could leave no token

@@ -17,6 +17,7 @@ import torch
 
 from .config import EngineConfig, SamplingParams, parse_priority
 from .kv_cache import KVCacheManager
+from .logprobs import PromptPositions, prompt_logprobs
 from .request import Request, RequestOutput, Status, StepOutput
 from .runner import ModelRunner
 from .sampler import Sampler
@@ -179,9 +180,11 @@ class LLMEngine:
         errors = self._expire_waiting()
         scheduler, table = self.scheduler, self.scheduler.table
         out = scheduler.schedule()
-        request_ids, token_ids, logprobs = [], [], None
+        request_ids, token_ids, logprobs, prompt_entries = [], [], None, {}
         if len(out):
-            logits = self.runner.execute(out, table)
+            logits, prompt = self.runner.execute(out, table)
+            if prompt is not None:
+                prompt_entries = self._record_prompt_logprobs(prompt, table)
             sample_rows = out.sample_rows
             mask = self.structured.step_mask(table, sample_rows) if self.num_constrained else None
             tokens, step_logprobs = self.sampler(logits, table, sample_rows, mask)
@@ -207,7 +210,17 @@ class LLMEngine:
             if req is not None and req.matcher is not None:
                 self.num_constrained -= 1
         self.last_step_s = time.perf_counter() - started
-        return StepOutput(request_ids, token_ids, logprobs, finished, errors)
+        return StepOutput(request_ids, token_ids, logprobs, finished, errors, prompt_entries)
+
+    def _record_prompt_logprobs(self, prompt: PromptPositions, table) -> dict[str, list]:
+        """Score the prompt tokens this step reached, onto their requests; request id -> entries."""
+        entries = prompt_logprobs(prompt, table.num_prompt_logprobs[prompt.rows], self.runner.model.compute_logits)
+        by_request: dict[str, list] = {}
+        for row, entry in zip(prompt.rows.tolist(), entries):
+            req = table.requests[row]
+            req.prompt_logprobs.append(entry)
+            by_request.setdefault(req.request_id, []).append(entry)
+        return by_request
 
     def _fail_rejected(self, rejected: list[int], request_ids: list[str], token_ids: list[int],
                        logprobs: list | None, errors: dict[str, str]):
@@ -279,5 +292,7 @@ class LLMEngine:
 
 
 def to_output(req: Request) -> RequestOutput:
+    asked = req.params.prompt_logprobs is not None
     return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids, req.finish_reason,
-                         list(req.logprobs) if req.params.logprobs is not None else None, req.num_preemptions)
+                         list(req.logprobs) if req.params.logprobs is not None else None, req.num_preemptions,
+                         [None, *req.prompt_logprobs] if asked else None)

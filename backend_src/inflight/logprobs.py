@@ -1,5 +1,6 @@
 """Log-probabilities as vLLM reports them: for each generated token, the sampled token's
-log-probability and rank plus the N most likely tokens (`SamplingParams.logprobs = N`).
+log-probability and rank plus the N most likely tokens (`SamplingParams.logprobs = N`); for each
+prompt token after the first, the same for that token (`SamplingParams.prompt_logprobs = N`).
 
 Values are those of the model's own distribution (log_softmax of the raw logits, before
 temperature, top-k/top-p and bans), as vLLM's default `raw_logprobs` mode. A rank counts the
@@ -8,6 +9,7 @@ vLLM counts it. Only the rows that asked are computed: a step where nobody asked
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,3 +60,32 @@ def step_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: 
     top_logprobs, top_ids = logprobs.topk(int(num.max()), dim=-1)
     return StepLogprobs(index, sampled.squeeze(1).cpu().numpy(), ranks.cpu().numpy(), top_ids.cpu().numpy(),
                         top_logprobs.cpu().numpy(), num)
+
+
+PROMPT_CHUNK = 256      # prompt positions scored at once: bounds the [positions, vocab] logits
+
+
+@dataclass(slots=True)
+class PromptPositions:
+    """The tokens of a step whose logits score the prompt token after them, for the requests
+    that asked for prompt log-probabilities (each position once, also across a recompute)."""
+    index: np.ndarray                  # [k] the tokens' places in the step's packed batch
+    rows: np.ndarray                   # [k] their requests' batch-table rows
+    targets: np.ndarray                # [k] the prompt token each one scores
+    hidden: torch.Tensor | None = None     # [k, hidden size]: filled by the forward pass
+
+
+@torch.no_grad()
+def prompt_logprobs(prompt: PromptPositions, num_logprobs: np.ndarray,
+                    compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> list[TokenLogprobs]:
+    """One entry per position (the prompt token first, then the top N of num_logprobs [k])."""
+    entries = []
+    for start in range(0, len(prompt.index), PROMPT_CHUNK):
+        part = slice(start, start + PROMPT_CHUNK)
+        logits = compute_logits(prompt.hidden[part])
+        if logits.dtype != torch.float64:    # float64 stays, as in the sampler
+            logits = logits.float()
+        targets = prompt.targets[part]
+        scored = step_logprobs(logits, torch.from_numpy(targets).to(logits.device), num_logprobs[part])
+        entries += [scored.entry(i, token) for i, token in enumerate(targets.tolist())]
+    return entries

@@ -38,8 +38,9 @@ class Request:
     num_cached_tokens: int = 0        # prompt tokens found in the prefix cache at first admission
     first_scheduled_time: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)   # per output token, if params.logprobs
+    # if params.prompt_logprobs: per prompt token from the second on (the first has no context)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     matcher: object | None = None     # structured outputs: the grammar matcher (structured.py)
-    logprobs: list[float] = field(default_factory=list)
     lora_slot: int = -1               # the adapter's slot in the runner's LoRA weights; -1: base model
 
     @property
@@ -59,6 +60,7 @@ class RequestOutput:
     finish_reason: str | None         # "stop" | "length" | "abort" | "error"
     logprobs: list[TokenLogprobs] | None = None   # per token: {token id: Logprob}, sampled token first
     num_preemptions: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None    # per prompt token, None first (vLLM)
 
 
 @dataclass(slots=True)
@@ -73,6 +75,8 @@ class StepOutput:
     logprobs: list[TokenLogprobs | None] | None    # per advancing request; None when nobody asked
     finished: dict[str, str]          # request id -> finish reason, for every request that ended
     errors: dict[str, str] = field(default_factory=dict)   # request id -> message, reason "error"
+    # request id -> the prompt log-probabilities this step computed (a prompt's chunks, in order)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
     def __iter__(self):
         """(request_id, token_id, logprob | None, finish_reason | None) per advancing request."""

@@ -14,6 +14,7 @@ from .attention import AttentionMetadata, select_backend
 from .batch_table import BatchTable
 from .config import EngineConfig
 from .cpu_features import cpu_auto_dtype
+from .logprobs import PromptPositions
 from .lora import load_lora_weights
 from .models import LlamaForCausalLM, ModelSpec, rope_tables
 from .packed_linear import pack_linears
@@ -178,7 +179,7 @@ class ModelRunner:
                                  to(step.block_table), step.num_real_tokens,
                                  int(step.seq_lens.max()) if len(step.seq_lens) else 0)
         logits_index = step.logits_index if sample_order is None else step.logits_index[sample_order]
-        return to(step.input_ids), to(step.positions), meta, to(logits_index)
+        return to(step.input_ids), to(step.positions), meta, to(logits_index), step.prompt
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(np.ascontiguousarray(array))
@@ -189,15 +190,18 @@ class ModelRunner:
         return host.to(self.device, non_blocking=True)
 
     @torch.no_grad()
-    def execute(self, out: SchedulerOutput, table: BatchTable) -> torch.Tensor:
-        """Forward one scheduled step; logits [num_sampling_rows, vocab] for the rows that sample."""
+    def execute(self, out: SchedulerOutput, table: BatchTable) -> tuple[torch.Tensor, PromptPositions | None]:
+        """Forward one scheduled step: logits [num_sampling_rows, vocab] for the rows that sample,
+        and the hidden states of the positions that score prompt tokens (None: nobody asked)."""
         lora = sample_order = None
         if self.lora is not None:      # rows grouped by adapter; lora is None when no row has one
             out, lora, sample_order = self.lora.group_step(out, table)
-        input_ids, positions, meta, logits_index = self.prepare(out, table, sample_order)
+        input_ids, positions, meta, logits_index, prompt = self.prepare(out, table, sample_order)
         hidden = self.model(input_ids, self.cos[positions], self.sin[positions], meta, self.kv_caches, self.backend,
                             lora)
-        return self.model.compute_logits(hidden[logits_index])
+        if prompt is not None:
+            prompt.hidden = hidden[self._to_device(prompt.index)]
+        return self.model.compute_logits(hidden[logits_index]), prompt
 
 
 @dataclass(slots=True)
@@ -210,6 +214,7 @@ class PackedStep:
     block_table: np.ndarray     # [num_seqs, max_blocks] int32
     logits_index: np.ndarray    # [num_sampling_rows] int64: each sampling row's last token
     num_real_tokens: int
+    prompt: PromptPositions | None     # tokens that score prompt tokens (prompt_logprobs)
 
 
 def pack_step(out: SchedulerOutput, table: BatchTable, block_size: int) -> PackedStep:
@@ -226,10 +231,26 @@ def pack_step(out: SchedulerOutput, table: BatchTable, block_size: int) -> Packe
     slots = table.block_table[token_rows, positions // block_size].astype(np.int64) * block_size \
         + positions % block_size
     seq_lens = start + n
+    prompt = _prompt_positions(table, rows, token_rows, positions)
     max_blocks = int(-(-seq_lens.max() // block_size)) if len(rows) else 0
     pad = out.num_padding_tokens
     if pad:
         input_ids = np.concatenate([input_ids, np.zeros(pad, dtype=np.int64)])
         positions = np.concatenate([positions, np.zeros(pad, dtype=np.int64)])
     return PackedStep(input_ids, positions, slots, cu.astype(np.int32), seq_lens.astype(np.int32),
-                      table.block_table[rows, :max_blocks], cu[1:][out.sample_mask] - 1, total)
+                      table.block_table[rows, :max_blocks], cu[1:][out.sample_mask] - 1, total, prompt)
+
+
+def _prompt_positions(table: BatchTable, rows: np.ndarray, token_rows: np.ndarray,
+                      positions: np.ndarray) -> PromptPositions | None:
+    """The step's tokens followed by a prompt token, of requests that asked for prompt
+    log-probabilities, that do not have theirs yet."""
+    if not (table.num_prompt_logprobs[rows] >= 0).any():
+        return None
+    index = np.flatnonzero((table.num_prompt_logprobs[token_rows] >= 0)
+                           & (positions + 1 < table.num_prompt[token_rows])
+                           & (positions >= table.prompt_logprobs_from[token_rows]))
+    if not index.size:
+        return None
+    scoring = token_rows[index]
+    return PromptPositions(index, scoring, table.token_ids[scoring, positions[index] + 1].astype(np.int64))

@@ -190,8 +190,10 @@ class Scheduler:
 
     def _prefix_hit(self, req: Request) -> tuple[list[int], int]:
         """Cached blocks for the longest prefix of the request's tokens, and the tokens they
-        cover. The last token is always recomputed so the next token has logits."""
-        if not self.kv.enable_prefix_caching:
+        cover. The last token is always recomputed so the next token has logits. A request that
+        asked for prompt log-probabilities computes its whole prompt (as in vLLM): a cached
+        position would have no logits."""
+        if not self.kv.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return [], 0
         num_full = (len(req.token_ids) - 1) // self.block_size
         self._hash_blocks(req, req.token_ids, num_full)
