@@ -211,3 +211,27 @@ def test_the_requests_tritons_openai_frontend_builds(server, tokenizer, referenc
     assert completion_tokens == len(chosen) and (stopped or completion_tokens == len(ref.token_ids))
     # greedy: the rank-1 entry the frontend picks is the sampled token, each decoded alone
     assert chosen == [tokenizer.decode([t]) for t in ref.token_ids[:completion_tokens]]
+
+
+def test_prompt_logprobs_come_whole_in_the_first_response(server, tokenizer, hf_model):
+    """inflight's `prompt_logprobs` output (the vLLM backend has none): vLLM's list in the logprobs
+    JSON, null for the first prompt token, in the first response of a stream and `null` after it."""
+    sampling = {"max_tokens": 6, "temperature": 0, "prompt_logprobs": 2}
+    responses = llm(server, grpc_inputs(PROMPT, True, sampling, return_prompt_logprobs=True))
+    assert len(responses) > 1 and all(strings(o["prompt_logprobs"]) == ["null"] for o, _ in responses[1:])
+    got = json.loads(strings(responses[0][0]["prompt_logprobs"])[0])
+    ids = tokenizer(PROMPT)["input_ids"]
+    with torch.no_grad():
+        rows = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, :-1], -1)
+    assert got[0] is None and len(got) == len(ids)
+    for token, position, row in zip(ids[1:], got[1:], rows):
+        entries = {int(t): e for t, e in position.items()}
+        assert next(iter(entries)) == token, "the prompt token comes first"
+        assert entries[token]["logprob"] == pytest.approx(row[token].item(), abs=1e-9)
+        assert entries[token]["rank"] == int((row >= row[token]).sum())
+        assert entries[token]["decoded_token"] == tokenizer.decode([token])
+        assert [t for t, e in entries.items() if e["rank"] <= 2] == \
+            ([token] if entries[token]["rank"] <= 2 else []) + [t for t in torch.topk(row, 2).indices.tolist()
+                                                                 if t != token]
+    [(outputs, _)] = llm(server, grpc_inputs(PROMPT, False, {"max_tokens": 2}, return_prompt_logprobs=True))
+    assert strings(outputs["prompt_logprobs"]) == ["null"], "not asked in sampling_parameters: null"

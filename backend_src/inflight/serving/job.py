@@ -97,6 +97,8 @@ class Job:
     first_token_time: float | None = None
     done: bool = False                      # its final response went out
     grammar: object = None                  # structured outputs: compiled on the request's thread, not the engine's
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)   # from the second prompt token on
+    num_responses: int = 0
 
     @property
     def finished(self) -> bool:

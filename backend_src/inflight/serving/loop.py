@@ -103,6 +103,8 @@ class EngineLoop:
         each other, and the same seed gives the same n outputs again."""
         if index and params.seed is not None:
             params = _replace(params, seed=params.seed + index)
+        if index and params.prompt_logprobs is not None:
+            params = _replace(params, prompt_logprobs=None)     # the outputs share one prompt: scored once
         stops = StopStrings(params.stop, request.include_stop_str_in_output) if params.stop else None
         return Sample(request_id, params, IncrementalDetokenizer(self.tokenizer), stops)
 
@@ -269,6 +271,10 @@ class EngineLoop:
 
     def _deliver(self, samples: dict[str, Sample], owner: dict[str, Job], out) -> None:
         touched: dict[Job, None] = {}        # jobs with news, in order
+        for request_id, entries in out.prompt_logprobs.items():
+            job = owner.get(request_id)
+            if job is not None:
+                job.prompt_logprobs += entries
         logprobs = out.logprobs or itertools.repeat(None)
         for request_id, token, entry in zip(out.request_ids, out.token_ids, logprobs):
             sample = samples.get(request_id)
@@ -331,6 +337,7 @@ class EngineLoop:
         self._record(job, "error" if error is not None else "abort")
 
     def _send(self, job: Job, outputs, final: bool, error: str | None = None) -> None:
+        job.num_responses += 1
         try:
             job.sink.send(outputs, final=final, error=error)
         except Exception:          # the client is gone: stop generating for it

@@ -3,7 +3,10 @@ there): one element per output (`n`); in a stream, `text_output`, `num_output_to
 `logprobs` cover what is new since the previous response, `cumulative_logprob` the whole output
 so far; `finish_reason` is "None" until an output ends. The `logprobs` JSON is per token a map
 token id -> {"logprob", "rank", "decoded_token"} (sampled token first), or `null` when the
-request's sampling parameters did not ask for log-probabilities.
+request's sampling parameters did not ask for log-probabilities. `prompt_logprobs` (inflight's;
+the vLLM backend has no such output) is vLLM's list in the same JSON: `null` for the first prompt
+token, then per prompt token that token first and the top N; in the first response only (`null`
+in later ones and when `sampling_parameters` has no "prompt_logprobs").
 """
 from __future__ import annotations
 
@@ -19,9 +22,10 @@ def _strings(values: list[str]) -> np.ndarray:
     return np.array([value.encode("utf-8") for value in values], dtype=object)
 
 
-def logprobs_json(piece: Piece, token_text: Callable[[int], str]) -> str:
-    return json.dumps([{str(token): {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": token_text(token)}
-                        for token, entry in position.items()} for position in piece.logprobs])
+def logprobs_json(positions: list, token_text: Callable[[int], str]) -> str:
+    return json.dumps([None if position is None else
+                       {str(token): {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": token_text(token)}
+                        for token, entry in position.items()} for position in positions])
 
 
 def response_outputs(job: Job, pieces: list[Piece], token_text: Callable[[int], str],
@@ -37,7 +41,12 @@ def response_outputs(job: Job, pieces: list[Piece], token_text: Callable[[int], 
         outputs["cumulative_logprob"] = np.array([sample.cumulative_logprob for sample in job.samples], dtype=np.float32)
     if request.return_logprobs:
         asked = request.params.logprobs is not None
-        outputs["logprobs"] = _strings([logprobs_json(piece, token_text) if asked else "null" for piece in pieces])
+        outputs["logprobs"] = _strings([logprobs_json(piece.logprobs, token_text) if asked else "null"
+                                        for piece in pieces])
+    if request.return_prompt_logprobs:
+        first = job.num_responses == 0 and request.params.prompt_logprobs is not None
+        outputs["prompt_logprobs"] = _strings([logprobs_json([None, *job.prompt_logprobs], token_text) if first
+                                               else "null"])
     if request.return_num_input_tokens:
         outputs["num_input_tokens"] = np.array([len(job.prompt_ids)], dtype=np.uint32)
     if request.return_num_output_tokens:

@@ -23,13 +23,15 @@ class RequestError(ValueError):
 
 
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
-               "return_num_output_tokens", "return_logprobs", "return_token_ids", "return_cumulative_logprob")
+               "return_num_output_tokens", "return_logprobs", "return_token_ids", "return_cumulative_logprob",
+               "return_prompt_logprobs")
 MAX_N = 128         # outputs per request (the OpenAI API's limit)
 
 # sampling knob -> the kind of value it takes
 KNOBS = {
     "max_tokens": "int", "min_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
     "seed": "int", "stop": "strings", "stop_token_ids": "ints", "ignore_eos": "bool", "logprobs": "int",
+    "prompt_logprobs": "int",
     "bad_words": "strings", "bad_words_ids": "int_lists",
     # vLLM's constraint object (or its JSON text); guided_decoding is its older name
     "structured_outputs": "constraint", "guided_decoding": "constraint",
@@ -59,6 +61,7 @@ class GenerateRequest:
     return_logprobs: bool = False
     return_token_ids: bool = False
     return_cumulative_logprob: bool = False
+    return_prompt_logprobs: bool = False
     bad_words: tuple[str, ...] = ()
     n: int = 1                                # outputs, each its own engine request (seed + i)
     include_stop_str_in_output: bool = False
