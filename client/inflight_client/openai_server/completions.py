@@ -1,8 +1,11 @@
 """POST /v1/completions: one `llm` request per prompt (a string, a token array, or a list of
 either); choice i * n + j is prompt i's output j. `echo` prepends the prompt here, so a stream
-can echo too (`llm` never repeats a prompt in a stream, as the vLLM backend)."""
+can echo too (`llm` never repeats a prompt in a stream, as the vLLM backend); with `logprobs` the
+prompt's tokens come first in them (what lm-evaluation-harness's loglikelihood reads), scored by
+`llm` (prompt_logprobs): a text prompt is tokenized here then, to know its first token."""
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 
@@ -11,7 +14,7 @@ from starlette.responses import JSONResponse
 from . import generation
 from .context import Context
 from .errors import APIError
-from .logprobs import completion_logprobs
+from .logprobs import completion_logprobs, echoed_positions
 from .sampling import completion_sampling
 from .schemas import CompletionRequest
 from .sse import event, sse_response
@@ -23,27 +26,47 @@ async def create_completion(body: CompletionRequest, ctx: Context):
     constraint = single(request_constraints(body), ctx.disable_any_whitespace)
     sampling = completion_sampling(body, ctx.default_max_tokens, constraint, lora_name)
     prompts = body.prompts()
-    calls = [ctx.triton.generate(prompt, sampling, body.stream) for prompt in prompts]
     echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]
+    echoed = None               # with echo and logprobs: (prompt i, its prompt_logprobs) -> positions
+    if body.echo and body.logprobs is not None:
+        prompts = [p if isinstance(p, list) else ctx.tokenizer(p)["input_ids"] for p in prompts]
+        echoed = functools.partial(_echoed, ctx.tokenizer, prompts)
+    calls = [ctx.triton.generate(prompt, sampling, body.stream) for prompt in prompts]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.model}
     try:
         if body.stream:
             responses = await generation.stream(calls)
-            return sse_response(_chunks(head, body, responses, echoes))
+            return sse_response(_chunks(head, body, responses, echoes, echoed))
         outputs, usage = await generation.gather(calls, body.n)
     except APIError as exc:
         raise blame(exc, constraint) from None
-    choices = []
-    for index, out in enumerate(outputs):
-        echo = echoes[index // body.n]
-        logprobs = None if out.logprobs is None else completion_logprobs(out.logprobs, len(echo))
-        choices.append({"index": index, "text": echo + "".join(out.text), "logprobs": logprobs,
-                        "finish_reason": out.finish_reason})
-    return JSONResponse({**head, "choices": choices, "usage": usage.body()})
+    return JSONResponse({**head, "choices": [_choice(index, out, body, echoes[index // body.n], echoed)
+                                             for index, out in enumerate(outputs)], "usage": usage.body()})
 
 
-async def _chunks(head: dict, body: CompletionRequest, responses, echoes: list[str]):
+def _echoed(tokenizer, prompts: list[list[int]], i: int, prompt_logprobs: list) -> list[dict]:
+    return echoed_positions(prompts[i], prompt_logprobs, tokenizer.decode([prompts[i][0]]))
+
+
+def _choice(index: int, out: generation.Output, body: CompletionRequest, echo: str, echoed) -> dict:
+    """max_tokens 0 (with echo): the prompt alone, as vLLM answers it (one token was generated)."""
+    generated = body.max_tokens != 0
+    logprobs = None
+    if out.logprobs is not None:
+        positions = out.logprobs if generated else []
+        if echoed is not None:
+            logprobs = completion_logprobs(echoed(index // body.n, out.prompt_logprobs) + positions)
+        else:
+            logprobs = completion_logprobs(positions, len(echo))
+    choice = {"index": index, "text": echo + "".join(out.text) if generated else echo, "logprobs": logprobs,
+              "finish_reason": out.finish_reason if generated else "length"}
+    if body.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = out.prompt_logprobs
+    return choice
+
+
+async def _chunks(head: dict, body: CompletionRequest, responses, echoes: list[str], echoed):
     n = body.n
     include_usage, continuous = body.stream_usage()
     usage = generation.Usage()
@@ -63,7 +86,10 @@ async def _chunks(head: dict, body: CompletionRequest, responses, echoes: list[s
                 if not (response.num_output_tokens[j] or text or reason or positions):
                     continue        # this output had nothing in this step (n > 1: ended earlier)
                 logprobs = None
-                if positions is not None:
+                if positions is not None and first and echoed is not None:
+                    logprobs = completion_logprobs(echoed(prompt_index, response.prompt_logprobs) + positions,
+                                                   offsets[index])
+                elif positions is not None:
                     logprobs = completion_logprobs(positions, offsets[index] + len(text) - len(generated))
                 offsets[index] += len(text)
                 chunk = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,

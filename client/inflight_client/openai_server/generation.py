@@ -16,6 +16,7 @@ class Output:
     text: list[str] = field(default_factory=list)
     logprobs: list[dict] | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict | None] | None = None     # its prompt's, when asked
 
 
 @dataclass(slots=True)
@@ -56,6 +57,8 @@ async def gather(calls: list[AsyncIterator[LLMResponse]], n: int) -> tuple[list[
             usage.add(response, first=k == 0)
             for j in range(n):
                 out = outputs[i * n + j]
+                if k == 0:
+                    out.prompt_logprobs = response.prompt_logprobs
                 out.text.append(response.texts[j])
                 if response.logprobs[j] is not None:
                     out.logprobs = (out.logprobs or []) + response.logprobs[j]

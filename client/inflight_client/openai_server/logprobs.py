@@ -7,15 +7,26 @@ def _value(entry: dict) -> float:
     return max(entry["logprob"], -9999.0)
 
 
+def echoed_positions(prompt_ids: list[int], prompt_logprobs: list[dict | None], first_text: str) -> list[dict]:
+    """`llm`'s prompt_logprobs (null for the first token, which has no context) as positions for
+    completion_logprobs: the first one the token alone, without a log-probability."""
+    return [{str(prompt_ids[0]): {"logprob": None, "rank": None, "decoded_token": first_text}}, *prompt_logprobs[1:]]
+
+
 def completion_logprobs(positions: list[dict], text_offset: int = 0) -> dict:
     """/v1/completions: tokens, token_logprobs, top_logprobs (the sampled token and the top N,
-    by text), text_offset (from `text_offset`, the length of the text before these tokens)."""
+    by text; null for an echoed prompt's first token, as vLLM), text_offset (from `text_offset`,
+    the length of the text before these tokens)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for position in positions:
         sampled = next(iter(position.values()))
         out["tokens"].append(sampled["decoded_token"])
-        out["token_logprobs"].append(_value(sampled))
-        out["top_logprobs"].append({entry["decoded_token"]: _value(entry) for entry in position.values()})
+        if sampled["logprob"] is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            out["token_logprobs"].append(_value(sampled))
+            out["top_logprobs"].append({entry["decoded_token"]: _value(entry) for entry in position.values()})
         out["text_offset"].append(text_offset)
         text_offset += len(sampled["decoded_token"])
     return out

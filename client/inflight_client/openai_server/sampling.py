@@ -32,10 +32,13 @@ def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None
 
 def completion_sampling(body: CompletionRequest, default_max_tokens: int, constraint: Constraint | None,
                         lora_name: str | None = None) -> dict:
-    params = _common(body, body.max_tokens if body.max_tokens is not None else default_max_tokens, constraint,
-                     lora_name)
+    max_tokens = default_max_tokens if body.max_tokens is None else body.max_tokens or 1    # 0: echo only
+    params = _common(body, max_tokens, constraint, lora_name)
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
+    if body.scores_prompt:
+        echoed = body.logprobs if body.echo and body.logprobs is not None else 0
+        params["prompt_logprobs"] = max(echoed, body.prompt_logprobs or 0)
     return params
 
 

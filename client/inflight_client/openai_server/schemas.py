@@ -86,6 +86,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = None
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)     # vLLM's: per choice, its JSON
     best_of: int | None = None
     suffix: str | None = None
 
@@ -104,10 +105,18 @@ class CompletionRequest(SamplingFields):
             raise APIError(400, "'suffix' is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise APIError(400, "'best_of' is not supported (only 1)", "best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "'echo' with 'logprobs' is not supported (prompt log-probabilities are not "
-                           "computed)", "echo")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "'prompt_logprobs' is not available when 'stream' is true (as in vLLM; 'echo' with "
+                           "'logprobs' streams them)", "prompt_logprobs")
+        if self.max_tokens == 0 and not (self.echo and not self.stream):
+            raise APIError(400, "'max_tokens' may be 0 only with 'echo' and without 'stream' (the prompt alone, "
+                           "e.g. to score it with 'logprobs')", "max_tokens")
         return self
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The prompt's tokens need log-probabilities: echoed with logprobs, or vLLM's prompt_logprobs."""
+        return (self.echo and self.logprobs is not None) or self.prompt_logprobs is not None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt forms the OpenAI spec allows, as a list of prompts."""
@@ -182,3 +191,4 @@ class ChatCompletionRequest(SamplingFields):
                 raise APIError(400, f"'tool_choice' names the function {self.tool_choice.function.name!r}, which "
                                f"is not in 'tools' ({', '.join(names)})", "tool_choice")
         return self
+

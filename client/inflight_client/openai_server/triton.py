@@ -26,6 +26,7 @@ class LLMResponse:
     num_output_tokens: list[int]          # tokens covered by this response
     logprobs: list[list[dict] | None]     # per token {token id: {logprob, rank, decoded_token}}
     num_input_tokens: int
+    prompt_logprobs: list[dict | None] | None = None    # the first response's, when asked: null first
 
 
 def _elements(value) -> list:
@@ -37,8 +38,9 @@ def parse_event(event: dict) -> LLMResponse:
     texts = _elements(event["text_output"])
     reasons = [None if r == "None" else r for r in _elements(event["finish_reason"])]
     logprobs = [json.loads(s) for s in _elements(event["logprobs"])] if "logprobs" in event else [None] * len(texts)
+    prompt_logprobs = json.loads(event["prompt_logprobs"]) if "prompt_logprobs" in event else None
     return LLMResponse(texts, reasons, _elements(event["num_output_tokens"]), logprobs,
-                       int(event["num_input_tokens"]))
+                       int(event["num_input_tokens"]), prompt_logprobs)
 
 
 async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
@@ -86,11 +88,15 @@ class TritonLLM:
     @staticmethod
     def payload(prompt: str | list[int], sampling: dict, stream: bool) -> dict:
         """The inputs Triton's OpenAI frontend sends the vLLM backend (plus `input_ids` for
-        token prompts, inflight's): the prompt is never repeated (echo is this server's job)."""
-        return {("text_input" if isinstance(prompt, str) else "input_ids"): prompt, "stream": stream,
-                "sampling_parameters": json.dumps(sampling), "exclude_input_in_output": True,
-                "return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
-                "return_logprobs": "logprobs" in sampling}
+        token prompts, and `return_prompt_logprobs` when asked, inflight's): the prompt is never
+        repeated (echo is this server's job)."""
+        payload = {("text_input" if isinstance(prompt, str) else "input_ids"): prompt, "stream": stream,
+                   "sampling_parameters": json.dumps(sampling), "exclude_input_in_output": True,
+                   "return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
+                   "return_logprobs": "logprobs" in sampling}
+        if "prompt_logprobs" in sampling:
+            payload["return_prompt_logprobs"] = True
+        return payload
 
     async def generate(self, prompt: str | list[int], sampling: dict, stream: bool) -> AsyncIterator[LLMResponse]:
         """The request's responses; raises APIError for an error response or a failed call.
