@@ -225,6 +225,77 @@ def test_logprobs_in_both_shapes(client, reference_engine, tokenizer):
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, reference_engine, tokenizer):
+    """lm-evaluation-harness's loglikelihood request (local-completions: token ids, echo, logprobs
+    1, max_tokens 1, temperature 0) reads token_logprobs[ctxlen:-1] and top_logprobs for each
+    continuation token: the prompt's own log-probabilities, the first null (no context)."""
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    ref = reference_engine.generate([ids], SamplingParams(max_tokens=1, temperature=0, logprobs=1,
+                                                          prompt_logprobs=1))[0]
+    prompt_values = [entry[t].logprob for t, entry in zip(ids[1:], ref.prompt_logprobs[1:])]
+    greedy = [entry[t].rank == 1 for t, entry in zip(ids[1:], ref.prompt_logprobs[1:])]
+    assert sum(greedy) < len(greedy), "some prompt token is not the model's first choice"
+    tokens = [tokenizer.decode([t]) for t in ids + ref.token_ids]
+    for prompt in (ids, PROMPTS[1]):
+        whole = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=1,
+                                          temperature=0)
+        choice = whole.choices[0]
+        lp = choice.logprobs
+        assert choice.text == PROMPTS[1] + tokenizer.decode(ref.token_ids)
+        assert lp.tokens == tokens and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:-1] == pytest.approx(prompt_values, abs=1e-9)
+        assert lp.token_logprobs[-1] == pytest.approx(ref.logprobs[0][ref.token_ids[0]].logprob, abs=1e-9)
+        assert lp.text_offset == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+        # lm-eval's is_greedy: each token is its position's most likely one
+        assert [tokens[i] == max(lp.top_logprobs[i], key=lp.top_logprobs[i].get)
+                for i in range(1, len(ids))] == greedy
+    only = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=0, max_tokens=0, temperature=0)
+    assert only.choices[0].text == PROMPTS[1] and only.choices[0].logprobs.tokens == tokens[:-1]
+    assert only.choices[0].logprobs.token_logprobs[1:] == pytest.approx(prompt_values, abs=1e-9)
+    streamed = [c.choices[0] for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], echo=True, logprobs=1, max_tokens=4, temperature=0, stream=True)]
+    assert sum((c.logprobs.tokens for c in streamed), [])[:len(ids)] == tokens[:-1]
+    assert sum((c.logprobs.token_logprobs for c in streamed), [])[1:len(ids)] == pytest.approx(prompt_values,
+                                                                                              abs=1e-9)
+    vllm_field = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2, temperature=0, n=2,
+                                           extra_body={"prompt_logprobs": 2})
+    for choice in vllm_field.choices:
+        got = choice.model_extra["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(ids) and choice.logprobs is None
+        assert [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], got[1:])] == pytest.approx(prompt_values,
+                                                                                                  abs=1e-9)
+        assert all(next(iter(entry)) == str(t) and len(entry) in (2, 3) for t, entry in zip(ids[1:], got[1:]))
+
+
+def test_tokenize_and_detokenize_as_vllm(api, client, tokenizer):
+    """vLLM's /tokenize (a prompt, or chat messages rendered as a chat completion renders them) and
+    /detokenize, at the server's root."""
+    root = api.base_url.removesuffix("/v1")
+    with open(os.path.join(DEFAULT_MODEL, "config.json")) as f:
+        context = json.load(f)["max_position_embeddings"]
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    got = httpx.post(f"{root}/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}).json()
+    assert got == {"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": None}
+    bare = httpx.post(f"{root}/tokenize", json={"prompt": PROMPTS[0], "add_special_tokens": False}).json()
+    assert bare["tokens"] == tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    chat = httpx.post(f"{root}/tokenize", json={"messages": messages, "return_token_strs": True}).json()
+    assert chat["tokens"] == chat_ids(tokenizer, messages)
+    assert chat["token_strs"] == tokenizer.convert_ids_to_tokens(chat["tokens"])
+    usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    assert usage.prompt_tokens == chat["count"], "the count a chat completion's prompt has"
+    back = httpx.post(f"{root}/detokenize", json={"model": MODEL, "tokens": ids}).json()
+    assert back == {"prompt": tokenizer.decode(ids)}
+    for path, body, status, message in [
+            ("detokenize", {"tokens": [5, 99999]}, 400, "'tokens': token id 99999 at position 1 is outside"),
+            ("detokenize", {"tokens": "abc"}, 400, "'tokens'"),
+            ("tokenize", {"prompt": "x", "messages": messages}, 400, "exactly one of 'prompt' and 'messages'"),
+            ("tokenize", {"prompt": "x", "add_generation_prompt": False}, 400, "'add_generation_prompt' goes with"),
+            ("tokenize", {"model": "nope", "prompt": "x"}, 404, "The model 'nope' does not exist")]:
+        reply = httpx.post(f"{root}/{path}", json=body)
+        assert reply.status_code == status and message in reply.json()["error"]["message"], reply.text
+
+
 def test_a_whole_output_with_top_20_logprobs_arrives_whole(client):
     """Triton sends a non-streamed output as one event; with 400 tokens of top-20 log-probabilities
     it is ~0.5 MB, far past an HTTP client's usual line limit."""
@@ -393,7 +464,10 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "x", "min_p": 2}, 400, "'min_p' must be in [0, 1]", "min_p"),
     ("completions", {"model": MODEL, "prompt": "x", "presence_penalty": 3}, 400,
      "'presence_penalty' must be a number in [-2, 2], got 3.0", "presence_penalty"),
-    ("completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "'echo'", "echo"),
+    ("completions", {"model": MODEL, "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
+     "'prompt_logprobs' is not available when 'stream' is true", "prompt_logprobs"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400,
+     "'max_tokens' may be 0 only with 'echo'", "max_tokens"),
     ("completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "'stream_options'", "stream_options"),
     ("completions", {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 0}, 400, "'max_tokens'",

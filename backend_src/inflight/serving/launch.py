@@ -413,9 +413,11 @@ def start_openai_server(children: Children, model_repository: str, endpoints: En
     try:
         settings = Settings.load(os.path.join(model_repository, "llm", "1"))
         lora_names = sorted(settings.lora_modules)      # each adapter of multi_lora.json is a model id
+        extra = ["--lora-modules", *lora_names] if lora_names else []
+        if settings.engine.max_model_len:
+            extra += ["--max-model-len", str(settings.engine.max_model_len)]
         openai = OpenAIServerProcess(f"localhost:{endpoints.http_port}", settings.model_dir,
-                                     port=endpoints.openai_port, host="0.0.0.0",
-                                     extra=["--lora-modules", *lora_names] if lora_names else [])
+                                     port=endpoints.openai_port, host="0.0.0.0", extra=extra)
         children.processes.append(openai.start(wait=True, timeout_s=60).process)
     except (StartupError, RuntimeError, TimeoutError) as exc:
         print(f"inflight: the OpenAI server did not start ({exc}); tritonserver goes on without it", flush=True)

@@ -21,7 +21,8 @@ from .completions import create_completion
 from .context import Context
 from .errors import APIError
 from .models import ServedModels
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .tokenization import detokenize, tokenize
 from .triton import TritonLLM
 
 log = logging.getLogger("inflight.openai")
@@ -37,6 +38,7 @@ class Settings:
     default_max_tokens: int = 16
     lora_names: tuple[str, ...] = ()        # the LoRA adapters `llm` serves, each a model id
     disable_any_whitespace: bool = False
+    max_model_len: int | None = None
 
 
 def _validation_error(error: ValidationError) -> APIError:
@@ -95,7 +97,7 @@ def create_app(settings: Settings) -> FastAPI:
     ctx = Context(TritonLLM(settings.triton_url, settings.triton_model), tokenizer,
                   ChatTemplate(tokenizer, settings.chat_template),
                   ServedModels(settings.served_model_name, settings.lora_names),
-                  settings.default_max_tokens, settings.disable_any_whitespace)
+                  settings.default_max_tokens, settings.disable_any_whitespace, settings.max_model_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -141,5 +143,13 @@ def create_app(settings: Settings) -> FastAPI:
     async def chat_completions(request: Request):
         body = await _body(request, ChatCompletionRequest)
         return await _unless_disconnected(request, create_chat_completion(body, ctx))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return tokenize(await _body(request, TokenizeRequest), ctx)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return detokenize(await _body(request, DetokenizeRequest), ctx)
 
     return app

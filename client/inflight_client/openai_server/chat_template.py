@@ -31,7 +31,8 @@ class ChatTemplate:
             with open(template_path, encoding="utf-8") as f:
                 self.template = f.read()
 
-    def prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
+    def prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None = None,
+                   add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
         """`tools` (OpenAI's {"type": "function", "function": {...}} entries) go to the template
         as transformers passes them; templates that do not use them ignore them."""
         if self.template is None and not getattr(self.tokenizer, "chat_template", None):
@@ -41,7 +42,8 @@ class ChatTemplate:
                         for i, message in enumerate(messages)]
         try:
             prompt = self.tokenizer.apply_chat_template(conversation, chat_template=self.template, tools=tools,
-                                                        tokenize=False, add_generation_prompt=True)
+                                                        tokenize=False,
+                                                        add_generation_prompt=add_generation_prompt)
         except Exception as exc:      # the template's own checks (raise_exception(...)) or a syntax error
             raise APIError(400, f"'messages': the chat template failed: {exc}", "messages") from None
-        return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from .app import Settings, create_app
@@ -31,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                         help="constrained JSON (response_format, tool calls, guided_json) without whitespace between "
                              "its tokens, as vLLM's structured-outputs option of that name: a small model may "
                              "otherwise spend max_tokens on whitespace the schema allows")
+    parser.add_argument("--max-model-len", type=int,
+                        help="the context length `llm` runs with, reported by /tokenize (default: the checkpoint's, "
+                             "from config.json)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--log-level", default="info")
@@ -44,8 +48,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     if name in args.lora_modules:
         parser.error(f"--lora-modules: {name!r} is also the served model name")
     settings = Settings(args.triton_url, directory, name, args.triton_model, args.chat_template,
-                        args.default_max_tokens, tuple(args.lora_modules), args.disable_any_whitespace)
+                        args.default_max_tokens, tuple(args.lora_modules), args.disable_any_whitespace,
+                        args.max_model_len or checkpoint_max_len(directory))
     return settings, args
+
+
+def checkpoint_max_len(directory: str) -> int | None:
+    """The context length a checkpoint supports (config.json's max_position_embeddings, within
+    its sliding window, as the engine bounds it); None without a config.json."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    lengths = [config.get(key) for key in ("max_position_embeddings", "sliding_window")]
+    return min((n for n in lengths if isinstance(n, int) and n > 0), default=None)
 
 
 def main(argv: list[str] | None = None) -> None:

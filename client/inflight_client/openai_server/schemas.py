@@ -192,3 +192,30 @@ class ChatCompletionRequest(SamplingFields):
                                f"is not in 'tools' ({', '.join(names)})", "tool_choice")
         return self
 
+
+class TokenizeRequest(BaseModel):
+    """vLLM's two forms: `prompt` (special tokens added by default), or `messages` rendered with
+    the chat template (no special tokens added by default: the template writes them)."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check_form(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
+        if self.prompt is not None and (self.tools is not None or not self.add_generation_prompt):
+            field = "tools" if self.tools is not None else "add_generation_prompt"
+            raise APIError(400, f"'{field}' goes with 'messages', not 'prompt'", field)
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
