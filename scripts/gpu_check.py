@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(REPO, "model_repository", "llm", "1", "inflight-tiny")
 TIE_GAP = 1e-3          # transformers' logits of two tokens this close: either greedy choice is right
+PROMPT_LOGPROB_TOL = 1e-3      # fp32 prompt log-probabilities vs transformers' log-softmax, absolute
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
@@ -324,7 +325,8 @@ def stage_exactness(sizes: Sizes, dry_run: bool) -> dict:
         per_model = {name: compare_greedy(path, sizes, device) for name, path in models.items()}
     ok = all(r["ok"] for r in per_model.values())
     summary = "; ".join(f"{name}: {r['identical']}/{r['requests']} identical, {len(r['near_ties'])} near-ties, "
-                        f"{len(r['mismatches'])} mismatches" for name, r in per_model.items())
+                        f"{len(r['mismatches'])} mismatches, prompt log-probabilities within "
+                        f"{r['prompt_logprob_max_abs_err']:.1e}" for name, r in per_model.items())
     return {"ok": ok, "summary": summary, "device": device, "models": per_model}
 
 
@@ -348,11 +350,20 @@ def compare_greedy(model_dir: str, sizes: Sizes, device: str) -> dict:
                for _ in range(sizes.exactness_requests)]
     lengths = [rng.randint(1, sizes.exactness_max_output) for _ in prompts]
     settings = [SETTINGS[i % len(SETTINGS)] for i in range(len(prompts))]
-    got = [o.token_ids for o in engine.generate(prompts, [SamplingParams(**{"temperature": 0, **s, "max_tokens": n})
-                                                          for n, s in zip(lengths, settings)])]
+    # the plain greedy requests also score their prompts (the runner's prompt_logprobs path)
+    outs = engine.generate(prompts, [SamplingParams(**{"temperature": 0, **s, "max_tokens": n},
+                                                    prompt_logprobs=None if s else 1)
+                                     for n, s in zip(lengths, settings)])
+    got = [o.token_ids for o in outs]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    identical, near_ties, mismatches = 0, [], []
+    identical, near_ties, mismatches, prompt_err = 0, [], [], 0.0
     with torch.no_grad():
+        for out, prompt in zip(outs, prompts):
+            if out.prompt_logprobs is not None and len(prompt) > 1:
+                rows = torch.log_softmax(model(torch.tensor([prompt], device=device)).logits[0, :-1].float(), -1)
+                expected = rows.gather(1, torch.tensor(prompt[1:], device=device)[:, None]).squeeze(1).tolist()
+                scored = [entry[t].logprob for t, entry in zip(prompt[1:], out.prompt_logprobs[1:])]
+                prompt_err = max([prompt_err] + [abs(a - b) for a, b in zip(scored, expected)])
         for i, (prompt, n, tokens) in enumerate(zip(prompts, lengths, got)):
             expected = hf_greedy(model, prompt, n, settings[i])
             if tokens == expected:
@@ -362,8 +373,9 @@ def compare_greedy(model_dir: str, sizes: Sizes, device: str) -> dict:
             gap = divergence_gap(model, prompt + expected[:j], expected, tokens, j, device)
             (near_ties if gap is not None and gap <= TIE_GAP else mismatches).append(
                 {"request": i, "position": j, "logit_gap": gap})
-    return {"ok": not mismatches, "requests": len(prompts), "identical": identical, "near_ties": near_ties,
-            "mismatches": mismatches}
+    return {"ok": not mismatches and prompt_err <= PROMPT_LOGPROB_TOL, "requests": len(prompts),
+            "identical": identical, "near_ties": near_ties, "mismatches": mismatches,
+            "prompt_logprob_max_abs_err": prompt_err}
 
 
 def divergence_gap(model, context, expected, got, j, device) -> float | None:
