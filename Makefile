@@ -76,6 +76,11 @@ bench-openai: venv
 bench-structured: venv
 	$(PY) perf/structured_bench.py $(BENCH_ARGS)
 
+.PHONY: eval-check
+# lm-evaluation-harness through the OpenAI server vs lm-eval on transformers (LM_EVAL=/path/venv/bin/lm_eval; about 1 minute)
+eval-check: venv
+	$(PY) scripts/lm_eval_check.py --lm-eval $(LM_EVAL) $(EVAL_ARGS)
+
 .PHONY: bench-lora lora-adapter
 # mixed-adapter batches (1, 4, 8 adapters of rank 16) vs the base model, in-process
 bench-lora: venv
