@@ -235,3 +235,13 @@ def test_prompt_logprobs_come_whole_in_the_first_response(server, tokenizer, hf_
                                                                  if t != token]
     [(outputs, _)] = llm(server, grpc_inputs(PROMPT, False, {"max_tokens": 2}, return_prompt_logprobs=True))
     assert strings(outputs["prompt_logprobs"]) == ["null"], "not asked in sampling_parameters: null"
+    # a prompt of several chunks (the server's budget is 256 tokens): the chunks' steps bring no token
+    long_ids = (ids * 200)[:700]
+    [(outputs, _)] = llm(server, grpc_inputs(long_ids, False, {"max_tokens": 1, "prompt_logprobs": 0},
+                                             return_prompt_logprobs=True))
+    got = json.loads(strings(outputs["prompt_logprobs"])[0])
+    with torch.no_grad():
+        rows = torch.log_softmax(hf_model(torch.tensor([long_ids])).logits[0, :-1], -1)
+    assert len(got) == len(long_ids) and got[0] is None
+    assert [p[str(t)]["logprob"] for t, p in zip(long_ids[1:], got[1:])] == \
+        pytest.approx(rows.gather(1, torch.tensor(long_ids[1:])[:, None]).squeeze(1).tolist(), abs=1e-9)

@@ -151,14 +151,15 @@ class EngineLoop:
             try:
                 if self._fault_after_steps and engine.num_steps >= self._fault_after_steps:
                     raise RuntimeError(f"injected fault after {engine.num_steps} steps (INFLIGHT_FAULT_AFTER_STEPS)")
+                steps = engine.num_steps
                 out = engine.step()
             except Exception as exc:    # a bug or a device fault: fail everything in flight, loudly
                 log.exception("inflight engine step failed; failing all requests")
                 self._abort_all(f"the engine failed: {type(exc).__name__}: {exc}")
                 continue
-            if len(out) or out.finished:
+            if len(out) or out.finished or out.prompt_logprobs:    # a prompt chunk brings no token
                 self.outbox.put(("step", out))
-            else:
+            if engine.num_steps == steps:
                 time.sleep(0.002)      # nothing runnable yet (static batching waiting to fill up)
             self._report_metrics()
 
