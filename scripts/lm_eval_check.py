@@ -138,8 +138,8 @@ def read_results(out: str) -> tuple[dict, dict]:
 
 def compare(served: dict, reference: dict) -> tuple[float, int, int]:
     """(largest loglikelihood difference, requests that disagree: a loglikelihood beyond the
-    tolerance, is_greedy or the generated text; requests compared). The samples files hold values as strings: [loglikelihood, is_greedy] per choice,
-    a document's loglikelihood, or a generated text."""
+    tolerance, is_greedy or the generated text; requests compared). The samples files hold values
+    as strings: [loglikelihood, is_greedy] per choice, a document's loglikelihood, or a text."""
     assert served.keys() == reference.keys(), "both harness runs must cover the same documents"
     worst, disagreements, count = 0.0, 0, 0
 
@@ -182,8 +182,8 @@ def main() -> int:
                     f"model={name},base_url={api.base_url}/completions,tokenizer={model_dir},"
                     f"tokenized_requests=True,num_concurrent=4,max_retries=1,max_length={context},add_bos_token=True",
                     tasks_dir, os.path.join(tmp, "served"), ["--batch_size", "8"])
-    run_lm_eval(args.lm_eval, "hf", f"pretrained={model_dir},dtype=float32,max_length={context},add_bos_token=True", tasks_dir,
-                os.path.join(tmp, "hf"), ["--device", "cpu", "--batch_size", "8"])
+    run_lm_eval(args.lm_eval, "hf", f"pretrained={model_dir},dtype=float32,max_length={context},add_bos_token=True",
+                tasks_dir, os.path.join(tmp, "hf"), ["--device", "cpu", "--batch_size", "8"])
     served_metrics, served = read_results(os.path.join(tmp, "served"))
     hf_metrics, reference = read_results(os.path.join(tmp, "hf"))
     worst, disagreements, count = compare(served, reference)
@@ -192,8 +192,9 @@ def main() -> int:
         for metric, value in hf_metrics[task].items():
             if metric.endswith(",none") and "stderr" not in metric:
                 print(f"| {task} | {metric.removesuffix(',none')} | {served_metrics[task][metric]:.6g} | {value:.6g} |")
+    verdict = "FAIL" if disagreements else "PASS"
     print(f"\n{count} requests compared: largest loglikelihood difference {worst:.2e} (tolerance {TOLERANCE:g} + "
-          f"{RELATIVE:g} x |value|), {disagreements} disagree -> {'FAIL' if disagreements else 'PASS'} (files in {tmp})")
+          f"{RELATIVE:g} x |value|), {disagreements} disagree -> {verdict} (files in {tmp})")
     return 1 if disagreements else 0
 
 

@@ -265,6 +265,15 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, refere
         assert [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], got[1:])] == pytest.approx(prompt_values,
                                                                                                   abs=1e-9)
         assert all(next(iter(entry)) == str(t) and len(entry) in (2, 3) for t, entry in zip(ids[1:], got[1:]))
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    chat_prompt = chat_ids(tokenizer, messages)
+    ref = reference_engine.generate([chat_prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    got = chat.model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(chat_prompt)
+    assert [entry[str(t)]["logprob"] for t, entry in zip(chat_prompt[1:], got[1:])] == pytest.approx(
+        [entry[t].logprob for t, entry in zip(chat_prompt[1:], ref.prompt_logprobs[1:])], abs=1e-9)
 
 
 def test_tokenize_and_detokenize_as_vllm(api, client, tokenizer):

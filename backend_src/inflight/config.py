@@ -152,11 +152,10 @@ class SamplingParams:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be a list of non-empty strings")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
-               f"must be None or an integer in [0, {MAX_LOGPROBS}] (the number of top tokens), got {self.logprobs!r}")
-        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
-               "prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}] (the number of top tokens), "
-               f"got {self.prompt_logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+                   f"must be None or an integer in [0, {MAX_LOGPROBS}] (the number of top tokens), got {value!r}")
         if self.structured_outputs is not None:
             self.structured_outputs = parse_spec(self.structured_outputs)
             # the grammar decides where the output ends; banning EOS before that could leave no token

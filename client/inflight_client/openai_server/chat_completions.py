@@ -49,7 +49,10 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
         choices.append({"index": index, "message": message,
                         "logprobs": chat_logprobs(out.logprobs, top_n) if body.logprobs else None,
                         "finish_reason": reason})
-    return JSONResponse({**head, "choices": choices, "usage": usage.body()})
+    reply = {**head, "choices": choices, "usage": usage.body()}
+    if body.prompt_logprobs is not None:         # vLLM's: once, for the one prompt of every choice
+        reply["prompt_logprobs"] = outputs[0].prompt_logprobs
+    return JSONResponse(reply)
 
 
 def _calls_tools(body: ChatCompletionRequest) -> bool:

@@ -27,6 +27,8 @@ def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None
             params[name] = value
     if body.n != 1:
         params["n"] = body.n
+    if body.prompt_logprobs is not None:
+        params["prompt_logprobs"] = body.prompt_logprobs
     return params
 
 
@@ -36,9 +38,8 @@ def completion_sampling(body: CompletionRequest, default_max_tokens: int, constr
     params = _common(body, max_tokens, constraint, lora_name)
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
-    if body.scores_prompt:
-        echoed = body.logprobs if body.echo and body.logprobs is not None else 0
-        params["prompt_logprobs"] = max(echoed, body.prompt_logprobs or 0)
+    if body.echo and body.logprobs is not None:        # the echoed prompt's tokens get theirs
+        params["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
     return params
 
 

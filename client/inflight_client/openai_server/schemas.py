@@ -58,6 +58,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's: `llm`'s JSON in the response
     user: str | None = None                      # accepted, unused
     priority: Literal["high", "normal", "low"] | None = None
     cache_salt: str | None = None
@@ -78,6 +79,9 @@ class SamplingFields(BaseModel):
     def _check_shared(self):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "'stream_options' can only be used when 'stream' is true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "'prompt_logprobs' is not available when 'stream' is true (as in vLLM)",
+                           "prompt_logprobs")
         return self
 
 
@@ -86,7 +90,6 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = None
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)     # vLLM's: per choice, its JSON
     best_of: int | None = None
     suffix: str | None = None
 
@@ -105,18 +108,10 @@ class CompletionRequest(SamplingFields):
             raise APIError(400, "'suffix' is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise APIError(400, "'best_of' is not supported (only 1)", "best_of")
-        if self.prompt_logprobs is not None and self.stream:
-            raise APIError(400, "'prompt_logprobs' is not available when 'stream' is true (as in vLLM; 'echo' with "
-                           "'logprobs' streams them)", "prompt_logprobs")
         if self.max_tokens == 0 and not (self.echo and not self.stream):
             raise APIError(400, "'max_tokens' may be 0 only with 'echo' and without 'stream' (the prompt alone, "
                            "e.g. to score it with 'logprobs')", "max_tokens")
         return self
-
-    @property
-    def scores_prompt(self) -> bool:
-        """The prompt's tokens need log-probabilities: echoed with logprobs, or vLLM's prompt_logprobs."""
-        return (self.echo and self.logprobs is not None) or self.prompt_logprobs is not None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt forms the OpenAI spec allows, as a list of prompts."""
