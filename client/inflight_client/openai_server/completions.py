@@ -50,7 +50,8 @@ def _echoed(tokenizer, prompts: list[list[int]], i: int, prompt_logprobs: list) 
 
 
 def _choice(index: int, out: generation.Output, body: CompletionRequest, echo: str, echoed) -> dict:
-    """max_tokens 0 (with echo): the prompt alone, as vLLM answers it (one token was generated)."""
+    """max_tokens 0 (with echo): the prompt alone, as vLLM answers it (`llm` still generated one
+    token, which usage counts)."""
     generated = body.max_tokens != 0
     logprobs = None
     if out.logprobs is not None:
