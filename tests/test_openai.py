@@ -60,7 +60,11 @@ def chat_ids(tokenizer, messages) -> list[int]:
 
 
 def test_models_and_health(api, client):
-    assert [m.id for m in client.models.list().data] == [MODEL, ADAPTER]
+    listed = client.models.list().data
+    assert [m.id for m in listed] == [MODEL, ADAPTER]
+    with open(os.path.join(DEFAULT_MODEL, "config.json")) as f:
+        context = json.load(f)["max_position_embeddings"]
+    assert all(m.model_extra["max_model_len"] == context for m in listed), "vLLM's model card field"
     assert httpx.get(api.base_url.removesuffix("/v1") + "/health").status_code == 200
 
 

@@ -96,8 +96,8 @@ def create_app(settings: Settings) -> FastAPI:
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
     ctx = Context(TritonLLM(settings.triton_url, settings.triton_model), tokenizer,
                   ChatTemplate(tokenizer, settings.chat_template),
-                  ServedModels(settings.served_model_name, settings.lora_names),
-                  settings.default_max_tokens, settings.disable_any_whitespace, settings.max_model_len)
+                  ServedModels(settings.served_model_name, settings.lora_names, settings.max_model_len),
+                  settings.default_max_tokens, settings.disable_any_whitespace)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -17,7 +17,6 @@ class Context:
     models: ServedModels
     default_max_tokens: int
     disable_any_whitespace: bool = False         # added to every output constraint (structured.py)
-    max_model_len: int | None = None             # prompt + output tokens `llm` takes (None: unknown)
 
     def prompt_text(self, prompt: str | list[int]) -> str:
         """A prompt as text (for echo): a token prompt decoded as `llm` decodes its outputs

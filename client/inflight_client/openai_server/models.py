@@ -10,11 +10,12 @@ from .errors import APIError
 
 
 class ServedModels:
-    def __init__(self, name: str, lora_names: list[str] = ()):
+    def __init__(self, name: str, lora_names: list[str] = (), max_model_len: int | None = None):
         if name in lora_names:
             raise ValueError(f"the LoRA adapter name {name!r} is also the served model name")
         self.name = name
         self.lora_names = list(lora_names)
+        self.max_model_len = max_model_len      # in each model card, as vLLM lists it
         self.created = int(time.time())
 
     def check(self, model: str) -> str | None:
@@ -30,7 +31,7 @@ class ServedModels:
         return [self.name, *self.lora_names]
 
     def listing(self) -> dict:
-        base = {"object": "model", "created": self.created, "owned_by": "inflight"}
+        base = {"object": "model", "created": self.created, "owned_by": "inflight", "max_model_len": self.max_model_len}
         return {"object": "list",
                 "data": [{**base, "id": self.name, "root": self.name, "parent": None}]
                 + [{**base, "id": name, "root": name, "parent": self.name} for name in self.lora_names]}

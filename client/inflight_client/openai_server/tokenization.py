@@ -20,7 +20,8 @@ def tokenize(body: TokenizeRequest, ctx: Context) -> JSONResponse:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = ctx.tokenizer(body.prompt, add_special_tokens=add_special)["input_ids"]
     strs = ctx.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-    return JSONResponse({"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs})
+    return JSONResponse({"count": len(ids), "max_model_len": ctx.models.max_model_len, "tokens": ids,
+                         "token_strs": strs})
 
 
 def detokenize(body: DetokenizeRequest, ctx: Context) -> JSONResponse:
