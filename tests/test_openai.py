@@ -227,6 +227,17 @@ def test_logprobs_in_both_shapes(client, reference_engine, tokenizer):
         assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob and c.bytes == list(c.token.encode())
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
     assert plain.choices[0].logprobs is None
+    # vLLM's return_tokens_as_token_ids: the same tokens, named by id
+    ids_shown = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=6, temperature=0, logprobs=3,
+                                          extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    assert ids_shown.tokens == [f"token_id:{t}" for t in ref.token_ids]
+    assert ids_shown.token_logprobs == lp.token_logprobs
+    assert all(len(top) == 3 and all(key.startswith("token_id:") for key in top) for top in ids_shown.top_logprobs)
+    chat_ids_shown = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                    logprobs=True, extra_body={"return_tokens_as_token_ids": True})
+    shown = chat_ids_shown.choices[0].logprobs.content
+    assert all(c.token.startswith("token_id:") for c in shown)
+    assert [tokenizer.decode([int(c.token.removeprefix("token_id:"))]) for c in shown] == [c.token for c in content]
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, reference_engine, tokenizer):

@@ -47,7 +47,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
         if _calls_tools(body):
             message, reason = tool_message(called_function(body), message["content"], reason)
         choices.append({"index": index, "message": message,
-                        "logprobs": chat_logprobs(out.logprobs, top_n) if body.logprobs else None,
+                        "logprobs": chat_logprobs(body.shown(out.logprobs), top_n) if body.logprobs else None,
                         "finish_reason": reason})
     reply = {**head, "choices": choices, "usage": usage.body()}
     if body.prompt_logprobs is not None:         # vLLM's: once, for the one prompt of every choice
@@ -88,7 +88,9 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
                 reason, positions = response.finish_reasons[index], response.logprobs[index]
                 if not (response.num_output_tokens[index] or text or reason or positions):
                     continue        # this output had nothing in this step (n > 1: ended earlier)
-                logprobs = chat_logprobs(positions, top_n) if body.logprobs and positions is not None else None
+                logprobs = None
+                if body.logprobs and positions is not None:
+                    logprobs = chat_logprobs(body.shown(positions), top_n)
                 if readers is None:
                     yield chunk(response, index, {"content": text}, logprobs, reason)
                     continue

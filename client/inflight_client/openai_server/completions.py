@@ -57,9 +57,9 @@ def _choice(index: int, out: generation.Output, body: CompletionRequest, echo: s
     if out.logprobs is not None:
         positions = out.logprobs if generated else []
         if echoed is not None:
-            logprobs = completion_logprobs(echoed(index // body.n, out.prompt_logprobs) + positions)
+            logprobs = completion_logprobs(body.shown(echoed(index // body.n, out.prompt_logprobs) + positions))
         else:
-            logprobs = completion_logprobs(positions, len(echo))
+            logprobs = completion_logprobs(body.shown(positions), len(echo))
     choice = {"index": index, "text": echo + "".join(out.text) if generated else echo, "logprobs": logprobs,
               "finish_reason": out.finish_reason if generated else "length"}
     if body.prompt_logprobs is not None:
@@ -88,10 +88,10 @@ async def _chunks(head: dict, body: CompletionRequest, responses, echoes: list[s
                     continue        # this output had nothing in this step (n > 1: ended earlier)
                 logprobs = None
                 if positions is not None and first and echoed is not None:
-                    logprobs = completion_logprobs(echoed(prompt_index, response.prompt_logprobs) + positions,
-                                                   offsets[index])
+                    logprobs = completion_logprobs(body.shown(echoed(prompt_index, response.prompt_logprobs)
+                                                              + positions), offsets[index])
                 elif positions is not None:
-                    logprobs = completion_logprobs(positions, offsets[index] + len(text) - len(generated))
+                    logprobs = completion_logprobs(body.shown(positions), offsets[index] + len(text) - len(generated))
                 offsets[index] += len(text)
                 chunk = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                               "finish_reason": reason}]}

@@ -13,6 +13,13 @@ def echoed_positions(prompt_ids: list[int], prompt_logprobs: list[dict | None], 
     return [{str(prompt_ids[0]): {"logprob": None, "rank": None, "decoded_token": first_text}}, *prompt_logprobs[1:]]
 
 
+def as_token_ids(positions: list[dict]) -> list[dict]:
+    """vLLM's `return_tokens_as_token_ids`: every token shown as "token_id:<id>" instead of its
+    text (a token's text alone need not map back to that token)."""
+    return [{token: {**entry, "decoded_token": f"token_id:{token}"} for token, entry in position.items()}
+            for position in positions]
+
+
 def completion_logprobs(positions: list[dict], text_offset: int = 0) -> dict:
     """/v1/completions: tokens, token_logprobs, top_logprobs (the sampled token and the top N,
     by text; null for an echoed prompt's first token, as vLLM), text_offset (from `text_offset`,

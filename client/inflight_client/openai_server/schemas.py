@@ -1,10 +1,11 @@
 """The OpenAI request bodies this server accepts (pydantic), with vLLM's extra sampling fields
 (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-`repetition_penalty`, `cache_salt`, and the constraints `structured_outputs`, `guided_json`,
-`guided_regex`, `guided_choice`, `guided_grammar`) and inflight's `priority`. Unknown fields are refused by name;
-fields OpenAI defines but this server cannot honour are refused with a message saying so.
-Value ranges the engine checks (top_p, max_tokens vs the context, ...) are left to `llm`, whose
-messages name the field, so each rule lives in one place.
+`repetition_penalty`, `cache_salt`, `prompt_logprobs`, `return_tokens_as_token_ids`, and the
+constraints `structured_outputs`, `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`)
+and inflight's `priority`. Unknown fields are refused by name; fields OpenAI defines but this server
+cannot honour are refused with a message saying so. Value ranges the engine checks (top_p,
+max_tokens vs the context, ...) are left to `llm`, whose messages name the field, so each rule lives
+in one place.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import APIError
+from .logprobs import as_token_ids
 
 MAX_LOGPROBS = 20       # the engine's limit (inflight.config.MAX_LOGPROBS)
 
@@ -59,6 +61,11 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's: `llm`'s JSON in the response
+    return_tokens_as_token_ids: bool = False     # vLLM's: logprobs name tokens "token_id:<id>"
+
+    def shown(self, positions: list[dict]) -> list[dict]:
+        """Log-probability positions as this request shows their tokens."""
+        return as_token_ids(positions) if self.return_tokens_as_token_ids else positions
     user: str | None = None                      # accepted, unused
     priority: Literal["high", "normal", "low"] | None = None
     cache_salt: str | None = None
