@@ -62,10 +62,6 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's: `llm`'s JSON in the response
     return_tokens_as_token_ids: bool = False     # vLLM's: logprobs name tokens "token_id:<id>"
-
-    def shown(self, positions: list[dict]) -> list[dict]:
-        """Log-probability positions as this request shows their tokens."""
-        return as_token_ids(positions) if self.return_tokens_as_token_ids else positions
     user: str | None = None                      # accepted, unused
     priority: Literal["high", "normal", "low"] | None = None
     cache_salt: str | None = None
@@ -76,6 +72,10 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    def shown(self, positions: list[dict]) -> list[dict]:
+        """Log-probability positions as this request shows their tokens."""
+        return as_token_ids(positions) if self.return_tokens_as_token_ids else positions
 
     def stream_usage(self) -> tuple[bool, bool]:
         """(a usage chunk at the end, usage in every chunk): the second needs the first, as in vLLM."""
