@@ -79,6 +79,7 @@ bench-structured: venv
 .PHONY: eval-check
 # lm-evaluation-harness through the OpenAI server vs lm-eval on transformers (LM_EVAL=/path/venv/bin/lm_eval; about 1 minute)
 eval-check: venv
+	$(if $(LM_EVAL),,$(error LM_EVAL is not set: make eval-check LM_EVAL=/path/to/venv/bin/lm_eval (README: OpenAI API)))
 	$(PY) scripts/lm_eval_check.py --lm-eval $(LM_EVAL) $(EVAL_ARGS)
 
 .PHONY: bench-lora lora-adapter

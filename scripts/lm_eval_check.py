@@ -167,6 +167,8 @@ def main() -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a checkpoint directory with a tokenizer")
     parser.add_argument("--docs", type=int, default=40, help="documents per task")
     args = parser.parse_args()
+    if not (os.path.isfile(args.lm_eval) and os.access(args.lm_eval, os.X_OK)):
+        parser.error(f"--lm-eval {args.lm_eval!r} is not an executable file (a venv's bin/lm_eval)")
     model_dir = os.path.abspath(args.model)
     tmp = tempfile.mkdtemp(prefix="lm-eval-check-")
     tasks_dir = os.path.join(tmp, "tasks")
