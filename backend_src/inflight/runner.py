@@ -101,10 +101,7 @@ class ModelRunner:
         return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
 
     def _resolve_max_model_len(self, requested: int | None) -> int:
-        limit = self.spec.max_position_embeddings
-        if self.spec.sliding_window:
-            # attention here is full attention: exact only while no sequence passes the window
-            limit = min(limit, self.spec.sliding_window)
+        limit = self.spec.context_length
         if requested is not None and requested > limit:
             raise ValueError(f"'max_model_len' {requested} exceeds what the model supports ({limit})")
         return requested or limit

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import cpu_kernels
+from ..context_length import context_length
 from ..attention import AttentionBackend, AttentionMetadata
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -35,8 +36,7 @@ class ModelSpec:
     o_bias: bool
     mlp_bias: bool
     tie_word_embeddings: bool
-    max_position_embeddings: int
-    sliding_window: int | None
+    context_length: int          # positions it supports (max_position_embeddings, within a sliding window)
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelSpec":
@@ -47,9 +47,6 @@ class ModelSpec:
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is supported")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(getattr(config, "attention_bias", False))
-        sliding_window = getattr(config, "sliding_window", None)
-        if is_qwen2 and not getattr(config, "use_sliding_window", False):
-            sliding_window = None
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -63,8 +60,7 @@ class ModelSpec:
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            max_position_embeddings=config.max_position_embeddings,
-            sliding_window=sliding_window,
+            context_length=context_length(config),
         )
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from types import SimpleNamespace
+
+from inflight.context_length import context_length
 
 from .app import Settings, create_app
 
@@ -54,15 +57,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
 
 
 def checkpoint_max_len(directory: str) -> int | None:
-    """The context length a checkpoint supports (config.json's max_position_embeddings, within
-    its sliding window, as the engine bounds it); None without a config.json."""
+    """The context length the engine gives a checkpoint (the engine's own rule, which imports no
+    torch); None without a config.json that names max_position_embeddings."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8") as f:
         config = json.load(f)
-    lengths = [config.get(key) for key in ("max_position_embeddings", "sliding_window")]
-    return min((n for n in lengths if isinstance(n, int) and n > 0), default=None)
+    if not isinstance(config.get("max_position_embeddings"), int):
+        return None
+    return context_length(SimpleNamespace(**config))
 
 
 def main(argv: list[str] | None = None) -> None:
