@@ -291,6 +291,65 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, refere
         [entry[t].logprob for t, entry in zip(chat_prompt[1:], ref.prompt_logprobs[1:])], abs=1e-9)
 
 
+def test_return_token_ids_as_vllm(client, reference_engine, tokenizer):
+    """vLLM's `return_token_ids`: each choice's prompt_token_ids and token_ids (a stream: the prompt's
+    in a choice's first chunk, each delta's own), with or without logprobs, n > 1, and chat."""
+    ids = tokenizer(PROMPTS[4])["input_ids"]
+    ref = reference_engine.generate([ids], SamplingParams(max_tokens=10, temperature=0))[0]
+    greedy = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=10, temperature=0,
+                                       extra_body={"return_token_ids": True}).choices[0]
+    assert greedy.model_extra["prompt_token_ids"] == ids and greedy.model_extra["token_ids"] == ref.token_ids
+    assert greedy.logprobs is None, "asked for token ids, not log-probabilities"
+    with_logprobs = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0, logprobs=2,
+                                              extra_body={"return_token_ids": True}).choices[0]
+    assert with_logprobs.model_extra["token_ids"] == ref.token_ids
+    assert with_logprobs.logprobs.tokens == [tokenizer.decode([t]) for t in ref.token_ids]
+    assert all(len(top) == 2 for top in with_logprobs.logprobs.top_logprobs), "greedy: the sampled token is in the top 2"
+
+    kwargs = dict(model=MODEL, prompt=PROMPTS[4], max_tokens=12, temperature=1.0, seed=11, n=2,
+                  extra_body={"return_token_ids": True})
+    whole = client.completions.create(**kwargs)
+    assert sum(len(c.model_extra["token_ids"]) for c in whole.choices) == whole.usage.completion_tokens == 24
+    for choice in whole.choices:
+        assert choice.text == decode(tokenizer, choice.model_extra["token_ids"])
+    streamed = {0: [], 1: []}
+    prompt_ids = {0: [], 1: []}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.model_extra["token_ids"]
+            prompt_ids[choice.index].append(choice.model_extra["prompt_token_ids"])
+    assert [streamed[c.index] for c in whole.choices] == [c.model_extra["token_ids"] for c in whole.choices]
+    assert all(p[0] == ids and not any(p[1:]) for p in prompt_ids.values()), "the prompt in the first chunk only"
+
+    messages = [{"role": "user", "content": PROMPTS[4]}]
+    chat_prompt = chat_ids(tokenizer, messages)
+    chat_ref = reference_engine.generate([chat_prompt], SamplingParams(max_tokens=8, temperature=0))[0]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    assert chat.model_extra["prompt_token_ids"] == chat_prompt
+    assert chat.choices[0].model_extra["token_ids"] == chat_ref.token_ids and chat.choices[0].logprobs is None
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].model_extra["prompt_token_ids"] == chat_prompt
+    assert sum((c.choices[0].model_extra["token_ids"] for c in chunks[1:]), []) == chat_ref.token_ids
+
+
+def test_echo_alone_streamed_as_vllm(client, tokenizer):
+    """max_tokens 0 with echo in a stream: each choice's one chunk is the prompt (with its
+    log-probabilities when asked), finish_reason "length", as the same request unstreamed."""
+    kwargs = dict(model=MODEL, prompt=PROMPTS[5], echo=True, max_tokens=0, logprobs=1, n=2)
+    whole = client.completions.create(**kwargs).choices
+    chunks = [c for c in client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)]
+    choices = sorted((c.choices[0] for c in chunks if c.choices), key=lambda c: c.index)
+    assert [c.index for c in choices] == [0, 1]
+    for got, expected in zip(choices, sorted(whole, key=lambda c: c.index)):
+        assert got.text == expected.text == PROMPTS[5] and got.finish_reason == "length"
+        assert got.logprobs.tokens == expected.logprobs.tokens == [tokenizer.decode([t]) for t in
+                                                                   tokenizer(PROMPTS[5])["input_ids"]]
+        assert got.logprobs.token_logprobs[1:] == pytest.approx(expected.logprobs.token_logprobs[1:], abs=1e-9)
+    assert chunks[-1].usage.prompt_tokens == len(tokenizer(PROMPTS[5])["input_ids"])
+
+
 def test_tokenize_and_detokenize_as_vllm(api, client, tokenizer):
     """vLLM's /tokenize (a prompt, or chat messages rendered as a chat completion renders them) and
     /detokenize, at the server's root."""
@@ -490,7 +549,7 @@ BAD = [
      "'presence_penalty' must be a number in [-2, 2], got 3.0", "presence_penalty"),
     ("completions", {"model": MODEL, "prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
      "'prompt_logprobs' is not available when 'stream' is true", "prompt_logprobs"),
-    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400,
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0, "stream": True}, 400,
      "'max_tokens' may be 0 only with 'echo'", "max_tokens"),
     ("completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "'stream_options'", "stream_options"),

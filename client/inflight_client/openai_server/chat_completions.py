@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: the messages (and tools) rendered with the chat template into
 prompt token ids, one `llm` request with `n` outputs. A stream sends each choice's role first,
 then content deltas (or tool-call deltas, tools.py), then its finish_reason (and usage last, with
-stream_options.include_usage)."""
+stream_options.include_usage). vLLM's `return_token_ids`: the prompt's ids in the response (a
+stream: in each role chunk), each choice's generated ids in its choice (a stream: per delta)."""
 from __future__ import annotations
 
 import time
@@ -12,7 +13,7 @@ from starlette.responses import JSONResponse
 from . import generation
 from .context import Context
 from .errors import APIError
-from .logprobs import chat_logprobs
+from .logprobs import chat_logprobs, sampled_ids
 from .sampling import chat_sampling
 from .schemas import ChatCompletionRequest
 from .sse import event, sse_response
@@ -36,7 +37,8 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
     try:
         if body.stream:
             responses = await generation.stream(calls)
-            return sse_response(_chunks({**head, "object": "chat.completion.chunk"}, body, responses, top_n))
+            return sse_response(_chunks({**head, "object": "chat.completion.chunk"}, body, responses, top_n,
+                                        prompt_ids))
         outputs, usage = await generation.gather(calls, body.n)
     except APIError as exc:
         raise blame(exc, constraint) from None
@@ -46,12 +48,17 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
         reason = out.finish_reason
         if _calls_tools(body):
             message, reason = tool_message(called_function(body), message["content"], reason)
-        choices.append({"index": index, "message": message,
-                        "logprobs": chat_logprobs(body.shown(out.logprobs), top_n) if body.logprobs else None,
-                        "finish_reason": reason})
+        choice = {"index": index, "message": message,
+                  "logprobs": chat_logprobs(body.shown(out.logprobs), top_n) if body.logprobs else None,
+                  "finish_reason": reason}
+        if body.return_token_ids:
+            choice["token_ids"] = sampled_ids(out.logprobs)
+        choices.append(choice)
     reply = {**head, "choices": choices, "usage": usage.body()}
     if body.prompt_logprobs is not None:         # vLLM's: once, for the one prompt of every choice
         reply["prompt_logprobs"] = outputs[0].prompt_logprobs
+    if body.return_token_ids:
+        reply["prompt_token_ids"] = prompt_ids
     return JSONResponse(reply)
 
 
@@ -59,18 +66,20 @@ def _calls_tools(body: ChatCompletionRequest) -> bool:
     return body.tools is not None and body.tool_choice != "none"
 
 
-def _choice(index: int, delta: dict, logprobs=None, finish_reason=None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int):
+async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int, prompt_ids: list[int]):
     include_usage, continuous = body.stream_usage()
     readers = [ToolCallText(called_function(body)) for _ in range(body.n)] if _calls_tools(body) else None
     usage = generation.Usage()
     counts = [0] * body.n                   # each choice's tokens so far
 
-    def chunk(response: LLMResponse, index: int, delta: dict, logprobs=None, reason=None) -> bytes:
-        out = {**head, "choices": [_choice(index, delta, logprobs, reason)]}
+    def chunk(response: LLMResponse, index: int, delta: dict, logprobs=None, reason=None,
+              positions: list | None = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        out = {**head, "choices": [choice]}
+        if body.return_token_ids and positions is None:        # the role chunk
+            out["prompt_token_ids"] = prompt_ids
+        elif body.return_token_ids:
+            choice["token_ids"] = sampled_ids(positions)
         if continuous:
             out["usage"] = generation.usage_body(response.num_input_tokens, counts[index])
         return event(out)
@@ -92,14 +101,14 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
                 if body.logprobs and positions is not None:
                     logprobs = chat_logprobs(body.shown(positions), top_n)
                 if readers is None:
-                    yield chunk(response, index, {"content": text}, logprobs, reason)
+                    yield chunk(response, index, {"content": text}, logprobs, reason, positions)
                     continue
                 calls = readers[index].feed(text)
                 if reason is not None:
                     reason = readers[index].finish_reason(reason)
-                if calls or reason is not None or logprobs is not None:
+                if calls or reason is not None or logprobs is not None or body.return_token_ids:
                     delta = {"tool_calls": calls} if calls else {}
-                    yield chunk(response, index, delta, logprobs, reason)
+                    yield chunk(response, index, delta, logprobs, reason, positions)
     finally:
         await responses.aclose()
     if include_usage:

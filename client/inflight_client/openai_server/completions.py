@@ -2,7 +2,10 @@
 either); choice i * n + j is prompt i's output j. `echo` prepends the prompt here, so a stream
 can echo too (`llm` never repeats a prompt in a stream, as the vLLM backend); with `logprobs` the
 prompt's tokens come first in them (what lm-evaluation-harness's loglikelihood reads), scored by
-`llm` (prompt_logprobs): a text prompt is tokenized here then, to know its first token."""
+`llm` (prompt_logprobs): a text prompt is tokenized here then, to know its first token, as it is
+for vLLM's `return_token_ids` (each choice's prompt_token_ids, and token_ids: the sampled tokens
+of its log-probability positions, which `llm` then returns with N = 0 if the request gave none).
+`max_tokens` 0 with `echo` answers the prompt alone, streamed or not."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +17,7 @@ from starlette.responses import JSONResponse
 from . import generation
 from .context import Context
 from .errors import APIError
-from .logprobs import completion_logprobs, echoed_positions
+from .logprobs import completion_logprobs, echoed_positions, sampled_ids
 from .sampling import completion_sampling
 from .schemas import CompletionRequest
 from .sse import event, sse_response
@@ -28,8 +31,9 @@ async def create_completion(body: CompletionRequest, ctx: Context):
     prompts = body.prompts()
     echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]
     echoed = None               # with echo and logprobs: (prompt i, its prompt_logprobs) -> positions
-    if body.echo and body.logprobs is not None:
+    if body.return_token_ids or (body.echo and body.logprobs is not None):
         prompts = [p if isinstance(p, list) else ctx.tokenizer(p)["input_ids"] for p in prompts]
+    if body.echo and body.logprobs is not None:
         echoed = functools.partial(_echoed, ctx.tokenizer, prompts)
     calls = [ctx.triton.generate(prompt, sampling, body.stream) for prompt in prompts]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -37,25 +41,27 @@ async def create_completion(body: CompletionRequest, ctx: Context):
     try:
         if body.stream:
             responses = await generation.stream(calls)
-            return sse_response(_chunks(head, body, responses, echoes, echoed))
+            return sse_response(_chunks(head, body, responses, prompts, echoes, echoed))
         outputs, usage = await generation.gather(calls, body.n)
     except APIError as exc:
         raise blame(exc, constraint) from None
-    return JSONResponse({**head, "choices": [_choice(index, out, body, echoes[index // body.n], echoed)
-                                             for index, out in enumerate(outputs)], "usage": usage.body()})
+    choices = [_choice(index, out, body, prompts[index // body.n], echoes[index // body.n], echoed)
+               for index, out in enumerate(outputs)]
+    return JSONResponse({**head, "choices": choices, "usage": usage.body()})
 
 
 def _echoed(tokenizer, prompts: list[list[int]], i: int, prompt_logprobs: list) -> list[dict]:
     return echoed_positions(prompts[i], prompt_logprobs, tokenizer.decode([prompts[i][0]]))
 
 
-def _choice(index: int, out: generation.Output, body: CompletionRequest, echo: str, echoed) -> dict:
+def _choice(index: int, out: generation.Output, body: CompletionRequest, prompt: str | list[int], echo: str,
+            echoed) -> dict:
     """max_tokens 0 (with echo): the prompt alone, as vLLM answers it (`llm` still generated one
     token, which usage counts)."""
     generated = body.max_tokens != 0
+    positions = out.logprobs if generated else []
     logprobs = None
-    if out.logprobs is not None:
-        positions = out.logprobs if generated else []
+    if body.logprobs is not None:
         if echoed is not None:
             logprobs = completion_logprobs(body.shown(echoed(index // body.n, out.prompt_logprobs) + positions))
         else:
@@ -64,37 +70,50 @@ def _choice(index: int, out: generation.Output, body: CompletionRequest, echo: s
               "finish_reason": out.finish_reason if generated else "length"}
     if body.prompt_logprobs is not None:
         choice["prompt_logprobs"] = out.prompt_logprobs
+    if body.return_token_ids:
+        choice["prompt_token_ids"], choice["token_ids"] = prompt, sampled_ids(positions)
     return choice
 
 
-async def _chunks(head: dict, body: CompletionRequest, responses, echoes: list[str], echoed):
+async def _chunks(head: dict, body: CompletionRequest, responses, prompts: list, echoes: list[str], echoed):
+    """A choice's first chunk carries the echo (and prompt_token_ids); with max_tokens 0 it is the
+    choice's only chunk."""
     n = body.n
+    generating = body.max_tokens != 0
     include_usage, continuous = body.stream_usage()
     usage = generation.Usage()
     offsets = [0] * (len(echoes) * n)          # each choice's text so far, for text_offset
     counts = [0] * (len(echoes) * n)           # each choice's tokens so far
-    seen = set()                                # prompts with a response
+    seen, begun = set(), set()                  # prompts with a response, choices with a chunk
     try:
         async for prompt_index, response in responses:
-            first = prompt_index not in seen
+            usage.add(response, prompt_index not in seen)
             seen.add(prompt_index)
-            usage.add(response, first)
             for j, generated in enumerate(response.texts):
                 index = prompt_index * n + j
+                first = index not in begun
                 counts[index] += response.num_output_tokens[j]
-                text = echoes[prompt_index] + generated if first else generated
                 reason, positions = response.finish_reasons[j], response.logprobs[j]
+                if not generating:
+                    if not first:
+                        continue
+                    generated, reason, positions = "", "length", []
+                text = echoes[prompt_index] + generated if first else generated
                 if not (response.num_output_tokens[j] or text or reason or positions):
                     continue        # this output had nothing in this step (n > 1: ended earlier)
+                begun.add(index)
                 logprobs = None
-                if positions is not None and first and echoed is not None:
+                if body.logprobs is not None and first and echoed is not None:
                     logprobs = completion_logprobs(body.shown(echoed(prompt_index, response.prompt_logprobs)
                                                               + positions), offsets[index])
-                elif positions is not None:
+                elif body.logprobs is not None:
                     logprobs = completion_logprobs(body.shown(positions), offsets[index] + len(text) - len(generated))
                 offsets[index] += len(text)
-                chunk = {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                              "finish_reason": reason}]}
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+                if body.return_token_ids:
+                    choice["prompt_token_ids"] = prompts[prompt_index] if first else None
+                    choice["token_ids"] = sampled_ids(positions)
+                chunk = {**head, "choices": [choice]}
                 if continuous:
                     chunk["usage"] = generation.usage_body(response.num_input_tokens, counts[index])
                 yield event(chunk)

@@ -13,6 +13,11 @@ def echoed_positions(prompt_ids: list[int], prompt_logprobs: list[dict | None], 
     return [{str(prompt_ids[0]): {"logprob": None, "rank": None, "decoded_token": first_text}}, *prompt_logprobs[1:]]
 
 
+def sampled_ids(positions: list[dict] | None) -> list[int]:
+    """The sampled token of each position (the first of its map): vLLM's `return_token_ids`."""
+    return [int(next(iter(position))) for position in positions or ()]
+
+
 def as_token_ids(positions: list[dict]) -> list[dict]:
     """vLLM's `return_tokens_as_token_ids`: every token shown as "token_id:<id>" instead of its
     text (a token's text alone need not map back to that token)."""

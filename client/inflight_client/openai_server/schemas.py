@@ -1,6 +1,6 @@
 """The OpenAI request bodies this server accepts (pydantic), with vLLM's extra sampling fields
 (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-`repetition_penalty`, `cache_salt`, `prompt_logprobs`, `return_tokens_as_token_ids`, and the
+`repetition_penalty`, `cache_salt`, `prompt_logprobs`, `return_tokens_as_token_ids`, `return_token_ids`, and the
 constraints `structured_outputs`, `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`)
 and inflight's `priority`. Unknown fields are refused by name; fields OpenAI defines but this server
 cannot honour are refused with a message saying so. Value ranges the engine checks (top_p,
@@ -62,6 +62,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's: `llm`'s JSON in the response
     return_tokens_as_token_ids: bool = False     # vLLM's: logprobs name tokens "token_id:<id>"
+    return_token_ids: bool = False               # vLLM's: prompt_token_ids and each choice's token_ids
     user: str | None = None                      # accepted, unused
     priority: Literal["high", "normal", "low"] | None = None
     cache_salt: str | None = None
@@ -115,9 +116,9 @@ class CompletionRequest(SamplingFields):
             raise APIError(400, "'suffix' is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise APIError(400, "'best_of' is not supported (only 1)", "best_of")
-        if self.max_tokens == 0 and not (self.echo and not self.stream):
-            raise APIError(400, "'max_tokens' may be 0 only with 'echo' and without 'stream' (the prompt alone, "
-                           "e.g. to score it with 'logprobs')", "max_tokens")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "'max_tokens' may be 0 only with 'echo' (the prompt alone, e.g. to score it "
+                           "with 'logprobs')", "max_tokens")
         return self
 
     def prompts(self) -> list[str | list[int]]:
