@@ -240,6 +240,24 @@ def host_overhead(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) ->
             "forward_other_ms": (step - compute - outside_forward) * 1e3}
 
 
+def penalty_cost(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) -> dict:
+    """The sampler's time in a decode step with every sequence penalized (repetition 1.2, frequency
+    0.5, presence 0.3) and without, the two alternating step by step in one engine (medians)."""
+    engine = decoding_engine(model_dir, dtype, num_seqs)
+    table, rows = engine.scheduler.table, engine.scheduler.running
+    calls = []
+    engine.sampler = _timed(engine.sampler, calls)
+    times = {True: [], False: []}
+    for i in range(2 * steps):
+        penalized = i % 2 == 0
+        table.repetition_penalty[rows], table.frequency_penalty[rows], table.presence_penalty[rows] = \
+            (1.2, 0.5, 0.3) if penalized else (1.0, 0.0, 0.0)
+        engine.step()
+        times[penalized].append(calls[-1])
+    return {"num_seqs": num_seqs, "sample_us": statistics.median(times[False]) * 1e6,
+            "sample_penalized_us": statistics.median(times[True]) * 1e6}
+
+
 def profile_decode_step(model_dir: str, dtype: str = "bfloat16", num_seqs: int = 64, steps: int = 10,
                         top: int = 12) -> list[dict]:
     """Top ops by self CPU time of a decode step at num_seqs sequences (torch.profiler)."""
@@ -414,6 +432,10 @@ def main() -> None:
                   f"{h['host_ms']:5.1f} ms ({h['host_ms'] / h['step_ms'] * 100:4.1f}%): schedule {p['schedule']:5.0f} µs, "
                   f"pack {p['pack']:5.0f} µs, other ops + Python in the forward {h['forward_other_ms'] * 1e3:6.0f} µs, "
                   f"sample {p['sample']:5.0f} µs, update {p['update']:5.0f} µs")
+        penalties = summary["penalties"] = [penalty_cost(model_dir, "bfloat16", n) for n in (64, 256)]
+        for p in penalties:
+            print(f"   {p['num_seqs']:3d} sequences: sampling {p['sample_us']:6.0f} µs, with repetition, frequency "
+                  f"and presence penalties on every sequence {p['sample_penalized_us']:6.0f} µs (steps alternating)")
     if args.profile:
         top = summary["profile"] = profile_decode_step(model_dir)
         print("\n   a bf16 decode step at 64 sequences, top ops by self CPU time (torch.profiler):")

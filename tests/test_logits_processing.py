@@ -31,11 +31,14 @@ def cases_and_expected(tokenizer):
         return cases, [hf_greedy(model, prompt, 64, penalties) for prompt, penalties in cases]
 
 
-@pytest.mark.parametrize("budget, blocks", [(16, None), (2048, None), (64, 24)], ids=["chunked", "whole", "preempted"])
-def test_penalized_greedy_equals_transformers(cases_and_expected, budget, blocks):
+@pytest.mark.parametrize("budget, blocks, seqs", [(16, None, 256), (2048, None, 256), (64, 24, 256), (2048, None, 3)],
+                         ids=["chunked", "whole", "preempted", "rows reused"])
+def test_penalized_greedy_equals_transformers(cases_and_expected, budget, blocks, seqs):
+    """The counts each batch row keeps (penalties.py) start over for each request that takes the
+    row, and are rebuilt when a preempted request comes back."""
     cases, expected = cases_and_expected
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float64", max_num_batched_tokens=budget,
-                                                                   num_kv_blocks=blocks))
+                                                                   num_kv_blocks=blocks, max_num_seqs=seqs))
     got = engine.generate([p for p, _ in cases], [SamplingParams(max_tokens=64, temperature=0, **penalties)
                                                   for _, penalties in cases])
     assert engine.stats()["kv_blocks_used"] == 0

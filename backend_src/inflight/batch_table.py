@@ -42,6 +42,8 @@ class BatchTable:
         self.lora_slot = np.full(rows, -1, dtype=np.int32)      # LoRA adapter slot; -1: base model
         self.request_ids = np.empty(rows, dtype=object)
         self.requests: list[Request | None] = [None] * rows
+        self.admission = np.zeros(rows, dtype=np.int64)         # which occupant: state kept per row checks it
+        self._admissions = 0
         self._free_rows = list(range(rows - 1, -1, -1))
 
     @property
@@ -82,6 +84,8 @@ class BatchTable:
         self.lora_slot[row] = req.lora_slot
         self.request_ids[row] = req.request_id
         self.requests[row] = req
+        self._admissions += 1
+        self.admission[row] = self._admissions
         req.row = row
         return row
 

@@ -18,13 +18,14 @@ from . import cpu_kernels
 from .batch_table import BatchTable
 from .config import SAMPLING_EPS
 from .logprobs import StepLogprobs, step_logprobs
-from .penalties import apply_penalties
+from .penalties import Penalties
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int):
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.penalties = Penalties()
 
     def __call__(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray,
                  grammar_mask: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -37,7 +38,7 @@ class Sampler:
         raw = logits
         logits = self._apply_bias(logits, table, rows)       # each returns a copy when it changes anything
         logits = self._apply_bans(logits, table, rows)
-        logits = apply_penalties(logits, table, rows)
+        logits = self.penalties(logits, table, rows)
         if grammar_mask is not None:
             wants_raw = logits is raw and (table.num_logprobs[rows] >= 0).any()
             logits = grammar_mask(logits.clone() if wants_raw else logits)
