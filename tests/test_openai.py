@@ -65,6 +65,9 @@ def test_models_and_health(api, client):
     with open(os.path.join(DEFAULT_MODEL, "config.json")) as f:
         context = json.load(f)["max_position_embeddings"]
     assert all(m.model_extra["max_model_len"] == context for m in listed), "vLLM's model card field"
+    assert client.models.retrieve(ADAPTER).model_dump() == listed[1].model_dump()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("no-such-model")
     assert httpx.get(api.base_url.removesuffix("/v1") + "/health").status_code == 200
 
 

@@ -135,6 +135,10 @@ def create_app(settings: Settings) -> FastAPI:
     async def models():
         return JSONResponse(ctx.models.listing())
 
+    @app.get("/v1/models/{model:path}")          # a path: served model names may hold a '/'
+    async def model_card(model: str):
+        return JSONResponse(ctx.models.card(model))
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _unless_disconnected(request, create_completion(await _body(request, CompletionRequest), ctx))

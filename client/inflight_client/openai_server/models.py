@@ -31,7 +31,10 @@ class ServedModels:
         return [self.name, *self.lora_names]
 
     def listing(self) -> dict:
-        base = {"object": "model", "created": self.created, "owned_by": "inflight", "max_model_len": self.max_model_len}
-        return {"object": "list",
-                "data": [{**base, "id": self.name, "root": self.name, "parent": None}]
-                + [{**base, "id": name, "root": name, "parent": self.name} for name in self.lora_names]}
+        return {"object": "list", "data": [self.card(model) for model in self.ids()]}
+
+    def card(self, model: str) -> dict:
+        """GET /v1/models/{model} (OpenAI's retrieve); 404 for a model this server does not serve."""
+        parent = self.name if self.check(model) is not None else None
+        return {"object": "model", "created": self.created, "owned_by": "inflight",
+                "max_model_len": self.max_model_len, "id": model, "root": model, "parent": parent}
