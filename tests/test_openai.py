@@ -163,10 +163,42 @@ def test_chat_streamed_and_not_with_the_checkpoints_template(client, reference_e
     assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_vllm_chat_template_fields(api, client, reference_engine, tokenizer):
+    """continue_final_message (an assistant prefill the model continues), add_generation_prompt,
+    add_special_tokens, and chat_template_kwargs, as vLLM passes them to the template."""
+    messages = [{"role": "user", "content": "What is a tuple?"}, {"role": "assistant", "content": "A tuple is"}]
+    open_ended = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert open_ended.endswith("Assistant: A tuple is")
+    ids = tokenizer(open_ended, add_special_tokens=False)["input_ids"]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                           extra_body={"continue_final_message": True, "return_token_ids": True})
+    assert reply.model_extra["prompt_token_ids"] == ids
+    assert reply.choices[0].message.content == reference(reference_engine, tokenizer, [ids], 8)[0]
+    counted = httpx.post(api.base_url.removesuffix("/v1") + "/tokenize",
+                         json={"messages": messages, "continue_final_message": True,
+                               "add_generation_prompt": False}).json()
+    assert counted["tokens"] == ids
+    plain = [{"role": "user", "content": "What is a tuple?"}]
+    bare = client.chat.completions.create(model=MODEL, messages=plain, max_tokens=1, extra_body={
+        "add_generation_prompt": False, "add_special_tokens": True, "chat_template_kwargs": {"unused_flag": 1},
+        "return_token_ids": True})
+    rendered = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=False)
+    assert bare.model_extra["prompt_token_ids"] == tokenizer(rendered)["input_ids"], "the BOS added once more"
+    for extra, field in [({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs")]:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body=extra)
+        assert error.value.body["param"] == field
+    wrong_form = httpx.post(api.base_url.removesuffix("/v1") + "/tokenize",
+                            json={"prompt": "x", "continue_final_message": True})
+    assert wrong_form.status_code == 400 and wrong_form.json()["error"]["param"] == "continue_final_message"
+
+
 def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, reference_engine, tokenizer):
     template = tmp_path / "chat.jinja"
     template.write_text("{{ bos_token }}{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
-                        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}")
+                        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+                        "{% if brief %}(brief) {% endif %}")
     messages = [{"role": "user", "content": "Lists"}]
     ids = tokenizer("<s><user> Lists ", add_special_tokens=False)["input_ids"]
     with_tools = tokenizer("<s>[get_weather][add]<user> Lists ", add_special_tokens=False)["input_ids"]
@@ -176,7 +208,11 @@ def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, refere
         # tool_choice "none": the tools only reach the template
         tooled = other_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                                       tools=TOOLS, tool_choice="none")
+        brief = other_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                     extra_body={"chat_template_kwargs": {"brief": True}})
     assert reply.choices[0].message.content == reference(reference_engine, tokenizer, [ids], 8)[0]
+    briefly = tokenizer("<s><user> Lists (brief) ", add_special_tokens=False)["input_ids"]
+    assert brief.choices[0].message.content == reference(reference_engine, tokenizer, [briefly], 8)[0]
     assert tooled.choices[0].message.content == reference(reference_engine, tokenizer, [with_tools], 8)[0]
     assert tooled.choices[0].message.tool_calls is None
 

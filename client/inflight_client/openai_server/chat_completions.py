@@ -28,7 +28,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
     constraint = single(request_constraints(body) + ([tool] if tool else []),
                         ctx.disable_any_whitespace)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    prompt_ids = ctx.chat.prompt_ids(body.messages, tools)
+    prompt_ids = ctx.chat.prompt_ids(body.messages, tools, body, body.add_special_tokens)
     sampling = chat_sampling(body, ctx.default_max_tokens, constraint, lora_name)
     calls = [ctx.triton.generate(prompt_ids, sampling, body.stream)]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

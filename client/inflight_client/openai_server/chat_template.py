@@ -5,8 +5,10 @@ The rendered prompt is tokenized without adding special tokens, as vLLM does: ch
 write their own BOS (a second one would change the model's output)."""
 from __future__ import annotations
 
+import inspect
+
 from .errors import APIError
-from .schemas import ChatMessage
+from .schemas import ChatMessage, TemplateFields
 
 
 def _text(message: ChatMessage, index: int) -> str:
@@ -26,24 +28,34 @@ def _text(message: ChatMessage, index: int) -> str:
 class ChatTemplate:
     def __init__(self, tokenizer, template_path: str | None = None):
         self.tokenizer = tokenizer
+        # apply_chat_template's own parameters, which chat_template_kwargs may not set
+        self.reserved = {name for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+                         if p.kind is not p.VAR_KEYWORD}
         self.template = None
         if template_path is not None:
             with open(template_path, encoding="utf-8") as f:
                 self.template = f.read()
 
-    def prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None = None,
-                   add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
-        """`tools` (OpenAI's {"type": "function", "function": {...}} entries) go to the template
-        as transformers passes them; templates that do not use them ignore them."""
+    def prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None, fields: TemplateFields,
+                   add_special_tokens: bool = False) -> list[int]:
+        """`tools` (OpenAI's {"type": "function", "function": {...}} entries) and `documents` go
+        to the template as transformers passes them, `chat_template_kwargs` as more variables;
+        templates that do not use them ignore them."""
         if self.template is None and not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "the model has no chat template (tokenizer_config.json 'chat_template'); "
                            "start the server with --chat-template FILE", "messages")
+        variables = fields.chat_template_kwargs or {}
+        taken = sorted(self.reserved & set(variables))
+        if taken:
+            raise APIError(400, f"'chat_template_kwargs' may not set {taken[0]!r}, a parameter of the template's "
+                           "rendering (the request has a field for the ones that matter)", "chat_template_kwargs")
         conversation = [{**message.model_dump(exclude_none=True), "content": _text(message, i)}
                         for i, message in enumerate(messages)]
         try:
-            prompt = self.tokenizer.apply_chat_template(conversation, chat_template=self.template, tools=tools,
-                                                        tokenize=False,
-                                                        add_generation_prompt=add_generation_prompt)
+            prompt = self.tokenizer.apply_chat_template(
+                conversation, chat_template=self.template, tools=tools, documents=fields.documents, tokenize=False,
+                add_generation_prompt=fields.add_generation_prompt,
+                continue_final_message=fields.continue_final_message, **variables)
         except Exception as exc:      # the template's own checks (raise_exception(...)) or a syntax error
             raise APIError(400, f"'messages': the chat template failed: {exc}", "messages") from None
         return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]

@@ -1,8 +1,9 @@
 """The OpenAI request bodies this server accepts (pydantic), with vLLM's extra sampling fields
 (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
 `repetition_penalty`, `cache_salt`, `prompt_logprobs`, `return_tokens_as_token_ids`, `return_token_ids`, and the
-constraints `structured_outputs`, `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`)
-and inflight's `priority`. Unknown fields are refused by name; fields OpenAI defines but this server
+constraints `structured_outputs`, `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`),
+its chat-template fields (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`,
+`documents`, `add_special_tokens`) and inflight's `priority`. Unknown fields are refused by name; fields OpenAI defines but this server
 cannot honour are refused with a message saying so. Value ranges the engine checks (top_p,
 max_tokens vs the context, ...) are left to `llm`, whose messages name the field, so each rule lives
 in one place.
@@ -162,8 +163,28 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
-class ChatCompletionRequest(SamplingFields):
+class TemplateFields(BaseModel):
+    """vLLM's chat-template fields, for chat completions and /tokenize's messages form."""
+    model_config = ConfigDict(extra="forbid")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False         # the final (assistant) message left open, to be continued
+    chat_template_kwargs: dict | None = None     # more variables for the template (e.g. enable_thinking)
+    documents: list[dict] | None = None          # for templates that render them (RAG)
+
+    @model_validator(mode="after")
+    def _check_template_fields(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            if "add_generation_prompt" in self.model_fields_set:
+                raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                               "continue_final_message")
+            self.add_generation_prompt = False   # the default gives way to the explicit choice,
+            self.model_fields_set.discard("add_generation_prompt")     # and still counts as not given
+        return self
+
+
+class ChatCompletionRequest(SamplingFields, TemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    add_special_tokens: bool = False             # vLLM's: on top of what the template writes
     max_completion_tokens: int | None = None
     max_tokens: int | None = None                # deprecated by OpenAI, still sent by many clients
     logprobs: bool = False
@@ -196,15 +217,13 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(TemplateFields):
     """vLLM's two forms: `prompt` (special tokens added by default), or `messages` rendered with
     the chat template (no special tokens added by default: the template writes them)."""
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[Tool] | None = None
-    add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
@@ -212,9 +231,10 @@ class TokenizeRequest(BaseModel):
     def _check_form(self):
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
-        if self.prompt is not None and (self.tools is not None or not self.add_generation_prompt):
-            field = "tools" if self.tools is not None else "add_generation_prompt"
-            raise APIError(400, f"'{field}' goes with 'messages', not 'prompt'", field)
+        chat_only = {"tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents"}
+        given = sorted(chat_only & self.model_fields_set)
+        if self.prompt is not None and given:
+            raise APIError(400, f"'{given[0]}' goes with 'messages', not 'prompt'", given[0])
         return self
 
 

@@ -15,7 +15,7 @@ def tokenize(body: TokenizeRequest, ctx: Context) -> JSONResponse:
         ctx.models.check(body.model)
     if body.messages is not None:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        ids = ctx.chat.prompt_ids(body.messages, tools, body.add_generation_prompt, bool(body.add_special_tokens))
+        ids = ctx.chat.prompt_ids(body.messages, tools, body, bool(body.add_special_tokens))
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = ctx.tokenizer(body.prompt, add_special_tokens=add_special)["input_ids"]
