@@ -373,6 +373,32 @@ def test_return_token_ids_as_vllm(client, reference_engine, tokenizer):
     assert sum((c.choices[0].model_extra["token_ids"] for c in chunks[1:]), []) == chat_ref.token_ids
 
 
+def test_truncate_prompt_tokens_and_bad_words_as_vllm(client, reference_engine, tokenizer):
+    """truncate_prompt_tokens keeps a prompt's last N tokens (-1: the context length; a text prompt
+    is tokenized here for it), in completions and chat; bad_words never appear."""
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 3, "return_token_ids": True}).choices[0]
+    assert cut.model_extra["prompt_token_ids"] == ids[-3:]
+    assert cut.text == decode(tokenizer, ids[-3:]) + reference(reference_engine, tokenizer, [ids[-3:]], 8)[0]
+    whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(ids), "-1: the context length, which the prompt is within"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 4})
+    assert chat.usage.prompt_tokens == 4
+    with pytest.raises(openai.BadRequestError, match="'truncate_prompt_tokens' must be -1"):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"truncate_prompt_tokens": 0})
+
+    first = reference_engine.generate([ids], SamplingParams(max_tokens=8, temperature=0))[0].token_ids[0]
+    word = tokenizer.decode([first])
+    assert tokenizer(word, add_special_tokens=False)["input_ids"] == [first], "the word is that one token"
+    banned = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                       extra_body={"bad_words": [word], "return_token_ids": True}).choices[0]
+    assert banned.model_extra["token_ids"] == reference_engine.generate(
+        [ids], SamplingParams(max_tokens=8, temperature=0, bad_words_ids=[[first]]))[0].token_ids
+    assert first not in banned.model_extra["token_ids"]
+
+
 def test_echo_alone_streamed_as_vllm(client, tokenizer):
     """max_tokens 0 with echo in a stream: each choice's one chunk is the prompt (with its
     log-probabilities when asked), finish_reason "length", as the same request unstreamed."""

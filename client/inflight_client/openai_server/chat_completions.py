@@ -29,6 +29,8 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
                         ctx.disable_any_whitespace)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     prompt_ids = ctx.chat.prompt_ids(body.messages, tools, body, body.add_special_tokens)
+    if body.truncate_prompt_tokens is not None:
+        prompt_ids = ctx.truncate(prompt_ids, body.truncate_prompt_tokens)
     sampling = chat_sampling(body, ctx.default_max_tokens, constraint, lora_name)
     calls = [ctx.triton.generate(prompt_ids, sampling, body.stream)]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),

@@ -29,8 +29,11 @@ async def create_completion(body: CompletionRequest, ctx: Context):
     constraint = single(request_constraints(body), ctx.disable_any_whitespace)
     sampling = completion_sampling(body, ctx.default_max_tokens, constraint, lora_name)
     prompts = body.prompts()
-    echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]
     echoed = None               # with echo and logprobs: (prompt i, its prompt_logprobs) -> positions
+    if body.truncate_prompt_tokens is not None:
+        prompts = [ctx.truncate(p if isinstance(p, list) else ctx.tokenizer(p)["input_ids"], body.truncate_prompt_tokens)
+                   for p in prompts]
+    echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]
     if body.return_token_ids or (body.echo and body.logprobs is not None):
         prompts = [p if isinstance(p, list) else ctx.tokenizer(p)["input_ids"] for p in prompts]
     if body.echo and body.logprobs is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .chat_template import ChatTemplate
+from .errors import APIError
 from .models import ServedModels
 from .triton import TritonLLM
 
@@ -24,3 +25,12 @@ class Context:
         if isinstance(prompt, str):
             return prompt
         return self.tokenizer.decode(prompt, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def truncate(self, ids: list[int], keep: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length)."""
+        if keep == -1:
+            if self.models.max_model_len is None:
+                raise APIError(400, "'truncate_prompt_tokens' -1 needs the context length, which this server does "
+                               "not know (start it with --max-model-len)", "truncate_prompt_tokens")
+            keep = self.models.max_model_len
+        return ids[-keep:]

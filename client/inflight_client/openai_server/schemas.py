@@ -1,6 +1,7 @@
 """The OpenAI request bodies this server accepts (pydantic), with vLLM's extra sampling fields
 (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-`repetition_penalty`, `cache_salt`, `prompt_logprobs`, `return_tokens_as_token_ids`, `return_token_ids`, and the
+`repetition_penalty`, `cache_salt`, `prompt_logprobs`, `return_tokens_as_token_ids`, `return_token_ids`,
+`truncate_prompt_tokens`, `bad_words`, and the
 constraints `structured_outputs`, `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`),
 its chat-template fields (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`,
 `documents`, `add_special_tokens`) and inflight's `priority`. Unknown fields are refused by name; fields OpenAI defines but this server
@@ -64,6 +65,8 @@ class SamplingFields(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's: `llm`'s JSON in the response
     return_tokens_as_token_ids: bool = False     # vLLM's: logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False               # vLLM's: prompt_token_ids and each choice's token_ids
+    truncate_prompt_tokens: int | None = None    # vLLM's: keep the prompt's last N tokens (-1: the context length)
+    bad_words: list[str] | None = None           # vLLM's: words never generated
     user: str | None = None                      # accepted, unused
     priority: Literal["high", "normal", "low"] | None = None
     cache_salt: str | None = None
@@ -88,6 +91,10 @@ class SamplingFields(BaseModel):
     def _check_shared(self):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "'stream_options' can only be used when 'stream' is true", "stream_options")
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens == -1
+                                                             or self.truncate_prompt_tokens >= 1):
+            raise APIError(400, f"'truncate_prompt_tokens' must be -1 (the context length) or a positive number of "
+                           f"tokens, got {self.truncate_prompt_tokens}", "truncate_prompt_tokens")
         if self.prompt_logprobs is not None and self.stream:
             raise APIError(400, "'prompt_logprobs' is not available when 'stream' is true (as in vLLM)",
                            "prompt_logprobs")
