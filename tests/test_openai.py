@@ -174,6 +174,16 @@ def test_vllm_chat_template_fields(api, client, reference_engine, tokenizer):
                                            extra_body={"continue_final_message": True, "return_token_ids": True})
     assert reply.model_extra["prompt_token_ids"] == ids
     assert reply.choices[0].message.content == reference(reference_engine, tokenizer, [ids], 8)[0]
+    continued = "A tuple is" + reply.choices[0].message.content
+    echoed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, n=2,
+                                            extra_body={"continue_final_message": True, "echo": True})
+    assert [c.message.content for c in echoed.choices] == [continued] * 2, "echo: the prefill, then its continuation"
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, n=2,
+                                                stream=True, extra_body={"continue_final_message": True, "echo": True}):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == [continued] * 2
     counted = httpx.post(api.base_url.removesuffix("/v1") + "/tokenize",
                          json={"messages": messages, "continue_final_message": True,
                                "add_generation_prompt": False}).json()

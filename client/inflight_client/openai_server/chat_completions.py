@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: the messages (and tools) rendered with the chat template into
 prompt token ids, one `llm` request with `n` outputs. A stream sends each choice's role first,
 then content deltas (or tool-call deltas, tools.py), then its finish_reason (and usage last, with
-stream_options.include_usage). vLLM's `return_token_ids`: the prompt's ids in the response (a
+stream_options.include_usage). vLLM's `echo`: a final assistant message (continued with
+continue_final_message) starts each choice's content. vLLM's `return_token_ids`: the prompt's ids in the response (a
 stream: in each role chunk), each choice's generated ids in its choice (a stream: per delta)."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from starlette.responses import JSONResponse
 from . import generation
 from .context import Context
 from .errors import APIError
+from .chat_template import message_text
 from .logprobs import chat_logprobs, sampled_ids
 from .sampling import chat_sampling
 from .schemas import ChatCompletionRequest
@@ -40,16 +42,19 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
         if body.stream:
             responses = await generation.stream(calls)
             return sse_response(_chunks({**head, "object": "chat.completion.chunk"}, body, responses, top_n,
-                                        prompt_ids))
+                                        prompt_ids, _echo(body)))
         outputs, usage = await generation.gather(calls, body.n)
     except APIError as exc:
         raise blame(exc, constraint) from None
     choices = []
+    echo = _echo(body)
     for index, out in enumerate(outputs):
         message = {"role": "assistant", "content": "".join(out.text)}
         reason = out.finish_reason
         if _calls_tools(body):
             message, reason = tool_message(called_function(body), message["content"], reason)
+        if echo:
+            message["content"] = echo + (message["content"] or "")
         choice = {"index": index, "message": message,
                   "logprobs": chat_logprobs(body.shown(out.logprobs), top_n) if body.logprobs else None,
                   "finish_reason": reason}
@@ -64,11 +69,16 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
     return JSONResponse(reply)
 
 
+def _echo(body: ChatCompletionRequest) -> str:
+    last = body.messages[-1]
+    return message_text(last, len(body.messages) - 1) if body.echo and last.role == "assistant" else ""
+
+
 def _calls_tools(body: ChatCompletionRequest) -> bool:
     return body.tools is not None and body.tool_choice != "none"
 
 
-async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int, prompt_ids: list[int]):
+async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int, prompt_ids: list[int], echo: str):
     include_usage, continuous = body.stream_usage()
     readers = [ToolCallText(called_function(body)) for _ in range(body.n)] if _calls_tools(body) else None
     usage = generation.Usage()
@@ -92,6 +102,8 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
             if first:
                 for index in range(body.n):
                     yield chunk(response, index, {"role": "assistant", "content": None if readers else ""})
+                for index in range(body.n if echo else 0):
+                    yield chunk(response, index, {"content": echo}, positions=[])
             usage.add(response, first)
             first = False
             for index, text in enumerate(response.texts):

@@ -11,7 +11,7 @@ from .errors import APIError
 from .schemas import ChatMessage, TemplateFields
 
 
-def _text(message: ChatMessage, index: int) -> str:
+def message_text(message: ChatMessage, index: int) -> str:
     """String content, or the text parts of list content joined by newlines (vLLM's way)."""
     content = message.content
     if content is None or isinstance(content, str):
@@ -49,7 +49,7 @@ class ChatTemplate:
         if taken:
             raise APIError(400, f"'chat_template_kwargs' may not set {taken[0]!r}, a parameter of the template's "
                            "rendering (the request has a field for the ones that matter)", "chat_template_kwargs")
-        conversation = [{**message.model_dump(exclude_none=True), "content": _text(message, i)}
+        conversation = [{**message.model_dump(exclude_none=True), "content": message_text(message, i)}
                         for i, message in enumerate(messages)]
         try:
             prompt = self.tokenizer.apply_chat_template(

@@ -192,6 +192,7 @@ class TemplateFields(BaseModel):
 class ChatCompletionRequest(SamplingFields, TemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     add_special_tokens: bool = False             # vLLM's: on top of what the template writes
+    echo: bool = False                           # vLLM's: the reply starts with a final assistant message
     max_completion_tokens: int | None = None
     max_tokens: int | None = None                # deprecated by OpenAI, still sent by many clients
     logprobs: bool = False
