@@ -177,18 +177,23 @@ def test_fused_layer_ops_match_their_torch_expressions(kernels, dtype, monkeypat
     cos, sin = (torch.randn(37, 1, 64, generator=g).to(dtype) for _ in range(2))
     gate_up = (torch.randn(37, 2 * 1540, generator=g) * 4).to(dtype)
 
+    residual = (torch.randn(37, 520, generator=g) * 3).to(dtype)
+
     def ops():
+        normed_sum, summed = norm.add_forward(x, residual.clone())      # the skip connection fused in
         return (norm(x), rotate(qkv[:, :8], cos, sin), silu_and_mul(gate_up),
-                rotate(small_qkv[:, :4], cos[..., :24], sin[..., :24]))
+                rotate(small_qkv[:, :4], cos[..., :24], sin[..., :24]), summed, normed_sum)
     with torch.no_grad():
         fused = ops()
         torch_path(monkeypatch)
         expected = ops()
+    assert torch.equal(fused[4], residual + x)
     if dtype == torch.bfloat16:
         for got, want in zip(fused, expected):
             assert torch.equal(got, want)
     else:   # float32: the squares are summed in another order; silu's exp is a polynomial
-        torch.testing.assert_close(fused[0], expected[0], rtol=4e-7, atol=0)   # 2 ulp
+        for i in (0, 5):
+            torch.testing.assert_close(fused[i], expected[i], rtol=4e-7, atol=0)   # 2 ulp
         assert torch.equal(fused[1], expected[1]) and torch.equal(fused[3], expected[3])
         torch.testing.assert_close(fused[2], expected[2], rtol=1e-6, atol=1e-7)
 

@@ -703,20 +703,33 @@ void paged_prefill_attention(const T *q, const int64_t *q_strides, const T *k_ca
 template <typename T>
 inline float rounded(float x) { T r; from_float(x, &r); return to_float(r); }
 
-// weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), the squares summed in float32
+// weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), the squares summed in float32. With a residual
+// (the decoder's skip connection): residual = (residual + x).to(dtype) first, in place, and the
+// norm is taken of that sum (one pass instead of an add and a norm)
 template <typename T>
 __attribute__((optimize("fp-contract=off")))
-void rms_norm(const T *x, int64_t x_stride, const T *weight, T *out, int64_t out_stride, int64_t rows, int hidden,
-              float eps, int num_threads) {
+void rms_norm(const T *x, int64_t x_stride, T *residual, int64_t residual_stride, const T *weight, T *out,
+              int64_t out_stride, int64_t rows, int hidden, float eps, int num_threads) {
     const int vectors = hidden / 16;
 #pragma omp parallel for num_threads(num_threads) if (rows * hidden > PARALLEL_MIN)
     for (int64_t r = 0; r < rows; ++r) {
         const T *src = x + r * x_stride;
         T *dst = out + r * out_stride;
         v16f squares = {};
-        for (int c = 0; c < vectors; ++c) {
-            const v16f v = load16(src + 16 * c);
-            squares += v * v;
+        if (residual != nullptr) {
+            T *skip = residual + r * residual_stride;
+            for (int c = 0; c < vectors; ++c) {
+                const v16f v = rounded16(load16(skip + 16 * c) + load16(src + 16 * c), src);
+                store16(skip + 16 * c, v);
+                squares += v * v;
+            }
+            for (int i = 16 * vectors; i < hidden; ++i) from_float(to_float(skip[i]) + to_float(src[i]), skip + i);
+            src = skip;
+        } else {
+            for (int c = 0; c < vectors; ++c) {
+                const v16f v = load16(src + 16 * c);
+                squares += v * v;
+            }
         }
         float sum = hsum(squares);
         for (int i = 16 * vectors; i < hidden; ++i) sum += to_float(src[i]) * to_float(src[i]);
@@ -1009,9 +1022,10 @@ ATTENTION_ENTRY(paged_prefill_attention, f32, float)
 ATTENTION_ENTRY(paged_prefill_attention, bf16, bf16)
 
 #define ROW_OPS_ENTRY(SUFFIX, T)                                                                              \
-    void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *weight, T *out, int64_t out_stride, int64_t rows, \
-                           int hidden, float eps, int num_threads) {                                             \
-        rms_norm<T>(x, x_stride, weight, out, out_stride, rows, hidden, eps, num_threads);                      \
+    void rms_norm_##SUFFIX(const T *x, int64_t x_stride, T *residual, int64_t residual_stride, const T *weight,   \
+                           T *out, int64_t out_stride, int64_t rows, int hidden, float eps, int num_threads) {    \
+        rms_norm<T>(x, x_stride, residual, residual_stride, weight, out, out_stride, rows, hidden, eps,         \
+                    num_threads);                                                                                \
     }                                                                                                            \
     void rotary_##SUFFIX(const T *x, int64_t x_row_stride, int64_t x_head_stride, const T *cos, const T *sin,   \
                          int64_t table_stride, T *out, int64_t rows, int heads, int dim, int num_threads) {      \

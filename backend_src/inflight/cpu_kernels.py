@@ -49,7 +49,7 @@ class CpuKernels:
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         attention = [p, p, p, p, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32]
         signatures = {"paged_decode_attention": attention, "paged_prefill_attention": attention,
-                      "rms_norm": [p, i64, p, p, i64, i64, i32, f32, i32],
+                      "rms_norm": [p, i64, p, i64, p, p, i64, i64, i32, f32, i32],
                       "rotary": [p, i64, i64, p, p, i64, p, i64, i32, i32, i32],
                       "silu_and_mul": [p, i64, p, i64, i64, i32, i32],
                       "write_kv": [p, p, p, p, p, p, p, p, i64, i32, i32, i32],
@@ -97,12 +97,18 @@ class CpuKernels:
             scale, torch.get_num_threads())
 
     # ---- the layer's small ops: x a CPU tensor of one of DTYPES, the last dim contiguous ----------
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """rms_norm(x); with a residual, residual += x first (in place, rounded to the dtype) and
+        the norm is of that sum."""
         rows = x.reshape(-1, x.shape[-1])
         assert rows.stride(-1) == 1 and weight.dtype == x.dtype and weight.is_contiguous()
+        skip = None if residual is None else residual.view(rows.shape)
+        assert skip is None or (skip.dtype == x.dtype and skip.stride(-1) == 1)
         out = torch.empty(rows.shape, dtype=x.dtype)
-        self.fns["rms_norm", x.dtype](rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
-                                      rows.shape[0], rows.shape[1], eps, torch.get_num_threads())
+        self.fns["rms_norm", x.dtype](rows.data_ptr(), rows.stride(0), None if skip is None else skip.data_ptr(),
+                                      0 if skip is None else skip.stride(0), weight.data_ptr(), out.data_ptr(),
+                                      out.stride(0), rows.shape[0], rows.shape[1], eps, torch.get_num_threads())
         return out.view(x.shape)
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

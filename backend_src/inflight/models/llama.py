@@ -96,6 +96,15 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the decoder's skip connection and the next norm in one
+        pass (on CPU one compiled call, the sum written into `residual`)."""
+        fused = cpu_kernels.for_tensor(x)
+        if fused is not None:
+            return fused.rms_norm(x, self.weight, self.eps, residual), residual
+        residual = residual + x
+        return self.forward(residual), residual
+
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     fused = cpu_kernels.for_tensor(x)          # one compiled call on CPU, same rounding
@@ -129,13 +138,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if lora is not None:        # adapters' q/k/v terms, each into its columns of the fused output
             lora.add("qkv", x, qkv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotate(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = rotate(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotate_qk(qkv, cos, sin)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         real = meta.num_real_tokens     # padding rows (static/dynamic policies) skip attention
         out = torch.empty_like(q)       # attention writes every real row
-        out[real:].zero_()
+        if real < len(out):
+            out[real:].zero_()
         if real:
             backend.write_kv(k[:real], v[:real], k_cache, v_cache, meta.slot_mapping)
             backend.attention(q[:real], k_cache, v_cache, out[:real], meta, self.scale)
@@ -144,6 +152,18 @@ class Attention(nn.Module):
         if lora is not None:
             lora.add("o", out, o)
         return o
+
+    def rotate_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated. On CPU one compiled call for both (they sit side by side in qkv);
+        elsewhere each into a contiguous tensor of its own, the layout the CUDA kernels are
+        compiled ahead for."""
+        if cpu_kernels.for_tensor(qkv) is not None:
+            heads = self.num_heads + self.num_kv_heads
+            qk = rotate(qkv[:, :heads * self.head_dim].view(-1, heads, self.head_dim), cos, sin)
+            return qk[:, :self.num_heads], qk[:, self.num_heads:]
+        q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 class MLP(nn.Module):
@@ -172,9 +192,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, meta, k_cache, v_cache, backend, lora=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache, backend, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+    def forward(self, x, residual, cos, sin, meta, k_cache, v_cache, backend, lora=None):
+        """x: the previous layer's output, still to be added to the residual stream (None in the
+        first layer, whose x is the stream) -> (this layer's output, the stream)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, meta, k_cache, v_cache, backend, lora)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h, lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -199,11 +226,12 @@ class LlamaForCausalLM(nn.Module):
                 lora=None) -> torch.Tensor:
         """input_ids [num_tokens], cos/sin [num_tokens, head_dim] -> hidden states [num_tokens, hidden].
         lora: the step's LoraBatch (inflight.lora) when some token runs with an adapter."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.model.layers, kv_caches)):
-            x = layer(x, cos, sin, meta, k_cache, v_cache, backend, None if lora is None else lora.layer(i))
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, meta, k_cache, v_cache, backend,
+                                None if lora is None else lora.layer(i))
+        return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
