@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -32,12 +33,14 @@ import time
 
 import numpy as np
 import torch
+from torch import nn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "backend_src"), REPO]
 
 from inflight import EngineConfig, LLMEngine, SamplingParams, cpu_kernels  # noqa: E402
 from inflight.kv_cache import KVCacheManager  # noqa: E402
+from inflight.packed_linear import PackedLinear  # noqa: E402
 from inflight.request import Request  # noqa: E402
 from inflight.runner import pack_step  # noqa: E402
 from inflight.scheduler import Scheduler  # noqa: E402
@@ -192,14 +195,18 @@ def _timed(fn, times: list):
     return wrapper
 
 
+ATTENTION_KERNELS = ("paged_decode_attention", "paged_prefill_attention")
+SMALL_OPS = ("rms_norm", "rotary", "silu_and_mul", "write_kv")       # the layer's fused small ops
+
+
 @contextlib.contextmanager
-def compiled_kernel_timer():
-    """Seconds of each compiled attention call (ctypes calls, invisible to torch.profiler)."""
-    kernels, times = cpu_kernels.load(), []
-    names = ("paged_decode_attention", "paged_prefill_attention")
+def compiled_kernel_timer(names=ATTENTION_KERNELS):
+    """Seconds of each call of the named compiled kernels, by name (ctypes calls, invisible to
+    torch.profiler)."""
+    kernels, times = cpu_kernels.load(), {name: [] for name in names}
     if kernels is not None:
         for name in names:
-            setattr(kernels, name, _timed(getattr(kernels, name), times))
+            setattr(kernels, name, _timed(getattr(kernels, name), times[name]))
     try:
         yield times
     finally:
@@ -229,7 +236,7 @@ def host_overhead(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) ->
         with profile(activities=[ProfilerActivity.CPU]) as prof, compiled_kernel_timer() as kernel_times:
             engine.step()
         computes.append(sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in COMPUTE_OPS) / 1e6
-                        + sum(kernel_times))
+                        + sum(map(sum, kernel_times.values())))
     compute = statistics.median(computes)
     median = {k: statistics.median(v[-steps:]) for k, v in phases.items()}
     step = statistics.median(walls)
@@ -237,7 +244,35 @@ def host_overhead(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) ->
     return {"num_seqs": num_seqs, "step_ms": step * 1e3, "compute_ms": compute * 1e3,
             "host_ms": (step - compute) * 1e3, "phases_us": {k: v * 1e6 for k, v in median.items()},
             # rope, norms, activations, residuals, KV writes, attention bookkeeping and Python
-            "forward_other_ms": (step - compute - outside_forward) * 1e3}
+            "forward_other_ms": (step - compute - outside_forward) * 1e3,
+            "forward_calls_us": forward_calls(engine, steps)}
+
+
+def forward_calls(engine: LLMEngine, steps: int) -> dict:
+    """A decode step's forward timed call by call (wall clock, each call's Python included; medians
+    over steps): the layers' linears, the attention kernels, the fused small ops, and the rest —
+    the Python, views and allocations between them. The LM head runs after the forward."""
+    model = engine.runner.model
+    linears = [m for m in model.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    forward, linear = [], []
+    model.forward = _timed(model.forward, forward)
+    for m in linears:
+        m.forward = _timed(m.forward, linear)
+    per_step = collections.defaultdict(list)
+    try:
+        with compiled_kernel_timer(ATTENTION_KERNELS + SMALL_OPS) as kernel_times:
+            for _ in range(steps):
+                engine.step()
+                calls = {"forward": forward, "linears": linear, **kernel_times}
+                for name, times in calls.items():
+                    per_step[name].append(sum(times))
+                    times.clear()
+    finally:
+        for m in [model, *linears]:
+            del m.forward
+    timed = [sum(per_step[name][i] for name in per_step if name != "forward") for i in range(steps)]
+    per_step["rest"] = [f - t for f, t in zip(per_step["forward"], timed)]
+    return {name: statistics.median(v) * 1e6 for name, v in per_step.items()}
 
 
 def penalty_cost(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) -> dict:
@@ -269,8 +304,9 @@ def profile_decode_step(model_dir: str, dtype: str = "bfloat16", num_seqs: int =
         for _ in range(steps):
             engine.step()
     rows = [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()]
-    if kernel_times:
-        rows.append(("inflight compiled decode attention", sum(kernel_times) * 1e3, len(kernel_times)))
+    for name, times in kernel_times.items():
+        if times:
+            rows.append((f"inflight compiled {name}", sum(times) * 1e3, len(times)))
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
     return [{"op": key, "share": ms / total, "ms_per_step": ms / steps, "calls_per_step": count / steps}
@@ -432,6 +468,11 @@ def main() -> None:
                   f"{h['host_ms']:5.1f} ms ({h['host_ms'] / h['step_ms'] * 100:4.1f}%): schedule {p['schedule']:5.0f} µs, "
                   f"pack {p['pack']:5.0f} µs, other ops + Python in the forward {h['forward_other_ms'] * 1e3:6.0f} µs, "
                   f"sample {p['sample']:5.0f} µs, update {p['update']:5.0f} µs")
+            c = h["forward_calls_us"]
+            print(f"        the forward call by call (wall, each call's Python included): {c['forward']:6.0f} µs = "
+                  f"linears {c['linears']:.0f} + attention {c['paged_decode_attention'] + c['paged_prefill_attention']:.0f}"
+                  f" + " + " + ".join(f"{name} {c[name]:.0f}" for name in SMALL_OPS)
+                  + f" + the Python, views and allocations between them {c['rest']:.0f} µs")
         penalties = summary["penalties"] = [penalty_cost(model_dir, "bfloat16", n) for n in (64, 256)]
         for p in penalties:
             print(f"   {p['num_seqs']:3d} sequences: sampling {p['sample_us']:6.0f} µs, with repetition, frequency "
