@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import hugepages
 from .attention import AttentionMetadata, select_backend
 from .batch_table import BatchTable
 from .config import EngineConfig
@@ -88,12 +89,15 @@ class ModelRunner:
         self.cos, self.sin = rope_tables(hf_config, self.max_model_len, self.dtype, self.device)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(self.spec.num_layers)]
+        self.kv_caches = [(self._cache_tensor(shape), self._cache_tensor(shape)) for _ in range(self.spec.num_layers)]
         log.info("inflight runner: %s on %s/%s, attention=%s, %d KV blocks x %d tokens (%.2f GiB)",
                  type(self.model).__name__, self.device, self.dtype, self.backend.name, self.num_blocks,
                  self.block_size, self.num_blocks * self.kv_block_bytes / 2**30)
+
+    def _cache_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return hugepages.zeros(shape, self.dtype)     # the decode kernels read it page by page
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @property
     def kv_block_bytes(self) -> int:
