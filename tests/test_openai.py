@@ -163,6 +163,39 @@ def test_chat_streamed_and_not_with_the_checkpoints_template(client, reference_e
     assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_json_null_is_a_fields_default(api, client):
+    """Clients that serialize every field send null for the ones they leave unset (OpenAI's types
+    are "boolean or null", "integer or null")."""
+    messages = [{"role": "user", "content": "What is a tuple?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    nulls = {"logprobs": None, "top_logprobs": None, "stream": None, "n": None, "echo": None, "stop": None,
+             "add_generation_prompt": None, "tools": None, "stream_options": None, "user": None}
+    reply = httpx.post(f"{api.base_url}/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0, **nulls}).json()
+    assert [c["message"]["content"] for c in reply["choices"]] == [plain.choices[0].message.content]
+    assert reply["choices"][0]["logprobs"] is None
+    prompt = httpx.post(f"{api.base_url}/completions", timeout=60, json={
+        "model": MODEL, "prompt": "x", "max_tokens": 2, "echo": None, "logprobs": None, "n": None}).json()
+    assert len(prompt["choices"]) == 1 and prompt["choices"][0]["logprobs"] is None
+
+
+def test_chat_top_logprobs_are_the_most_likely_at_a_tie():
+    """The sampled token's rank counts the tokens tied with it (vLLM's rule), so at a tie for first
+    it is 2; top_logprobs 1 still lists it (the N most likely, as OpenAI defines them)."""
+    from inflight_client.openai_server.logprobs import chat_logprobs
+    tied = {"5": {"logprob": -0.69, "rank": 2, "decoded_token": "a"},
+            "9": {"logprob": -0.69, "rank": 2, "decoded_token": "b"},
+            "7": {"logprob": -3.0, "rank": 3, "decoded_token": "c"}}
+    (content,) = chat_logprobs([tied], 1)["content"]
+    assert content["token"] == "a" and [t["token"] for t in content["top_logprobs"]] == ["a"]
+    assert [t["token"] for t in chat_logprobs([tied], 3)["content"][0]["top_logprobs"]] == ["a", "b", "c"]
+    unlikely = {"7": {"logprob": -3.0, "rank": 3, "decoded_token": "c"},
+                "5": {"logprob": -0.5, "rank": 1, "decoded_token": "a"},
+                "9": {"logprob": -1.0, "rank": 2, "decoded_token": "b"}}
+    (content,) = chat_logprobs([unlikely], 2)["content"]
+    assert content["token"] == "c" and [t["token"] for t in content["top_logprobs"]] == ["a", "b"]
+
+
 def test_vllm_chat_template_fields(api, client, reference_engine, tokenizer):
     """continue_final_message (an assistant prefill the model continues), add_generation_prompt,
     add_special_tokens, and chat_template_kwargs, as vLLM passes them to the template."""
@@ -207,8 +240,9 @@ def test_vllm_chat_template_fields(api, client, reference_engine, tokenizer):
 def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, reference_engine, tokenizer):
     template = tmp_path / "chat.jinja"
     template.write_text("{{ bos_token }}{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
-                        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
-                        "{% if brief %}(brief) {% endif %}")
+                        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} "
+                        "{% for c in m.get('tool_calls', []) %}{{ c['function']['arguments'] | tojson }} {% endfor %}"
+                        "{% endfor %}{% if brief %}(brief) {% endif %}")
     messages = [{"role": "user", "content": "Lists"}]
     ids = tokenizer("<s><user> Lists ", add_special_tokens=False)["input_ids"]
     with_tools = tokenizer("<s>[get_weather][add]<user> Lists ", add_special_tokens=False)["input_ids"]
@@ -220,6 +254,20 @@ def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, refere
                                                       tools=TOOLS, tool_choice="none")
         brief = other_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                                      extra_body={"chat_template_kwargs": {"brief": True}})
+        # an assistant's tool call as OpenAI sends it back (arguments a JSON string): the template
+        # gets the arguments as an object (vLLM's way), so `tojson` writes them once, not as a string
+        call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+        history = [*messages, {"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+        called = other_client.chat.completions.create(model=MODEL, messages=history, max_tokens=1,
+                                                      extra_body={"return_token_ids": True})
+        broken = {**call, "function": {"name": "add", "arguments": "{a: 1"}}
+        with pytest.raises(openai.BadRequestError, match=r"'messages\[1\].tool_calls\[0\].function.arguments' is "
+                                                         "not valid JSON"):
+            other_client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+                *messages, {"role": "assistant", "content": None, "tool_calls": [broken]}])
+    rendered = tokenizer('<s><user> Lists <assistant>  {"a": 1, "b": 2} <tool> 3 ', add_special_tokens=False)
+    assert called.model_extra["prompt_token_ids"] == rendered["input_ids"]
     assert reply.choices[0].message.content == reference(reference_engine, tokenizer, [ids], 8)[0]
     briefly = tokenizer("<s><user> Lists (brief) ", add_special_tokens=False)["input_ids"]
     assert brief.choices[0].message.content == reference(reference_engine, tokenizer, [briefly], 8)[0]
@@ -656,6 +704,16 @@ BAD = [
      "'tool_choice' names the function 'nope', which is not in 'tools' (get_weather, add)", "tool_choice"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tool_choice": "required"}, 400,
      "'tool_choice' needs 'tools'", "tool_choice"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": []}, 400,
+     "'tools': List should have at least 1 item", "tools"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": [
+        {"type": "function", "function": {"name": "f", "params": {}}}]}, 400,
+     "'tools[0].function.params': unknown parameter", "tools"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "stream": True,
+                          "stream_options": {"include_usage": True, "usage": True}}, 400,
+     "'stream_options.usage': unknown parameter", "stream_options"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "max_completion_tokens": 0}, 400,
+     "'max_completion_tokens' must be", "max_completion_tokens"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "only text parts", "messages"),
 ]

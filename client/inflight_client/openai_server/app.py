@@ -8,6 +8,7 @@ import contextlib
 import gc
 import json
 import logging
+import re
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -41,13 +42,21 @@ class Settings:
     max_model_len: int | None = None
 
 
+FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+
+
 def _validation_error(error: ValidationError) -> APIError:
     first = error.errors()[0]
     loc = [str(part) for part in first["loc"]]
     name = loc[0] if loc else None
-    # the field and any list positions; union member names (prompt.list[int]) say nothing to a user
-    where = (name or "") + "".join(f"[{part}]" for part in loc[1:] if part.isdigit())
-    message = "unknown parameter" if first["type"] == "extra_forbidden" else first["msg"]
+    unknown = first["type"] == "extra_forbidden"
+    # the field and any list positions, and for an unknown key the fields down to it and the key
+    # itself; not union member names (prompt.list[int], tool_choice.NamedToolChoice), which say
+    # nothing to a user
+    where = (name or "") + "".join(
+        f"[{part}]" if part.isdigit() else f".{part}" for i, part in enumerate(loc[1:], start=2)
+        if part.isdigit() or (unknown and (FIELD_NAME.fullmatch(part) or i == len(loc))))
+    message = "unknown parameter" if unknown else first["msg"]
     return APIError(400, f"'{where}': {message}" if where else message, name)
 
 

@@ -45,7 +45,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
                                         prompt_ids, _echo(body)))
         outputs, usage = await generation.gather(calls, body.n)
     except APIError as exc:
-        raise blame(exc, constraint) from None
+        raise blame(_as_sent(exc, body), constraint) from None
     choices = []
     echo = _echo(body)
     for index, out in enumerate(outputs):
@@ -67,6 +67,14 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
     if body.return_token_ids:
         reply["prompt_token_ids"] = prompt_ids
     return JSONResponse(reply)
+
+
+def _as_sent(error: APIError, body: ChatCompletionRequest) -> APIError:
+    """`llm` names the limit 'max_tokens'; a request that gave max_completion_tokens reads its own name."""
+    if error.param == "max_tokens" and body.max_completion_tokens is not None:
+        error.message = error.message.replace("'max_tokens'", "'max_completion_tokens'")
+        error.param = "max_completion_tokens"
+    return error
 
 
 def _echo(body: ChatCompletionRequest) -> str:

@@ -6,6 +6,7 @@ write their own BOS (a second one would change the model's output)."""
 from __future__ import annotations
 
 import inspect
+import json
 
 from .errors import APIError
 from .schemas import ChatMessage, TemplateFields
@@ -23,6 +24,33 @@ def message_text(message: ChatMessage, index: int) -> str:
                            f"{part.get('type')!r}", "messages")
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+def template_message(message: ChatMessage, index: int) -> dict:
+    """A message as transformers' chat templates take it: text content, and an assistant's
+    `tool_calls` with their `arguments` as objects (OpenAI sends a JSON string; templates render
+    `arguments | tojson` or iterate its items). An empty `tool_calls` is left out, as vLLM does."""
+    item = {**message.model_dump(exclude_none=True), "content": message_text(message, index)}
+    calls = item.get("tool_calls")
+    if message.role != "assistant" or not isinstance(calls, list):
+        return item
+    if not calls:
+        del item["tool_calls"]
+        return item
+    item["tool_calls"] = [_parsed_arguments(call, index, j) for j, call in enumerate(calls)]
+    return item
+
+
+def _parsed_arguments(call, index: int, position: int):
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str | None):
+        return call
+    field = f"messages[{index}].tool_calls[{position}].function.arguments"
+    try:
+        arguments = json.loads(function["arguments"]) if function.get("arguments") else {}
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"'{field}' is not valid JSON: {exc}", "messages") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatTemplate:
@@ -49,8 +77,7 @@ class ChatTemplate:
         if taken:
             raise APIError(400, f"'chat_template_kwargs' may not set {taken[0]!r}, a parameter of the template's "
                            "rendering (the request has a field for the ones that matter)", "chat_template_kwargs")
-        conversation = [{**message.model_dump(exclude_none=True), "content": message_text(message, i)}
-                        for i, message in enumerate(messages)]
+        conversation = [template_message(message, i) for i, message in enumerate(messages)]
         try:
             prompt = self.tokenizer.apply_chat_template(
                 conversation, chat_template=self.template, tools=tools, documents=fields.documents, tokenize=False,

@@ -50,10 +50,12 @@ def _token(entry: dict) -> dict:
 
 
 def chat_logprobs(positions: list[dict], top_n: int) -> dict:
-    """/v1/chat/completions: per token the sampled token and the `top_n` most likely, by rank."""
+    """/v1/chat/completions: per token the sampled token and the `top_n` most likely. By
+    log-probability, not rank: the sampled token's rank counts the tokens tied with it (vLLM's
+    rule), so at a tie for first it is 2 while it is one of the most likely."""
     content = []
     for position in positions:
         sampled = next(iter(position.values()))
-        top = sorted((entry for entry in position.values() if entry["rank"] <= top_n), key=lambda e: e["rank"])
-        content.append({**_token(sampled), "top_logprobs": [_token(entry) for entry in top[:top_n]]})
+        top = sorted(position.values(), key=lambda entry: -entry["logprob"])[:top_n]    # stable: ties keep order
+        content.append({**_token(sampled), "top_logprobs": [_token(entry) for entry in top]})
     return {"content": content}

@@ -21,8 +21,20 @@ from .logprobs import as_token_ids
 MAX_LOGPROBS = 20       # the engine's limit (inflight.config.MAX_LOGPROBS)
 
 
-class ResponseFormat(BaseModel):
+class Body(BaseModel):
+    """A request body or part of one: unknown fields refused by name, and JSON null taken as the
+    field's default, as OpenAI's types ("boolean or null") and vLLM's (`bool | None = False`) allow."""
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None or key not in cls.model_fields}
+        return data
+
+
+class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict | None = None              # {"name", "schema", "strict", "description"}
 
@@ -34,16 +46,14 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StreamOptions(Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False         # vLLM's: with include_usage, every chunk has its choice's usage
+    include_obfuscation: bool | None = None      # OpenAI's: accepted, unused (nothing here is obfuscated)
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Body):
     """Fields shared by completions and chat completions."""
-    model_config = ConfigDict(extra="forbid")
-
     model: str
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = None
@@ -145,34 +155,29 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionDefinition(Body):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict | None = None               # a JSON schema
     strict: bool | None = None                   # accepted: the arguments always follow `parameters`
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Tool(Body):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionName(Body):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: FunctionName
 
 
-class TemplateFields(BaseModel):
+class TemplateFields(Body):
     """vLLM's chat-template fields, for chat completions and /tokenize's messages form."""
-    model_config = ConfigDict(extra="forbid")
     add_generation_prompt: bool = True
     continue_final_message: bool = False         # the final (assistant) message left open, to be continued
     chat_template_kwargs: dict | None = None     # more variables for the template (e.g. enable_thinking)
@@ -197,7 +202,7 @@ class ChatCompletionRequest(SamplingFields, TemplateFields):
     max_tokens: int | None = None                # deprecated by OpenAI, still sent by many clients
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, min_length=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None      # accepted, unused ("required" may give several calls)
     metadata: dict | None = None                 # accepted, unused
@@ -231,7 +236,7 @@ class TokenizeRequest(TemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
@@ -246,7 +251,6 @@ class TokenizeRequest(TemplateFields):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[int]
