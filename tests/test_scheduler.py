@@ -77,6 +77,18 @@ def test_running_requests_are_scheduled_before_waiting_ones():
     assert list(scheduled(s, out).items()) == [(a.request_id, 1), (b.request_id, 1), (c.request_id, 8)]
 
 
+def test_without_chunked_prefill_the_budget_must_hold_the_longest_request():
+    """Else a prompt (or a preempted request's recompute) over the budget would wait forever, and
+    every request behind it: refused at start, naming the field (vLLM's rule)."""
+    with pytest.raises(ValueError, match=r"'max_num_batched_tokens' \(32\) is below max_model_len \(256\)"):
+        make_scheduler(budget=32, enable_chunked_prefill=False)
+    s = make_scheduler(budget=256, enable_chunked_prefill=False)
+    s.add(make_request(200))
+    out = s.schedule()
+    assert out.num_tokens == 200, "the whole prompt in one step"
+    make_scheduler(budget=32, policy="static", enable_chunked_prefill=False)    # request-level batching has no budget
+
+
 def test_several_prompts_are_chunked_in_one_step():
     s = make_scheduler(budget=100, num_blocks=128)
     reqs = [add(s, 40, max_tokens=5) for _ in range(3)]

@@ -48,6 +48,13 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: EngineConfig, max_model_len: int, kv: KVCacheManager,
                  eos_token_ids: tuple[int, ...]):
+        if config.policy == "continuous" and not config.enable_chunked_prefill \
+                and config.max_num_batched_tokens < max_model_len:
+            # a prompt, or a preempted request's recompute, must then fit one step's budget
+            raise ValueError(f"'max_num_batched_tokens' ({config.max_num_batched_tokens}) is below max_model_len "
+                             f"({max_model_len}) with 'enable_chunked_prefill' false: a longer prompt, or a "
+                             "preempted request grown longer, could never be scheduled; raise it to max_model_len, "
+                             "lower max_model_len, or enable chunked prefill")
         self.config = config
         self.policy = config.policy
         self.block_size = config.block_size
