@@ -332,3 +332,38 @@ def test_a_failure_in_the_response_thread_fails_every_request_instead_of_hanging
         assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
     finally:
         loop.shutdown()
+
+
+def test_the_serving_loop_keeps_nothing_of_requests_that_ended(tokenizer):
+    """Refused requests (prompt + max_tokens over max_model_len, a full queue), finished ones and
+    n > 1 ones all leave the response thread's bookkeeping: nothing grows with the requests served."""
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+
+    from .helpers import RecordingSink
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(
+        dtype="float32", max_num_seqs=2, num_kv_blocks=64, max_model_len=256, max_queue_size=3, cpu_threads=1))
+    loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05)
+    prompt = tokenizer("The assert statement")["input_ids"]
+    try:
+        sinks = []
+        # all queued before the loop starts, so the engine thread adds them in one go, in order
+        for params, n in [(SamplingParams(max_tokens=40, ignore_eos=True), 2),     # two of the queue's 3 places
+                          (SamplingParams(max_tokens=4, ignore_eos=True), 1),      # the third
+                          *[(SamplingParams(max_tokens=4, ignore_eos=True), 1)] * 5,          # queue full
+                          *[(SamplingParams(max_tokens=300, ignore_eos=True), 1)] * 5]:       # too long
+            sinks.append(RecordingSink())
+            loop.submit(GenerateRequest(None, prompt, params, stream=True, n=n), sinks[-1])
+        loop.start()
+        assert all(sink.finished.wait(60) for sink in sinks), "a request was left waiting"
+        errors = [sink.sends[-1][3] for sink in sinks]
+        assert errors[:2] == [None, None]
+        assert all(e.startswith("queue full") for e in errors[2:7]) and all("max_model_len" in e for e in errors[7:])
+        deadline = time.monotonic() + 5
+        while (loop._jobs or loop._samples or loop._owner) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (loop._jobs, loop._samples, loop._owner) == ({}, {}, {})
+        assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
+    finally:
+        loop.shutdown()

@@ -47,7 +47,11 @@ class EngineLoop:
         self.failure: str | None = None          # set once the loop can no longer serve
         self._ids = 0
         self._id_lock = threading.Lock()
-        self._token_texts: dict[int, str] = {}      # response thread: token id -> its text alone
+        # the response thread's own: the requests still owed a response, and token texts
+        self._jobs: dict[str, Job] = {}             # by job id: for cancellation polls
+        self._samples: dict[str, Sample] = {}       # by engine request id
+        self._owner: dict[str, Job] = {}            # engine request id -> its job
+        self._token_texts: dict[int, str] = {}      # token id -> its text alone
         self._engine_thread = threading.Thread(target=self._run_engine, name="inflight-engine", daemon=True)
         self._response_thread = threading.Thread(target=self._run_responses, name="inflight-responses", daemon=True)
 
@@ -216,9 +220,6 @@ class EngineLoop:
 
     # ---- response thread ------------------------------------------------------------------------------
     def _run_responses(self) -> None:
-        jobs: dict[str, Job] = {}            # by job id: for cancellation polls
-        samples: dict[str, Sample] = {}      # by engine request id
-        owner: dict[str, Job] = {}           # engine request id -> its job
         last_poll = time.monotonic()
         while True:
             try:
@@ -226,51 +227,54 @@ class EngineLoop:
             except queue.Empty:
                 kind, payload = "poll", None
             try:
-                if self._dispatch(kind, payload, jobs, samples, owner):
+                if self._dispatch(kind, payload):
                     return
                 now = time.monotonic()
                 if now - last_poll >= self.cancel_poll_s:
                     last_poll = now
-                    self._poll_cancelled(jobs)
+                    self._poll_cancelled()
             except Exception as exc:   # a bug here would leave every stream waiting: fail them all, loudly
                 log.exception("inflight response thread failed; failing all requests")
                 self.failure = f"the server failed: {type(exc).__name__}: {exc}"
                 self.inbox.put(("release", None))
-                for job in jobs.values():
+                for job in self._jobs.values():
                     if not job.done:      # not _fail: its bookkeeping may be what failed
                         self._send(job, None, final=True, error=self.failure)
-                jobs.clear()
+                self._jobs.clear()
                 if self.on_failure is not None:
                     self.on_failure(self.failure)
 
-    def _dispatch(self, kind: str, payload, jobs: dict[str, Job], samples: dict[str, Sample],
-                  owner: dict[str, Job]) -> bool:
+    def _dispatch(self, kind: str, payload) -> bool:
         """One message from the engine thread; True when the loop is done."""
         if kind == "register":
-            jobs[payload.job_id] = payload
+            self._jobs[payload.job_id] = payload
             for sample in payload.samples:
-                samples[sample.request_id] = sample
-                owner[sample.request_id] = payload
+                self._samples[sample.request_id] = sample
+                self._owner[sample.request_id] = payload
         elif kind == "step":
-            self._deliver(samples, owner, payload)
-        elif kind == "error":
+            self._deliver(payload)
+        elif kind == "error":         # refused by the engine: no step will ever report its samples
             job, message = payload
+            for sample in job.samples:
+                self._samples.pop(sample.request_id, None)
+                self._owner.pop(sample.request_id, None)
             self._fail(job, message)
         elif kind in ("fail", "drain"):
-            for job in jobs.values():
+            for job in self._jobs.values():
                 self._fail(job, payload)
-            jobs.clear()
+            self._jobs.clear()
             if kind == "fail" and self.on_failure is not None:
                 self.on_failure(payload)
         elif kind == "metrics":
             self.metrics.publish(payload)
         elif kind == "stop":
-            for job in jobs.values():
+            for job in self._jobs.values():
                 self._fail(job, self.failure or "the model is being unloaded")
             return True
         return False
 
-    def _deliver(self, samples: dict[str, Sample], owner: dict[str, Job], out) -> None:
+    def _deliver(self, out) -> None:
+        samples, owner = self._samples, self._owner
         touched: dict[Job, None] = {}        # jobs with news, in order
         for request_id, entries in out.prompt_logprobs.items():
             job = owner.get(request_id)
@@ -367,15 +371,15 @@ class EngineLoop:
         job.done = True
         self._record(job, "cancelled")
 
-    def _poll_cancelled(self, jobs: dict[str, Job]) -> None:
+    def _poll_cancelled(self) -> None:
         """Every cancel_poll_s, not after every send: each check is a round trip to the server
         (with 16 streams, checking after each token took half the response thread's time)."""
-        for job_id, job in list(jobs.items()):
+        for job_id, job in list(self._jobs.items()):
             if job.done:
-                jobs.pop(job_id)
+                self._jobs.pop(job_id)
             elif self._cancelled(job):
                 self._cancel(job)
-                jobs.pop(job_id)
+                self._jobs.pop(job_id)
 
     def _record(self, job: Job, reason: str) -> None:
         if self.metrics is not None:
