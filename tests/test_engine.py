@@ -163,6 +163,8 @@ def test_requests_that_can_never_run_are_rejected_at_once(engine):
         engine.add_request("bad-oov", [5], SamplingParams(bad_words_ids=[[5, engine.vocab_size + 7]]))
     with pytest.raises(ValueError, match="'priority'"):
         engine.add_request("prio", [5], priority="urgent")
+    with pytest.raises(ValueError, match="'cache_salt' is not valid UTF-8"):      # JSON's "\ud800" is a str
+        engine.add_request("salt", [5], cache_salt="\ud800")
     engine.add_request("dup", [5], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("dup", [5])

@@ -104,6 +104,7 @@ class LLMEngine:
         limit = self.config.max_queue_size
         if limit is not None and self.scheduler.num_waiting >= limit:
             raise QueueFullError(f"queue full: {limit} requests are already waiting (max_queue_size)")
+        salt = self._salt_key(cache_salt)
         lora_slot, lora_key = self._lora_adapter(params.lora_name)
         matcher = None
         if params.structured_outputs is not None:
@@ -113,17 +114,26 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(params.seed)
-        salt = (cache_salt or "").encode()
         req = Request(request_id=request_id, token_ids=prompt, num_prompt_tokens=len(prompt), params=params,
                       priority=parse_priority(priority), arrival_seq=next(self._arrivals),
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                       generator=generator,
-                      cache_key=hashlib.blake2b(self.model_key + b"|" + salt + lora_key, digest_size=16).digest(),
+                      # fixed-length parts (the adapter's present or not): no salt can pose as an adapter
+                      cache_key=hashlib.blake2b(self.model_key + salt + lora_key, digest_size=16).digest(),
                       matcher=matcher, lora_slot=lora_slot)
         self.num_constrained += matcher is not None
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    @staticmethod
+    def _salt_key(cache_salt: str | None) -> bytes:
+        """The salt's part of the prefix-cache key: a digest of fixed length."""
+        try:
+            salt = (cache_salt or "").encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("'cache_salt' is not valid UTF-8 text (it holds a lone surrogate)") from None
+        return hashlib.blake2b(salt, digest_size=16).digest()
 
     def _lora_adapter(self, lora_name: str | None) -> tuple[int, bytes]:
         """(slot, prefix-cache key part) of the request's adapter: blocks computed with an adapter
