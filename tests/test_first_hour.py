@@ -29,14 +29,15 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(os.path.join(REPO, p) for p i
 class Launcher:
     """`python -m inflight.serving.launch ARGS` on free ports, its output collected line by line."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, env: dict | None = None):
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         self.openai_port = free_port()
         cmd = [sys.executable, "-m", "inflight.serving.launch", f"--http-port={self.http_port}",
                f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
                f"--openai-port={self.openai_port}", *args]
         self.started = time.monotonic()
-        self.process = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(cmd, env={**ENV, **(env or {})}, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -115,6 +116,46 @@ def test_a_checkpoint_given_with_model_is_served_through_llm_and_the_ensemble(se
     assert code == 0, "\n".join(launcher.lines[-30:])
     written = re.search(r"--model-repository=(\S+)", launcher.lines[0]).group(1)
     assert not os.path.exists(written)
+
+
+def _children(pid: int) -> dict[int, str]:
+    """pid -> command line of each child process of pid (from /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid:
+            children[int(entry)] = command
+    return children
+
+
+@pytest.mark.server
+def test_the_launcher_ends_when_tritonserver_dies_and_never_prints_the_admin_key(served_checkpoint):
+    """tritonserver gone (a crash, or stopped after an engine failure): the launcher stops the
+    OpenAI server too and exits with tritonserver's code, so a supervisor can restart it. With
+    --production the admin key, expanded into two flags, is masked in the printed command."""
+    key = "admin-key-for-the-test"
+    launcher = Launcher("--model", served_checkpoint, "--production", "--engine", "dtype=float32", "--engine",
+                        "max_num_seqs=2", "--engine", "cpu_threads=1", "--engine", "max_model_len=128",
+                        env={"INFLIGHT_ADMIN_KEY": key})
+    try:
+        launcher.wait_for("inflight: ready", 120)
+        children = _children(launcher.process.pid)
+        (triton,) = [pid for pid, command in children.items() if "tritonserver" in command]
+        (openai_server,) = [pid for pid, command in children.items() if "openai_server" in command]
+        os.kill(triton, signal.SIGKILL)
+        code, _ = launcher.wait(60)
+    finally:
+        if launcher.process.poll() is None:
+            launcher.process.send_signal(signal.SIGINT)
+    assert code != 0
+    assert not os.path.exists(f"/proc/{openai_server}"), "the OpenAI server was left running"
+    assert "admin-key=***" in launcher.lines[0] and not any(key in line for line in launcher.lines)
 
 
 def _broken(kind: str, good: str, root) -> tuple[list[str], str, str]:

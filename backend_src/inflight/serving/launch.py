@@ -352,6 +352,9 @@ def model_names(model_repository: str) -> list[str]:
                   if os.path.isfile(os.path.join(model_repository, name, "config.pbtxt")))
 
 
+COMPANION_STOP_S = 10.0     # a companion still running this long after SIGTERM is killed
+
+
 class Children:
     """The processes `make serve` runs: tritonserver, then any companion (such as an OpenAI-compatible
     server), signalled and stopped together; tritonserver gets the shutdown flag first."""
@@ -373,11 +376,23 @@ class Children:
                 process.send_signal(signum)
 
     def wait(self) -> int:
-        """tritonserver's exit code, once every child has exited."""
-        codes = [process.wait() for process in self.processes]
+        """tritonserver's exit code, once every child has exited. The companions serve nothing
+        without tritonserver: once it has exited (stopped, or on its own after an engine failure or
+        a crash) they are stopped too, so the launcher ends and a supervisor can restart it."""
+        triton, *companions = self.processes
+        code = triton.wait()
+        for process in companions:
+            if process.poll() is None:
+                process.terminate()
+        for process in companions:
+            try:
+                process.wait(COMPANION_STOP_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
         if os.path.exists(self.flag):
             os.remove(self.flag)
-        return codes[0]
+        return code
 
 
 # a model failed, but tritonserver waits for the others to finish loading: stop it after this long
@@ -462,12 +477,20 @@ def main() -> None:
     sys.exit(code)
 
 
+def shown_command(cmd: list[str]) -> str:
+    """The command as printed: the production profile's admin key (the restricted APIs' header
+    value, expanded into two flags) would otherwise end up in logs anyone may read."""
+    shown = " ".join(cmd)
+    key = os.environ.get("INFLIGHT_ADMIN_KEY")
+    return shown.replace(key, "***") if key else shown
+
+
 def serve(server: Server, model_repository: str, endpoints: Endpoints, extra: list[str],
           note: str | None = None) -> int:
     """Run tritonserver (and its companions) until they exit; the ready banner, or why it did not start."""
     cmd = server_command(server, model_repository, endpoints.http_port, endpoints.grpc_port,
                          endpoints.metrics_port, extra)
-    print(f"inflight: starting {' '.join(cmd)}", flush=True)
+    print(f"inflight: starting {shown_command(cmd)}", flush=True)
     children = Children()
     triton = children.start(cmd, env={**server.env, SHUTDOWN_FLAG_ENV: children.flag},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
