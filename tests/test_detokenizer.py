@@ -148,3 +148,77 @@ def test_invalid_bytes_stream_as_replacement_characters(tokenizer):
     det = IncrementalDetokenizer(tokenizer)
     texts = [det.add([byte_ids[b]]) for b in "你".encode()]
     assert texts[:2] == [None, None] and texts[2].text == "你"
+
+
+def sentencepiece_tokenizer():
+    """A Llama-2 / Mistral-style tokenizer (SentencePiece as a fast tokenizer): words carry a
+    leading "▁", and the decoder strips one leading space at the start of a decode."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁What": 3, "▁is": 4, "▁machine": 5, "▁learning?": 6, "▁Machine": 7,
+             "▁learning": 8}
+    model = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    model.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    model.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_the_output_reads_as_it_follows_the_prompt():
+    """Decoded alone, a SentencePiece output loses its first word's space ("Machine learning"); the
+    detokenizer decodes it after the prompt's last tokens, as vLLM's does: " Machine learning"."""
+    tokenizer = sentencepiece_tokenizer()
+    prompt, output = [1, 3, 4, 5, 6], [7, 8, 2]
+    assert decode(tokenizer, output) == "Machine learning"
+    for chunk in (1, 2):
+        det = IncrementalDetokenizer(tokenizer, prompt)
+        deltas = [det.add(output[i:i + chunk], final=i + chunk >= len(output)) for i in range(0, len(output), chunk)]
+        assert "".join(d.text for d in deltas if d) == " Machine learning"
+        for d in filter(None, deltas):       # what the ensemble's postprocessing decodes
+            assert decode_delta(tokenizer, d.context_ids, d.new_ids) == d.text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_after_any_prompt_a_byte_level_output_streams_as_its_own_decode(tokenizer, data):
+    """Byte-level BPE decodes the same after a prompt as alone, except where the prompt ends inside a
+    character: then the prompt gives no context, so its bytes never join the output's."""
+    vocab = len(tokenizer)
+    prompt = data.draw(st.lists(st.one_of(st.sampled_from(byte_token_ids(tokenizer)), st.integers(0, vocab - 1)),
+                                min_size=1, max_size=12))
+    ids = data.draw(st.lists(st.one_of(st.sampled_from(byte_token_ids(tokenizer)), st.integers(0, vocab - 1)),
+                             min_size=1, max_size=30))
+    det = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = [det.add([t], final=i == len(ids) - 1) for i, t in enumerate(ids)]
+    assert "".join(d.text for d in deltas if d) == decode(tokenizer, ids)
+    assert [t for d in deltas if d for t in d.new_ids] == ids
+
+
+def test_stop_strings_are_searched_only_where_asked():
+    """search=False (before min_tokens) lets text through; the held tail still lets a stop string
+    that ends in the first searched text match, as vLLM's look-back does."""
+    s = StopStrings(["STOP"])
+    assert s.feed("a STOP b", search=False) + s.feed(" c", final=True, search=False) == "a STOP b c"
+    assert not s.stopped
+    s = StopStrings(["STOP"])
+    out = s.feed("x ST", search=False) + s.feed("OP y")
+    assert out == "x " and s.stopped
+
+
+def test_a_stop_token_ends_the_text_without_its_own_and_releases_what_was_held(tokenizer):
+    """vLLM's rule: the text of the stop token that ended the output is left out (unless
+    include_stop_str_in_output), and the text held back for a stop string still comes out."""
+    from inflight import SamplingParams
+    from inflight.serving.job import Sample
+    ids = tokenizer("one\n two", add_special_tokens=False)["input_ids"]
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    assert len(newline) == 1
+    for include in (False, True):
+        sample = Sample("r", SamplingParams(), IncrementalDetokenizer(tokenizer), StopStrings(["\n\n"]), include)
+        for token in ids:
+            sample.add(token, None, None)
+        sample.add(newline[0], None, "stop")         # a stop_token_ids token
+        piece = sample.take()
+        assert piece.text == "one\n two" + ("\n" if include else "") and sample.finish_reason == "stop"
+        assert piece.new_ids == ids + (newline if include else []) and piece.num_tokens == len(ids) + 1

@@ -98,7 +98,6 @@ HTTP_ENSEMBLE = [
     ({"text_input": "", "max_tokens": 3}, "'text_input' is empty"),
     ({"text_input": "hi", "temperature": -1.0}, "'temperature'"),
     ({"text_input": "hi", "top_p": 5.0}, "'top_p'"),
-    ({"text_input": "hi", "stop_words": [""]}, "'stop_words' holds an empty string"),
     ({"text_input": "hi", "return_log_probs": True}, "'return_log_probs' is not available through the ensemble"),
     ({"max_tokens": 3}, "text_input"),
 ]

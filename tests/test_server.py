@@ -170,6 +170,10 @@ def test_ensemble_errors_name_the_field(server):
     reply = http_generate(server.http_url, "ensemble", {"text_input": "", "max_tokens": 3})
     assert "'text_input' is empty" in reply.get("error", "")
     assert "text_output" in http_generate(server.http_url, "ensemble", {"text_input": "The", "max_tokens": 2})
+    # TensorRT-LLM's own example request: empty bad/stop words mean none
+    example = http_generate(server.http_url, "ensemble", {"text_input": "What is machine learning?", "max_tokens": 20,
+                                                          "bad_words": "", "stop_words": ""})
+    assert "error" not in example and example["text_output"], example
 
 
 def test_engine_metrics_are_served_next_to_tritons(server):

@@ -132,6 +132,47 @@ def test_stop_strings_with_and_without_include_stop_str_in_output(server, tokeni
             assert strings(responses[-1][0]["finish_reason"]) == ["stop"]
 
 
+def sampled_ids(responses) -> list[int]:
+    """The generated token ids of a request asked for logprobs 0 (the sampled token of each map)."""
+    return [int(next(iter(position))) for o, _ in responses for position in json.loads(strings(o["logprobs"])[0])]
+
+
+def test_stop_tokens_min_tokens_and_bad_words_as_vllm(server, tokenizer, reference_engine):
+    """A stop_token_ids token ends the output without its text (unless include_stop_str_in_output);
+    stop strings count only from min_tokens on; a bad word is banned with and without the space
+    that precedes it mid-text — each as vLLM does it."""
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    ref = reference_engine.generate([prompt_ids], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    ids = ref.token_ids
+    base = {"max_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    flags = dict(exclude_input_in_output=True, return_finish_reason=True, return_logprobs=True)
+    i = next(i for i in range(2, 24) if ids[i] not in ids[:i] and decode(tokenizer, [ids[i]]))
+    for include, text in ((False, decode(tokenizer, ids[:i])), (True, decode(tokenizer, ids[:i + 1]))):
+        for stream in (True, False):
+            responses = llm(server, grpc_inputs(PROMPT, stream, {**base, "stop_token_ids": [ids[i]],
+                                                                 "include_stop_str_in_output": include}, **flags))
+            assert "".join(strings(o["text_output"])[0] for o, _ in responses) == text
+            assert sampled_ids(responses) == ids[:i + 1] and strings(responses[-1][0]["finish_reason"]) == ["stop"]
+    full = decode(tokenizer, ids)
+    stop = decode(tokenizer, [ids[1]]).strip() or decode(tokenizer, [ids[1]])
+    early = llm(server, grpc_inputs(PROMPT, False, {**base, "stop": [stop]}, **flags))
+    assert len(sampled_ids(early)) <= 3, "without min_tokens the stop string ends it at once"
+    late = llm(server, grpc_inputs(PROMPT, False, {**base, "stop": [stop], "min_tokens": 12}, **flags))
+    [(outputs, _)] = late
+    text, count = strings(outputs["text_output"])[0], len(sampled_ids(late))
+    assert count >= 12 and full.startswith(text)
+    searched_from = len(decode(tokenizer, ids[:12])) - (len(stop) - 1)
+    if strings(outputs["finish_reason"]) == ["stop"]:
+        assert full[len(text):].startswith(stop) and len(text) >= searched_from
+    assert stop not in full[searched_from:len(text)]
+    word = next(t for t in ids if decode(tokenizer, [t]).startswith(" ") and decode(tokenizer, [t])[1:].isalpha())
+    spelled = decode(tokenizer, [word]).strip()
+    alone = tokenizer(spelled, add_special_tokens=False)["input_ids"]
+    assert alone != [word], "the mid-text form is a token of its own"
+    banned = sampled_ids(llm(server, grpc_inputs(PROMPT, False, {**base, "bad_words": [spelled]}, **flags)))
+    assert word not in banned and banned != ids
+
+
 def test_n_outputs_are_elements_of_every_tensor_with_seed_plus_index(server):
     sampling = {"max_tokens": 12, "temperature": 1.0, "seed": 11, "n": 3, "ignore_eos": True}
     flags = dict(exclude_input_in_output=True, return_finish_reason=True, return_num_output_tokens=True)

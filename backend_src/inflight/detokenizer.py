@@ -40,13 +40,24 @@ class Delta:
     new_ids: list[int]         # the tokens this text covers
 
 
+PROMPT_CONTEXT = 4           # prompt tokens the first output token is decoded after
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = ()):
+        """prompt_ids: the output is decoded as it reads after the prompt's last tokens, as vLLM's
+        detokenizer does — SentencePiece tokenizers (Llama-2, Mistral) drop a leading space at the
+        start of a decode, so decoded alone an output would lose its first word's space. A prompt
+        that ends inside a character gives no context (its bytes would join the output's), nor does
+        one with ids the tokenizer cannot decode (the engine refuses those; this runs first)."""
         self.tokenizer = tokenizer
         self.special_ids = frozenset(tokenizer.all_special_ids)   # decoded to nothing
-        self.token_ids: list[int] = []
+        context = list(prompt_ids[-PROMPT_CONTEXT:])
+        if not all(0 <= t < len(tokenizer) for t in context) or decode(tokenizer, context).endswith(REPLACEMENT):
+            context = []
+        self.token_ids: list[int] = context
         self.prefix_offset = 0          # first token of the decode window
-        self.read_offset = 0            # tokens before this are already released
+        self.read_offset = len(context)     # tokens before this are already released (or the prompt's)
 
     def add(self, token_ids: Sequence[int], final: bool = False) -> Delta | None:
         """Add new tokens; the text they complete, or None while a character is incomplete.
@@ -87,7 +98,9 @@ class IncrementalDetokenizer:
 class StopStrings:
     """Cuts streamed text before the earliest stop string (after it with include=True, vLLM's
     include_stop_str_in_output). The last len(longest) - 1 characters are held back until the
-    request ends, so a stop string can only begin inside held text."""
+    request ends, so a stop string can only begin inside held text. Text fed with search=False
+    (before min_tokens, as vLLM checks stop strings only after it) passes; its held tail still
+    counts, so a stop string may begin there and end in the first text searched."""
 
     def __init__(self, stop: Sequence[str], include: bool = False):
         self.stop = tuple(stop)
@@ -96,11 +109,11 @@ class StopStrings:
         self.pending = ""
         self.stopped = False
 
-    def feed(self, text: str, final: bool = False) -> str:
+    def feed(self, text: str, final: bool = False, search: bool = True) -> str:
         if self.stopped:
             return ""
         pending = self.pending + text
-        hits = [(i, len(s)) for i, s in ((pending.find(s), s) for s in self.stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((pending.find(s), s) for s in self.stop) if i >= 0] if search else []
         if hits:
             self.pending, self.stopped = "", True
             start, length = min(hits)

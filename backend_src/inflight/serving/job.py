@@ -39,7 +39,9 @@ class Sample:
     params: SamplingParams                  # as the engine runs it (its own seed; log-probs if needed)
     detokenizer: IncrementalDetokenizer
     stops: StopStrings | None
+    include_stop_text: bool = False         # vLLM's include_stop_str_in_output: also a stop token's text
     output_ids: list[int] = field(default_factory=list)
+    stop_token_hidden: bool = False         # the output ended on a stop token left out of its text and ids
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     ready: bool = False                     # got tokens (or its end) since the last response
@@ -61,12 +63,20 @@ class Sample:
         if logprobs is not None:
             self._logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token].logprob
-        delta = self.detokenizer.add([token], final=finish is not None)
-        if delta is not None:             # None: the text ends inside a character; wait for more
-            text = delta.text
-            if self.stops is not None:
-                text = self.stops.feed(text, final=finish is not None)
-            self._text.append(text)
+        # the engine's "stop" is a stop token (EOS or stop_token_ids) sampled last: its text is not
+        # part of the output unless asked for, as in vLLM; a special token (EOS, usually) decodes
+        # to nothing anyway and stays among the token ids
+        self.stop_token_hidden = (finish == "stop" and not self.include_stop_text
+                                  and token not in self.detokenizer.special_ids)
+        final = finish is not None
+        delta = self.detokenizer.add([] if self.stop_token_hidden else [token], final=final)
+        # None: the text ends inside a character (wait for more), or at the end nothing was left
+        text = delta.text if delta is not None else ""
+        if self.stops is not None and (delta is not None or final):   # the end releases what it held
+            # searched from min_tokens on, as vLLM does
+            text = self.stops.feed(text, final=final, search=len(self.output_ids) > self.params.min_tokens)
+        self._text.append(text)
+        if delta is not None:
             if not self._new_ids:
                 self._context_ids = delta.context_ids
             self._new_ids = self._new_ids + delta.new_ids
@@ -78,6 +88,11 @@ class Sample:
             return finish is None
         self.finish_reason = finish
         return False
+
+    @property
+    def text_ids(self) -> list[int]:
+        """The output tokens its text covers."""
+        return self.output_ids[:-1] if self.stop_token_hidden else self.output_ids
 
     def take(self) -> Piece:
         piece = Piece("".join(self._text), self._num_tokens, self._logprobs, self._new_ids, self._context_ids)

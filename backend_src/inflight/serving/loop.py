@@ -91,18 +91,32 @@ class EngineLoop:
             prompt_ids = self.tokenizer(request.prompt_text)["input_ids"]
         params = request.params
         if request.bad_words:
-            words = tuple(tuple(self.tokenizer(w, add_special_tokens=False)["input_ids"]) for w in request.bad_words)
-            params = _replace(params, bad_words_ids=params.bad_words_ids + words)
+            params = _replace(params, bad_words_ids=params.bad_words_ids + self._bad_words_ids(request.bad_words))
         if request.return_cumulative_logprob and params.logprobs is None:
             params = _replace(params, logprobs=0)      # the sum needs each token's log-probability
         with self._id_lock:
             self._ids += 1
             job_id = f"req-{self._ids}"
-        samples = [self._make_sample(job_id if request.n == 1 else f"{job_id}.{i}", params, i, request)
+        samples = [self._make_sample(job_id if request.n == 1 else f"{job_id}.{i}", params, i, request, prompt_ids)
                    for i in range(request.n)]
         return Job(job_id, request, sink, prompt_ids, time.monotonic(), samples, grammar=self._compile(params))
 
-    def _make_sample(self, request_id: str, params: SamplingParams, index: int, request: GenerateRequest) -> Sample:
+    def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each word's tokens as it starts the text and, where a leading space makes it another
+        token of its own (" is" is not "is" for most tokenizers), as it reads mid-text: vLLM bans
+        both forms."""
+        banned = []
+        for word in words:
+            stem = word.lstrip() or word        # a word of whitespace alone is banned as it is
+            alone = self.tokenizer(stem, add_special_tokens=False)["input_ids"]
+            spaced = self.tokenizer(" " + stem, add_special_tokens=False)["input_ids"]
+            banned.append(tuple(alone))
+            if spaced and len(spaced) == len(alone) and spaced[0] != alone[0]:
+                banned.append(tuple(spaced))
+        return tuple(banned)
+
+    def _make_sample(self, request_id: str, params: SamplingParams, index: int, request: GenerateRequest,
+                     prompt_ids: list[int]) -> Sample:
         """Output `index` of n runs with seed + index (vLLM's rule): n seeded outputs differ from
         each other, and the same seed gives the same n outputs again."""
         if index and params.seed is not None:
@@ -110,7 +124,8 @@ class EngineLoop:
         if index and params.prompt_logprobs is not None:
             params = _replace(params, prompt_logprobs=None)     # the outputs share one prompt: scored once
         stops = StopStrings(params.stop, request.include_stop_str_in_output) if params.stop else None
-        return Sample(request_id, params, IncrementalDetokenizer(self.tokenizer), stops)
+        return Sample(request_id, params, IncrementalDetokenizer(self.tokenizer, prompt_ids), stops,
+                      request.include_stop_str_in_output)
 
     def _compile(self, params: SamplingParams):
         """A new schema compiles here, on Triton's thread, while the engine thread keeps stepping

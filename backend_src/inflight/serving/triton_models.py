@@ -307,9 +307,8 @@ class PreprocessingModel(TokenizerModel):
             if name in inputs:
                 words = [w.decode("utf-8", "replace") if isinstance(w, bytes) else str(w)
                          for w in inputs[name].reshape(-1)]
-                if any(not w for w in words):
-                    raise RequestError(f"input '{name}' holds an empty string")
-                sampling[knob] = words
+                if any(words):       # "" is none, as TensorRT-LLM's preprocessing skips a word of no tokens
+                    sampling[knob] = [w for w in words if w]
         if "return_log_probs" in inputs and bool(_scalar("return_log_probs", inputs["return_log_probs"])):
             raise RequestError("'return_log_probs' is not available through the ensemble; "
                                "ask the llm model with 'return_logprobs'")
