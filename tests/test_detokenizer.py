@@ -222,3 +222,22 @@ def test_a_stop_token_ends_the_text_without_its_own_and_releases_what_was_held(t
         piece = sample.take()
         assert piece.text == "one\n two" + ("\n" if include else "") and sample.finish_reason == "stop"
         assert piece.new_ids == ids + (newline if include else []) and piece.num_tokens == len(ids) + 1
+
+
+def test_a_stop_string_must_end_in_text_searched():
+    """Text before min_tokens is not searched, also not by a shorter stop string in the tail held
+    for a longer one (vLLM's look-back reaches len(stop) - 1 characters before the new text)."""
+    s = StopStrings(["a", "xyzzy"])
+    assert s.feed("a", search=False) + s.feed("b", search=False) + s.feed("c") + s.feed("d", final=True) == "abcd"
+    assert not s.stopped
+    s = StopStrings(["a", "xyzzy"])
+    assert s.feed("ab", search=False) + s.feed("ca") == "abc" and s.stopped
+
+
+def test_the_whole_output_decodes_after_the_prompt_tail_too():
+    """The non-streamed token ids (the ensemble's postprocessing decodes them without the prompt)
+    come with the same prompt tail the stream's first delta has."""
+    tokenizer = sentencepiece_tokenizer()
+    det = IncrementalDetokenizer(tokenizer, [1, 3, 4, 5, 6])
+    assert det.prompt_tail == [4, 5, 6] or det.prompt_tail == [3, 4, 5, 6]
+    assert decode_delta(tokenizer, det.prompt_tail, [7, 8, 2]) == " Machine learning"

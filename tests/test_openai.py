@@ -717,6 +717,12 @@ BAD = [
      "'stream_options.usage': unknown parameter", "stream_options"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "max_completion_tokens": 0}, 400,
      "'max_completion_tokens' must be", "max_completion_tokens"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "add"}, "strict": True}}, 400,
+     "'tool_choice.strict': unknown parameter", "tool_choice"),
+    ("chat/completions", {"model": MODEL, "messages": [*ONE_USER, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "[" * 100000}}]}]}, 400,
+     "'messages[1].tool_calls[0].function.arguments' is nested too deeply", "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "only text parts", "messages"),
 ]
@@ -731,6 +737,8 @@ def test_errors_have_the_openai_shape_status_and_a_message_naming_the_parameter(
     assert message in error["message"] and error["param"] == param
     assert "Traceback" not in reply.text and "At:" not in reply.text
     assert httpx.post(f"{api.base_url}/completions", content=b"{nope", timeout=60).status_code == 400
+    deep = httpx.post(f"{api.base_url}/completions", content=b'{"prompt": ' + b"[" * 100000, timeout=60)
+    assert deep.status_code == 400 and "nested too deeply" in deep.json()["error"]["message"]
 
 
 def test_the_sdk_raises_its_typed_errors(client):

@@ -55,7 +55,8 @@ class IncrementalDetokenizer:
         context = list(prompt_ids[-PROMPT_CONTEXT:])
         if not all(0 <= t < len(tokenizer) for t in context) or decode(tokenizer, context).endswith(REPLACEMENT):
             context = []
-        self.token_ids: list[int] = context
+        self.prompt_tail = context      # what a decode of the whole output starts after
+        self.token_ids: list[int] = list(context)
         self.prefix_offset = 0          # first token of the decode window
         self.read_offset = len(context)     # tokens before this are already released (or the prompt's)
 
@@ -99,25 +100,30 @@ class StopStrings:
     """Cuts streamed text before the earliest stop string (after it with include=True, vLLM's
     include_stop_str_in_output). The last len(longest) - 1 characters are held back until the
     request ends, so a stop string can only begin inside held text. Text fed with search=False
-    (before min_tokens, as vLLM checks stop strings only after it) passes; its held tail still
-    counts, so a stop string may begin there and end in the first text searched."""
+    (before min_tokens, as vLLM checks stop strings only after it) passes: a stop string may begin
+    in its held tail but must end in text fed with search=True, as vLLM's look-back allows."""
 
     def __init__(self, stop: Sequence[str], include: bool = False):
         self.stop = tuple(stop)
         self.include = include
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""
+        self.unsearched = 0         # leading characters of `pending` fed with search=False
         self.stopped = False
 
     def feed(self, text: str, final: bool = False, search: bool = True) -> str:
         if self.stopped:
             return ""
         pending = self.pending + text
-        hits = [(i, len(s)) for i, s in ((pending.find(s), s) for s in self.stop) if i >= 0] if search else []
+        hits = []
+        if search:
+            found = ((pending.find(s, max(self.unsearched - len(s) + 1, 0)), s) for s in self.stop)
+            hits = [(i, len(s)) for i, s in found if i >= 0]
         if hits:
             self.pending, self.stopped = "", True
             start, length = min(hits)
             return pending[:start + length if self.include else start]
         cut = len(pending) if final else max(len(pending) - self.hold, 0)
         self.pending = pending[cut:]
+        self.unsearched = max((self.unsearched if search else len(pending)) - cut, 0)
         return pending[:cut]

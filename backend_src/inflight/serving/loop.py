@@ -105,14 +105,19 @@ class EngineLoop:
         """Each word's tokens as it starts the text and, where a leading space makes it another
         token of its own (" is" is not "is" for most tokenizers), as it reads mid-text: vLLM bans
         both forms."""
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
         banned = []
         for word in words:
-            stem = word.lstrip() or word        # a word of whitespace alone is banned as it is
-            alone = self.tokenizer(stem, add_special_tokens=False)["input_ids"]
-            spaced = self.tokenizer(" " + stem, add_special_tokens=False)["input_ids"]
-            banned.append(tuple(alone))
-            if spaced and len(spaced) == len(alone) and spaced[0] != alone[0]:
-                banned.append(tuple(spaced))
+            stem = word.lstrip()
+            if not stem:                        # whitespace alone: banned as it is
+                banned.append(ids(word))
+                continue
+            alone, spaced = ids(stem), ids(" " + stem)
+            banned.append(alone)
+            if len(spaced) == len(alone) and spaced[0] != alone[0]:
+                banned.append(spaced)
         return tuple(banned)
 
     def _make_sample(self, request_id: str, params: SamplingParams, index: int, request: GenerateRequest,

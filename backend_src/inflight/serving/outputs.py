@@ -55,7 +55,9 @@ def response_outputs(job: Job, pieces: list[Piece], token_text: Callable[[int], 
         if request.stream:
             ids, context = pieces[0].new_ids, pieces[0].context_ids
         else:
-            ids, context = ([] if prompt_text is None else job.prompt_ids) + job.samples[0].text_ids, []
+            sample = job.samples[0]
+            ids, context = ((sample.text_ids, sample.detokenizer.prompt_tail) if prompt_text is None
+                            else (job.prompt_ids + sample.text_ids, []))
         outputs["token_ids"] = np.asarray(ids, dtype=np.int32)
         outputs["context_ids"] = np.asarray(context, dtype=np.int32)
     return outputs

@@ -46,7 +46,9 @@ FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 
 
 def _validation_error(error: ValidationError) -> APIError:
-    first = error.errors()[0]
+    errors = error.errors()
+    # an unknown key is the likeliest mistake, even where a union's other members also complain
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = [str(part) for part in first["loc"]]
     name = loc[0] if loc else None
     unknown = first["type"] == "extra_forbidden"
@@ -65,6 +67,8 @@ async def _body(request: Request, schema: type[BaseModel]):
         raw = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     if not isinstance(raw, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:

@@ -50,6 +50,8 @@ def _parsed_arguments(call, index: int, position: int):
         arguments = json.loads(function["arguments"]) if function.get("arguments") else {}
     except json.JSONDecodeError as exc:
         raise APIError(400, f"'{field}' is not valid JSON: {exc}", "messages") from None
+    except RecursionError:
+        raise APIError(400, f"'{field}' is nested too deeply", "messages") from None
     return {**call, "function": {**function, "arguments": arguments}}
 
 
