@@ -312,3 +312,13 @@ def test_model_json_errors_name_the_file_and_the_key(tmp_path, text, message):
     with pytest.raises(StartupError) as error:
         Settings.load(str(tmp_path))
     assert message in str(error.value) and str(tmp_path / "model.json") in str(error.value)
+
+
+@pytest.mark.parametrize("flag", ['"true"', '"True"', "true"])
+def test_enable_lora_may_be_a_string_as_the_vllm_backend_reads_it(tmp_path, flag):
+    """The vLLM backend's multi-LoRA tutorial writes "enable_lora": "true"."""
+    from inflight.serving.triton_models import Settings
+    (tmp_path / "model.json").write_text(f'{{"model": "x", "enable_lora": {flag}}}')
+    assert Settings.load(str(tmp_path)).engine.enable_lora is True
+    (tmp_path / "model.json").write_text('{"model": "x", "enable_lora": "false"}')
+    assert Settings.load(str(tmp_path)).engine.enable_lora is False

@@ -707,6 +707,11 @@ BAD = [
      "'tool_choice' names the function 'nope', which is not in 'tools' (get_weather, add)", "tool_choice"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tool_choice": "required"}, 400,
      "'tool_choice' needs 'tools'", "tool_choice"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": f, "parameters": {"$defs": {"Item": {"type": t}}, "type": "object",
+                                                                   "properties": {"q": {"$ref": "#/$defs/Item"}}}}}
+        for f, t in (("a", "integer"), ("b", "string"))]}, 400, "the definition 'Item' ($defs) differs between tools",
+     "tools"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": []}, 400,
      "'tools': List should have at least 1 item", "tools"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": [

@@ -241,6 +241,16 @@ SHAPE_ERRORS = [
     ({"structural_tag": "{}"}, "'structured_outputs.structural_tag' is not supported"),
     ({"json": {}, "whitespace_pattern": " *"}, "'structured_outputs.whitespace_pattern' is not supported by xgrammar"),
     ({"jsn": {}}, "'structured_outputs' has unknown key(s) ['jsn']"),
+    # what xgrammar would compile away (it accepts output that breaks these), refused as vLLM refuses them
+    ({"json": {"type": "string", "pattern": "[a-z]+", "maxLength": 3}},
+     "'structured_outputs.json' combines 'pattern' with 'maxLength' at the top level, which xgrammar would not"),
+    ({"json": {"type": "object", "properties": {"code": {"type": "string", "format": "ean13"}}}},
+     "'structured_outputs.json' uses the format 'ean13' at /properties/code"),
+    ({"json": {"$defs": {"x": {"not": {"type": "string"}}}}}, "uses 'not' at /$defs/x"),
+    ({"json": {"anyOf": [{"type": "integer"}, {"if": {"type": "string"}, "then": {"maxLength": 1}}]}},
+     "uses 'if' at /anyOf/1"),
+    ({"json": {"type": "array", "items": {"type": "string", "format": "date", "minLength": 10}}},
+     "combines 'format' with 'minLength' at /items"),
     ("[1]", "'structured_outputs' must be an object with one of the keys"),
     ("{oops", "'structured_outputs' is not valid JSON"),
 ]

@@ -98,6 +98,10 @@ def _canonical_text(kind: str, value, name: str) -> str:
         value = _from_json_text(value, name)
         if not isinstance(value, dict):
             raise ValueError(f"'{name}' must be a JSON schema object, got {type(value).__name__}")
+        problem = unenforced(value)
+        if problem is not None:      # vLLM refuses these for xgrammar too (it falls back to another library)
+            raise ValueError(f"'{name}' {problem}, which xgrammar would not enforce: the output could break "
+                             "the schema")
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False)   # key order kept: it orders the output
     if kind == "json_object":
         if value is not True:
@@ -112,6 +116,40 @@ def _canonical_text(kind: str, value, name: str) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"'{name}' must be a non-empty string")
     return value
+
+
+# what xgrammar (0.2.9) compiles a JSON schema's "format" into; any other format it lets through as any string
+XGRAMMAR_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+                              "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMAS = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames",
+               "unevaluatedItems", "unevaluatedProperties")
+
+
+def unenforced(schema, path: str = "") -> str | None:
+    """What in a JSON schema xgrammar would compile away (measured: it accepts output that breaks
+    it), with where it is; None if nothing. Checked: `not` and `if`/`then`/`else` (ignored), a
+    `format` outside XGRAMMAR_FORMATS (any string), a `pattern` or `format` with `minLength` or
+    `maxLength` (the lengths dropped)."""
+    if not isinstance(schema, dict):
+        return None
+    where = path or "the top level"
+    for keyword in ("not", "if", "then", "else"):
+        if keyword in schema:
+            return f"uses '{keyword}' at {where}"
+    if "format" in schema and schema["format"] not in XGRAMMAR_FORMATS:
+        return f"uses the format {schema['format']!r} at {where} (known: {', '.join(sorted(XGRAMMAR_FORMATS))})"
+    lengths = [k for k in ("minLength", "maxLength") if k in schema]
+    shapes = [k for k in ("pattern", "format") if k in schema]
+    if lengths and shapes:
+        return f"combines '{shapes[0]}' with '{lengths[0]}' at {where}"
+    children = [(f"{path}/{key}/{name}", sub) for key in _SUBSCHEMA_MAPS if isinstance(schema.get(key), dict)
+                for name, sub in schema[key].items()]
+    children += [(f"{path}/{key}/{i}", sub) for key in _SUBSCHEMA_LISTS if isinstance(schema.get(key), list)
+                 for i, sub in enumerate(schema[key])]
+    children += [(f"{path}/{key}", schema[key]) for key in _SUBSCHEMAS if isinstance(schema.get(key), dict)]
+    return next(filter(None, (unenforced(sub, sub_path) for sub_path, sub in children)), None)
 
 
 def choice_grammar(choices: list[str]) -> str:

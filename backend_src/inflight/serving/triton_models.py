@@ -61,6 +61,9 @@ class Settings:
                 if key in engine:
                     raise StartupError(f"{path}: '{key}' is given both at the top level and in 'engine'")
                 engine[key] = raw[key]
+        flag = engine.get("enable_lora")
+        if isinstance(flag, str):          # the vLLM backend's model.json takes "true" as well as true
+            engine["enable_lora"] = {"true": True, "false": False}.get(flag.lower(), flag)
         config = engine_config(engine, path)
         if not config.enable_lora:
             return cls(model_dir, config, path)
@@ -338,8 +341,8 @@ def _guided_decoding(inputs: dict) -> dict | None:
         raise RequestError(f"'guided_decoding_guide_type' must be one of {sorted(GUIDE_TYPES)}, got {kind!r}")
     if GUIDE_TYPES[kind] is None:
         if guide:
-            raise RequestError("'guided_decoding_guide' is not used with guide type 'json' (any JSON value)")
-        return {"json": {}}
+            raise RequestError("'guided_decoding_guide' is not used with guide type 'json' (a JSON object or array)")
+        return {"json": {"type": ["object", "array"]}}     # TensorRT-LLM's built-in JSON grammar
     if not guide:
         raise RequestError(f"guide type {kind!r} needs 'guided_decoding_guide'")
     if kind == "json_schema":

@@ -10,6 +10,7 @@ import json
 import re
 import uuid
 
+from .errors import APIError
 from .schemas import ChatCompletionRequest, NamedToolChoice
 from .structured import Constraint
 
@@ -28,7 +29,10 @@ def _required_schema(tools) -> dict:
     defs, calls = {}, []
     for tool in tools:
         parameters = dict(_parameters(tool))
-        defs.update(parameters.pop("$defs", {}))
+        for name, schema in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, schema) != schema:      # one would stand for both (vLLM refuses it too)
+                raise APIError(400, f"'tools': the definition {name!r} ($defs) differs between tools; "
+                               "give the tools' shared definitions one schema or distinct names", "tools")
         calls.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
                                      "parameters": parameters},
                       "required": ["name", "parameters"]})
