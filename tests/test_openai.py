@@ -300,6 +300,24 @@ def test_n_seeds_and_stop_strings(client, reference_engine, tokenizer):
     assert "".join(c.choices[0].text for c in kept) == full[:full.index(stop) + len(stop)]
 
 
+def test_with_n_each_streamed_choice_ends_once(client):
+    """Outputs of one request that end at different steps: each choice's finish_reason comes in
+    exactly one chunk, its last (`llm` repeats an ended output's reason in later responses)."""
+    kwargs = dict(model=MODEL, n=3, max_tokens=40, temperature=1.0, seed=5, stop=[" "], stream=True)
+    for chunks in (list(client.completions.create(prompt=PROMPTS[0], **kwargs)),
+                   list(client.chat.completions.create(messages=[{"role": "user", "content": PROMPTS[0]}], **kwargs))):
+        ends = {}
+        for position, chunk in enumerate(chunks):
+            for choice in chunk.choices:
+                assert choice.index not in ends, "a chunk after the choice's end"
+                if choice.finish_reason is not None:
+                    ends[choice.index] = position
+        assert sorted(ends) == [0, 1, 2] and len(set(ends.values())) > 1, ends
+    usage = [c.usage for c in client.completions.create(prompt=PROMPTS[0], stream_options={
+        "continuous_usage_stats": True}, **{**kwargs, "n": 1})]
+    assert all(u is not None for u in usage), "continuous_usage_stats alone gives usage (vLLM's include_usage default)"
+
+
 def test_logprobs_in_both_shapes(client, reference_engine, tokenizer):
     ids = tokenizer(PROMPTS[3])["input_ids"]
     ref = reference_engine.generate([ids], SamplingParams(max_tokens=6, temperature=0, logprobs=3))[0]

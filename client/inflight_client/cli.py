@@ -40,16 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(chunk)
         sys.stdout.flush()
 
-    if args.protocol == "grpc":
-        out = asyncio.run(_grpc(args, sampling, stream, show))
-    elif stream:
-        out = http_stream(args.url or "localhost:8000", args.model, _http_payload(args.model, args.prompt, sampling, True),
-                          cancel_after=args.cancel_after, on_chunk=show)
-    else:
-        reply = http_generate(args.url or "localhost:8000", args.model, _http_payload(args.model, args.prompt, sampling, False))
-        out = Completion(text=reply.get("text_output", ""), error=reply.get("error"),
-                         finish_reason=reply.get("finish_reason"))
-        show(out.text)
+    try:
+        out = _complete(args, sampling, stream, show)
+    except (OSError, grpc_errors()) as exc:        # no server there: one line, not a traceback
+        print(f"error: cannot reach the server at {args.url or _DEFAULT_URL[args.protocol]} ({args.protocol}): "
+              f"{getattr(exc, 'details', lambda: None)() or exc}", file=sys.stderr)
+        return 1
     sys.stdout.write("\n")
     if out.error:
         print(f"error: {out.error}", file=sys.stderr)
@@ -58,6 +54,27 @@ def main(argv: list[str] | None = None) -> int:
     state = "cancelled" if out.cancelled else f"finish_reason={out.finish_reason}"
     print(f"[{len(out.chunks)} responses, first after {ttft}, {state}]", file=sys.stderr)
     return 0
+
+
+_DEFAULT_URL = {"grpc": "localhost:8001", "http": "localhost:8000"}
+
+
+def grpc_errors() -> type[Exception]:
+    import grpc            # tritonclient's: its aio client raises grpc's own errors for a dead channel
+    return grpc.RpcError
+
+
+def _complete(args, sampling: dict, stream: bool, show) -> Completion:
+    url = args.url or _DEFAULT_URL[args.protocol]
+    if args.protocol == "grpc":
+        return asyncio.run(_grpc(args, sampling, stream, show))
+    if stream:
+        return http_stream(url, args.model, _http_payload(args.model, args.prompt, sampling, True),
+                           cancel_after=args.cancel_after, on_chunk=show)
+    reply = http_generate(url, args.model, _http_payload(args.model, args.prompt, sampling, False))
+    out = Completion(text=reply.get("text_output", ""), error=reply.get("error"), finish_reason=reply.get("finish_reason"))
+    show(out.text)
+    return out
 
 
 def _http_payload(model: str, prompt: str, sampling: dict, stream: bool) -> dict:
@@ -71,7 +88,7 @@ def _http_payload(model: str, prompt: str, sampling: dict, stream: bool) -> dict
 
 async def _grpc(args, sampling: dict, stream: bool, show) -> Completion:
     import tritonclient.grpc.aio as grpcclient
-    async with grpcclient.InferenceServerClient(args.url or "localhost:8001") as client:
+    async with grpcclient.InferenceServerClient(args.url or _DEFAULT_URL["grpc"]) as client:
         if args.model == "ensemble":
             inputs = _ensemble_inputs(args.prompt, sampling, stream)
         else:

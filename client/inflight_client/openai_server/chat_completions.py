@@ -91,6 +91,7 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
     readers = [ToolCallText(called_function(body)) for _ in range(body.n)] if _calls_tools(body) else None
     usage = generation.Usage()
     counts = [0] * body.n                   # each choice's tokens so far
+    ended = set()                           # choices whose finish_reason went out (`llm` repeats it)
 
     def chunk(response: LLMResponse, index: int, delta: dict, logprobs=None, reason=None,
               positions: list | None = None) -> bytes:
@@ -115,10 +116,14 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
             usage.add(response, first)
             first = False
             for index, text in enumerate(response.texts):
+                if index in ended:
+                    continue
                 counts[index] += response.num_output_tokens[index]
                 reason, positions = response.finish_reasons[index], response.logprobs[index]
+                if reason is not None:
+                    ended.add(index)
                 if not (response.num_output_tokens[index] or text or reason or positions):
-                    continue        # this output had nothing in this step (n > 1: ended earlier)
+                    continue        # nothing new for this output in this step
                 logprobs = None
                 if body.logprobs and positions is not None:
                     logprobs = chat_logprobs(body.shown(positions), top_n)

@@ -87,13 +87,15 @@ async def _chunks(head: dict, body: CompletionRequest, responses, prompts: list,
     usage = generation.Usage()
     offsets = [0] * (len(echoes) * n)          # each choice's text so far, for text_offset
     counts = [0] * (len(echoes) * n)           # each choice's tokens so far
-    seen, begun = set(), set()                  # prompts with a response, choices with a chunk
+    seen, begun, ended = set(), set(), set()    # prompts with a response, choices with a chunk, with their end
     try:
         async for prompt_index, response in responses:
             usage.add(response, prompt_index not in seen)
             seen.add(prompt_index)
             for j, generated in enumerate(response.texts):
                 index = prompt_index * n + j
+                if index in ended:      # `llm` repeats an ended output's finish_reason; a client gets it once
+                    continue
                 first = index not in begun
                 counts[index] += response.num_output_tokens[j]
                 reason, positions = response.finish_reasons[j], response.logprobs[j]
@@ -103,7 +105,7 @@ async def _chunks(head: dict, body: CompletionRequest, responses, prompts: list,
                     generated, reason, positions = "", "length", []
                 text = echoes[prompt_index] + generated if first else generated
                 if not (response.num_output_tokens[j] or text or reason or positions):
-                    continue        # this output had nothing in this step (n > 1: ended earlier)
+                    continue        # nothing new for this output in this step
                 begun.add(index)
                 logprobs = None
                 if body.logprobs is not None and first and echoed is not None:
@@ -119,6 +121,8 @@ async def _chunks(head: dict, body: CompletionRequest, responses, prompts: list,
                 chunk = {**head, "choices": [choice]}
                 if continuous:
                     chunk["usage"] = generation.usage_body(response.num_input_tokens, counts[index])
+                if reason is not None:
+                    ended.add(index)
                 yield event(chunk)
     finally:
         await responses.aclose()
