@@ -85,3 +85,40 @@ def test_min_p_keeps_only_tokens_that_likely(tokenizer):
 def test_out_of_range_settings_name_the_field(knob, value, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(**{knob: value})
+
+
+def test_top_k_keeps_ties_and_top_p_keeps_what_the_nucleus_needs():
+    """vLLM's and transformers' edges: top-k keeps every token tied with the k-th; top-p keeps a
+    token while the ones more likely hold less than p (the likeliest always)."""
+    import numpy as np
+
+    from inflight.sampler import Sampler
+
+    def probs(logits, top_k=0, top_p=1.0):
+        one = np.ones(1, dtype=np.float32)
+        return Sampler._probs(torch.tensor([logits]), one, np.array([top_k]), one * top_p, one * 0)[0].tolist()
+
+    assert probs([0.0, 2.0, 2.0, 1.0], top_k=1) == [0.0, 0.5, 0.5, 0.0]
+    halves = [math.log(p) for p in (0.5, 0.25, 0.25)]
+    assert probs(halves, top_p=0.5) == [1.0, 0.0, 0.0]
+    assert probs(halves, top_p=0.75) == pytest.approx([2 / 3, 1 / 3, 0.0])
+    assert probs(halves, top_p=0.2) == [1.0, 0.0, 0.0]
+    assert probs(halves) == pytest.approx([0.5, 0.25, 0.25])
+
+
+def test_min_tokens_bans_eos_under_ignore_eos_and_bad_words_ignore_the_prompt(tiny_checkpoint, tmp_path):
+    """As vLLM: min_tokens bans every stop token, EOS also when ignore_eos keeps it from stopping;
+    a bad word's leading tokens are matched in the output only, not in the prompt's tail. A
+    generation_config.json of sampling defaults alone leaves config.json's EOS in force."""
+    import shutil
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float32", num_kv_blocks=64))
+    (eos,) = engine.eos_token_ids
+    pushed = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=5, min_tokens=3, ignore_eos=True, temperature=0,
+                                                         logit_bias={eos: 100.0}))[0].token_ids
+    assert eos not in pushed[:3] and pushed[3:] == [eos, eos]
+    target = next(t for t in range(10, 500) if t not in (5, 6, 7))
+    word = SamplingParams(max_tokens=2, temperature=0, logit_bias={target: 100.0}, bad_words_ids=[[7, target]])
+    assert engine.generate([[5, 6, 7]], word)[0].token_ids[0] == target, "the prompt's 7 does not start the word"
+    copy = shutil.copytree(tiny_checkpoint, tmp_path / "model")
+    (copy / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6}')
+    assert LLMEngine.from_pretrained(str(copy), EngineConfig(dtype="float32", num_kv_blocks=64)).eos_token_ids == (eos,)

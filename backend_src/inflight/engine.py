@@ -72,7 +72,8 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(model_dir)
         eos = getattr(hf_config, "eos_token_id", None)
         if os.path.exists(os.path.join(model_dir, "generation_config.json")):
-            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+            # a generation config of sampling defaults alone names no EOS: config.json's stands
+            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id or eos
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         runner = ModelRunner(model_dir, hf_config, config, lora_modules)
         model_key = hashlib.blake2b(f"{os.path.realpath(model_dir)}|{runner.dtype}".encode(), digest_size=16).digest()

@@ -67,8 +67,9 @@ class Sampler:
         return logits
 
     def _apply_bans(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> torch.Tensor:
-        """-inf for stop tokens before min_tokens is reached, and for the last token of any bad
-        word whose other tokens were just generated."""
+        """-inf for stop tokens before min_tokens is reached (EOS also under ignore_eos, as vLLM's
+        min_tokens bans every stop token), and for the last token of any bad word whose other
+        tokens were just generated (in the output: a prompt's tail does not count, as in vLLM)."""
         below_min = np.flatnonzero(table.num_tokens[rows] < table.min_total[rows])
         with_bad_words = np.flatnonzero(table.has_bad_words[rows])
         if not below_min.size and not with_bad_words.size:
@@ -78,12 +79,15 @@ class Sampler:
             stops = table.stop_ids[rows[below_min]]
             i, j = np.nonzero(stops >= 0)
             logits[torch.from_numpy(below_min[i]), torch.from_numpy(stops[i, j].astype(np.int64))] = -torch.inf
+            if table.eos_ids:
+                logits[torch.from_numpy(below_min)[:, None], torch.tensor(table.eos_ids)[None, :]] = -torch.inf
         for i in with_bad_words.tolist():
             row = int(rows[i])
             length = int(table.num_tokens[row])
+            generated = length - int(table.num_prompt[row])
             for word in table.requests[row].params.bad_words_ids:
                 prefix = word[:-1]
-                if len(prefix) <= length and tuple(table.token_ids[row, length - len(prefix):length]) == prefix:
+                if len(prefix) <= generated and tuple(table.token_ids[row, length - len(prefix):length]) == prefix:
                     logits[i, word[-1]] = -torch.inf
         return logits
 
@@ -100,12 +104,14 @@ class Sampler:
         k = np.where(top_k > 0, np.minimum(top_k, vocab), vocab)
         if (k < vocab).any() or (top_p < 1).any():
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(vocab, device=device)[None, :]
-            sorted_logits = sorted_logits.masked_fill(ranks >= torch.from_numpy(k).to(device)[:, None], -torch.inf)
+            # top-k keeps every token tied with the k-th (vLLM's and transformers' rule)
+            kth = sorted_logits.gather(1, torch.from_numpy(k - 1).to(device)[:, None])
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -torch.inf)
             sorted_probs = sorted_logits.softmax(dim=-1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            # top-p keeps the tokens whose more likely ones hold less than p (the first always)
             top_p_t = torch.from_numpy(top_p).to(device, sorted_probs.dtype)[:, None]
-            sorted_logits = sorted_logits.masked_fill(mass_before > top_p_t, -torch.inf)
+            sorted_logits = sorted_logits.masked_fill((mass_before >= top_p_t) & (top_p_t < 1), -torch.inf)
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         return logits.softmax(dim=-1)
 
