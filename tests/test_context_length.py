@@ -14,8 +14,18 @@ CASES = {
     "llama": ("llama", {}, 256),
     "mistral, window 64": ("mistral", dict(sliding_window=64), 64),
     "mistral, no window": ("mistral", dict(sliding_window=None), 256),
-    "qwen2, window 64 switched on": ("qwen2", dict(sliding_window=64, use_sliding_window=True), 64),
+    "qwen2, window 64 switched on": ("qwen2", dict(sliding_window=64, use_sliding_window=True, max_window_layers=0),
+                                     64),
     "qwen2, window 64 switched off": ("qwen2", dict(use_sliding_window=False), 256),
+    "qwen2, window 64 on, no layer past max_window_layers": (
+        "qwen2", dict(sliding_window=64, use_sliding_window=True, max_window_layers=1), 256),
+    # rope scaling extends the context as vLLM derives it: YaRN from the original length
+    "qwen2, yarn x4 of 128": ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                          "original_max_position_embeddings": 128}), 512),
+    "llama, linear x4": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0}), 1024),
+    "llama, llama3 rope (already extended)": ("llama", dict(rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}), 256),
 }
 
 
@@ -41,3 +51,12 @@ def test_the_server_reports_the_engines_context_length(tmp_path, name):
 
 def test_without_a_config_the_server_reports_none(tmp_path):
     assert checkpoint_max_len(str(tmp_path)) is None
+
+
+def test_the_older_rope_scaling_key_counts_too():
+    """config.json files written before transformers 5 name it rope_scaling, some with "type"."""
+    from types import SimpleNamespace
+
+    from inflight.context_length import context_length
+    config = SimpleNamespace(max_position_embeddings=4096, rope_scaling={"type": "linear", "factor": 4.0})
+    assert context_length(config) == 16384

@@ -322,3 +322,24 @@ def test_enable_lora_may_be_a_string_as_the_vllm_backend_reads_it(tmp_path, flag
     assert Settings.load(str(tmp_path)).engine.enable_lora is True
     (tmp_path / "model.json").write_text('{"model": "x", "enable_lora": "false"}')
     assert Settings.load(str(tmp_path)).engine.enable_lora is False
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not supported; supported:"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "rope_type 'longrope' is not supported"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}},
+     "'quantization_config' (awq): quantized checkpoints are not supported"),
+])
+def test_unsupported_rope_and_quantized_checkpoints_are_refused_before_loading(served_checkpoint, tmp_path, change,
+                                                                                message):
+    from inflight.serving.startup import StartupError, check_checkpoint
+    copy = shutil.copytree(served_checkpoint, tmp_path / "checkpoint")
+    path = copy / "config.json"
+    config = json.loads(path.read_text())
+    if "rope_scaling" in change:           # a config.json written before transformers 5
+        config.pop("rope_parameters", None)
+    path.write_text(json.dumps({**config, **change}))
+    with pytest.raises(StartupError) as error:
+        check_checkpoint(str(copy), "the test")
+    assert message in str(error.value) and str(path) in str(error.value)
+    check_checkpoint(served_checkpoint, "the test")

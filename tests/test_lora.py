@@ -393,7 +393,7 @@ def test_settings_read_lora_keys_and_multi_lora_json(tmp_path, adapters):
     ({"enable_lora": True}, {"a": "missing"}, "multi_lora.json: entry 'a': adapter directory '.*missing' does not exist"),
     ({"enable_lora": True, "engine": {"enable_lora": True}}, None,
      "'enable_lora' is given both at the top level and in 'engine'"),
-    ({"enable_lora": "true"}, None, "'enable_lora' must be a boolean"),
+    ({"enable_lora": "yes"}, None, "'enable_lora' must be a boolean"),
     ({"lora_modules": {}}, None, r"unknown key\(s\) \['lora_modules'\]"),
 ])
 def test_bad_lora_settings_name_the_file_and_entry(tmp_path, model_json, multi_lora, message):

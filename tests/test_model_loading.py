@@ -19,3 +19,23 @@ def test_its_error_is_raised_on_the_calling_thread():
 
     with pytest.raises(FileNotFoundError, match="/nowhere"):
         run_on_own_thread(load)
+
+
+def test_an_index_file_names_the_shards_that_load(tiny_checkpoint, tmp_path):
+    """Mistral's repositories hold sharded weights with an index and a consolidated.safetensors in
+    Mistral's own naming: only what model.safetensors.index.json names loads, as in vLLM."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    copy = shutil.copytree(tiny_checkpoint, tmp_path / "model")
+    weights = load_file(str(copy / "model.safetensors"))
+    (copy / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        name: "model.safetensors" for name in weights}}))
+    save_file({"layers.0.attention.wq.weight": next(iter(weights.values()))}, str(copy / "consolidated.safetensors"))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    config = EngineConfig(dtype="float32", num_kv_blocks=64)
+    expected = LLMEngine.from_pretrained(tiny_checkpoint, config).generate([[5, 6, 7]], params)[0].token_ids
+    assert LLMEngine.from_pretrained(str(copy), config).generate([[5, 6, 7]], params)[0].token_ids == expected

@@ -2,14 +2,27 @@
 engine bounds max_model_len by it, and the OpenAI server reports it without loading the engine."""
 from __future__ import annotations
 
+# rope types whose max_position_embeddings already is the extended length (vLLM's list)
+_EXTENDED_ALREADY = ("llama3", "longrope", "su")
+
 
 def context_length(config) -> int:
-    """max_position_embeddings, within the sliding window where the checkpoint's attention has one
-    (attention here is full attention: exact only while no sequence passes the window). A Qwen2
-    config's sliding_window counts only with use_sliding_window. `config` is a transformers config
-    or any object with config.json's keys as attributes."""
+    """max_position_embeddings, times a rope scaling factor (of original_max_position_embeddings
+    for YaRN), as vLLM derives it; within the sliding window where the checkpoint's attention has
+    one (attention here is full attention: exact only while no sequence passes the window). A
+    Qwen2 config's window counts only with use_sliding_window and layers at or past
+    max_window_layers, transformers' rule for which layers slide. `config` is a transformers config
+    or any object with config.json's keys as attributes (rope_parameters, or the older rope_scaling)."""
+    positions = config.max_position_embeddings
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if rope.get("factor") and kind not in _EXTENDED_ALREADY:
+        base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
+        positions = int((base or positions) * rope["factor"])
     window = getattr(config, "sliding_window", None)
     architecture = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
-    if architecture == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
-        window = None
-    return min(config.max_position_embeddings, window or config.max_position_embeddings)
+    if architecture == "Qwen2ForCausalLM":
+        sliding = getattr(config, "use_sliding_window", False) and \
+            getattr(config, "max_window_layers", 0) < config.num_hidden_layers
+        window = window if sliding else None
+    return min(positions, window or positions)

@@ -3,6 +3,7 @@ into flat tensors and runs the forward pass, returning logits for the rows that 
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -50,9 +51,16 @@ def resolve_dtype(name: str, device: torch.device, hf_config) -> torch.dtype:
 
 
 def iter_checkpoint(model_dir: str):
-    """(name, tensor) pairs of every *.safetensors shard in a HF checkpoint directory."""
+    """(name, tensor) pairs of a HF checkpoint directory: the shards its model.safetensors.index.json
+    names, or without one every *.safetensors file (as vLLM: Mistral's repositories also hold a
+    consolidated.safetensors of the same weights in Mistral's own naming)."""
     from safetensors import safe_open
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted({os.path.join(model_dir, name) for name in json.load(f)["weight_map"].values()})
+    else:
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir!r}")
     for path in files:

@@ -1,4 +1,4 @@
 """Model definitions for the engine's runner."""
-from .llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM, ModelSpec, rope_tables
+from .llama import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, LlamaForCausalLM, ModelSpec, rope_tables
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaForCausalLM", "ModelSpec", "rope_tables"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "LlamaForCausalLM", "ModelSpec", "rope_tables"]
