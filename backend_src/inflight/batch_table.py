@@ -13,7 +13,7 @@ from .request import Request
 
 
 class BatchTable:
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int):
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, eos_token_ids: tuple[int, ...] = ()):
         rows = max_num_seqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -24,7 +24,7 @@ class BatchTable:
         self.max_total = np.zeros(rows, dtype=np.int32)         # finish ("length") at this many tokens
         self.min_total = np.zeros(rows, dtype=np.int32)         # stop tokens are banned below this
         self.stop_ids = np.full((rows, 1), -1, dtype=np.int32)  # EOS (unless ignore_eos) + stop ids
-        self.eos_ids: tuple[int, ...] = ()                      # the model's: banned below min_total, ignore_eos or not
+        self.eos_ids = tuple(eos_token_ids)                     # the model's: banned below min_total, ignore_eos or not
         self.block_table = np.zeros((rows, -(-max_model_len // block_size)), dtype=np.int32)
         self.num_blocks = np.zeros(rows, dtype=np.int32)
         self.temperature = np.zeros(rows, dtype=np.float32)
@@ -51,7 +51,7 @@ class BatchTable:
     def num_free_rows(self) -> int:
         return len(self._free_rows)
 
-    def add(self, req: Request, eos_token_ids: tuple[int, ...]) -> int:
+    def add(self, req: Request) -> int:
         """Give a request a row; its token ids move into the table until it leaves."""
         row = self._free_rows.pop()
         params = req.params
@@ -62,8 +62,7 @@ class BatchTable:
         self.num_prompt[row] = req.num_prompt_tokens
         self.max_total[row] = min(req.num_prompt_tokens + params.max_tokens, self.max_model_len)
         self.min_total[row] = req.num_prompt_tokens + params.min_tokens
-        self.eos_ids = tuple(eos_token_ids)
-        stops = params.stop_token_ids + (() if params.ignore_eos else eos_token_ids)
+        stops = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
         if len(stops) > self.stop_ids.shape[1]:
             self.stop_ids = np.pad(self.stop_ids, ((0, 0), (0, len(stops) - self.stop_ids.shape[1])),
                                    constant_values=-1)

@@ -60,7 +60,7 @@ class Scheduler:
         self.block_size = config.block_size
         self.kv = kv
         self.eos_token_ids = eos_token_ids
-        self.table = BatchTable(config.max_num_seqs, max_model_len, config.block_size)
+        self.table = BatchTable(config.max_num_seqs, max_model_len, config.block_size, eos_token_ids)
         self.waiting: list[deque[Request]] = [deque(), deque(), deque()]   # one per priority class
         self.running = np.empty(0, dtype=np.int64)       # rows, sorted by (priority, arrival)
         self._running_keys = np.empty(0, dtype=np.int64)
@@ -246,7 +246,7 @@ class Scheduler:
         return new_rows, new_counts, preempted
 
     def _start_running(self, req: Request, hit: list[int], num_computed: int) -> int:
-        row = self.table.add(req, self.eos_token_ids)
+        row = self.table.add(req)
         self.kv.acquire(hit)
         self.table.append_blocks([row], [len(hit)], hit)
         self.table.num_computed[row] = num_computed
