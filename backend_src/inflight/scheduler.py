@@ -59,7 +59,6 @@ class Scheduler:
         self.policy = config.policy
         self.block_size = config.block_size
         self.kv = kv
-        self.eos_token_ids = eos_token_ids
         self.table = BatchTable(config.max_num_seqs, max_model_len, config.block_size, eos_token_ids)
         self.waiting: list[deque[Request]] = [deque(), deque(), deque()]   # one per priority class
         self.running = np.empty(0, dtype=np.int64)       # rows, sorted by (priority, arrival)
