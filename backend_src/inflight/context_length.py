@@ -6,6 +6,13 @@ from __future__ import annotations
 _EXTENDED_ALREADY = ("llama3", "longrope", "su")
 
 
+def rope_scaling(config) -> tuple[str, dict]:
+    """(rope type, its parameters) of a config: transformers 5's rope_parameters, or the older
+    rope_scaling (whose type some files name "type"); ("default", {}) without either."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return rope.get("rope_type", rope.get("type", "default")), rope
+
+
 def context_length(config) -> int:
     """max_position_embeddings, times a rope scaling factor (of original_max_position_embeddings
     for YaRN), as vLLM derives it; within the sliding window where the checkpoint's attention has
@@ -14,8 +21,7 @@ def context_length(config) -> int:
     max_window_layers, transformers' rule for which layers slide. `config` is a transformers config
     or any object with config.json's keys as attributes (rope_parameters, or the older rope_scaling)."""
     positions = config.max_position_embeddings
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind, rope = rope_scaling(config)
     if rope.get("factor") and kind not in _EXTENDED_ALREADY:
         base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
         positions = int((base or positions) * rope["factor"])

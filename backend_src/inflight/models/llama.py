@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import cpu_kernels
-from ..context_length import context_length
+from ..context_length import context_length, rope_scaling
 from ..attention import AttentionBackend, AttentionMetadata
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -70,8 +70,7 @@ def rope_tables(config, max_positions: int, dtype: torch.dtype, device) -> tuple
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    params = getattr(config, "rope_parameters", None) or {"rope_type": "default"}
-    rope_type = params.get("rope_type", "default")
+    rope_type, _ = rope_scaling(config)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
     init = LlamaRotaryEmbedding.compute_default_rope_parameters if rope_type == "default" \

@@ -14,6 +14,7 @@ import glob
 import json
 import os
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 from ..config import EngineConfig
 
@@ -82,6 +83,7 @@ def check_tokenizer(model_dir: str, source: str) -> None:
 def check_checkpoint(model_dir: str, source: str) -> None:
     """Everything the llm needs from the directory: config.json with a supported architecture,
     safetensors weights and a tokenizer."""
+    from ..context_length import rope_scaling
     from ..models import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES
 
     check_tokenizer(model_dir, source)
@@ -99,14 +101,13 @@ def check_checkpoint(model_dir: str, source: str) -> None:
         raise StartupError(f"{config_path}: 'architectures' is {architectures}; supported: "
                            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     # refused before the weights load (minutes for a large checkpoint), not after
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_type, _ = rope_scaling(SimpleNamespace(**config))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise StartupError(f"{config_path}: rope_type {rope_type!r} is not supported; supported: "
                            f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     if "quantization_config" in config:
-        method = config["quantization_config"].get("quant_method", "?") if isinstance(
-            config["quantization_config"], dict) else "?"
+        quantization = config["quantization_config"]
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         raise StartupError(f"{config_path}: 'quantization_config' ({method}): quantized checkpoints are not "
                            "supported; serve the unquantized weights")
     if not glob.glob(os.path.join(model_dir, "*.safetensors")):
