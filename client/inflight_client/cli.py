@@ -40,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(chunk)
         sys.stdout.flush()
 
+    url = args.url or _DEFAULT_URL[args.protocol]
     try:
-        out = _complete(args, sampling, stream, show)
+        out = _complete(args, url, sampling, stream, show)
     except (OSError, grpc_errors()) as exc:        # no server there: one line, not a traceback
-        print(f"error: cannot reach the server at {args.url or _DEFAULT_URL[args.protocol]} ({args.protocol}): "
+        print(f"error: cannot reach the server at {url} ({args.protocol}): "
               f"{getattr(exc, 'details', lambda: None)() or exc}", file=sys.stderr)
         return 1
     sys.stdout.write("\n")
@@ -64,10 +65,9 @@ def grpc_errors() -> type[Exception]:
     return grpc.RpcError
 
 
-def _complete(args, sampling: dict, stream: bool, show) -> Completion:
-    url = args.url or _DEFAULT_URL[args.protocol]
+def _complete(args, url: str, sampling: dict, stream: bool, show) -> Completion:
     if args.protocol == "grpc":
-        return asyncio.run(_grpc(args, sampling, stream, show))
+        return asyncio.run(_grpc(args, url, sampling, stream, show))
     if stream:
         return http_stream(url, args.model, _http_payload(args.model, args.prompt, sampling, True),
                            cancel_after=args.cancel_after, on_chunk=show)
@@ -86,9 +86,9 @@ def _http_payload(model: str, prompt: str, sampling: dict, stream: bool) -> dict
             "return_finish_reason": True, **sampling}
 
 
-async def _grpc(args, sampling: dict, stream: bool, show) -> Completion:
+async def _grpc(args, url: str, sampling: dict, stream: bool, show) -> Completion:
     import tritonclient.grpc.aio as grpcclient
-    async with grpcclient.InferenceServerClient(args.url or _DEFAULT_URL["grpc"]) as client:
+    async with grpcclient.InferenceServerClient(url) as client:
         if args.model == "ensemble":
             inputs = _ensemble_inputs(args.prompt, sampling, stream)
         else:
