@@ -122,3 +122,25 @@ def test_min_tokens_bans_eos_under_ignore_eos_and_bad_words_ignore_the_prompt(ti
     copy = shutil.copytree(tiny_checkpoint, tmp_path / "model")
     (copy / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6}')
     assert LLMEngine.from_pretrained(str(copy), EngineConfig(dtype="float32", num_kv_blocks=64)).eos_token_ids == (eos,)
+
+
+def test_the_tokenizers_eos_ends_generation_as_the_configs_do(tmp_path):
+    """As vLLM gathers them: the model's end tokens are the tokenizer's EOS and the generation
+    config's (config.json's where it names none). A checkpoint whose configs name another end
+    token still stops on its tokenizer's, which min_tokens bans like the others."""
+    import json
+    import shutil
+    copy = shutil.copytree(DEFAULT_MODEL, tmp_path / "model")
+    (copy / "generation_config.json").unlink()
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "eos_token_id": 3}))
+    engine = LLMEngine.from_pretrained(str(copy), EngineConfig(dtype="float32", num_kv_blocks=64, max_num_seqs=4))
+    assert engine.eos_token_ids == (2, 3)
+    pushed = SamplingParams(max_tokens=8, temperature=0, logit_bias={2: 100.0})
+    out = engine.generate([[5, 6, 7]], pushed)[0]
+    assert out.token_ids == [2] and out.finish_reason == "stop"
+    held = SamplingParams(max_tokens=8, min_tokens=3, temperature=0, logit_bias={2: 100.0})
+    held_ids = engine.generate([[5, 6, 7]], held)[0].token_ids
+    assert 2 not in held_ids[:3] and held_ids[3:] == [2]
+    (copy / "tokenizer.json").unlink()          # no tokenizer: the configs' end token alone
+    assert LLMEngine.from_pretrained(str(copy), EngineConfig(dtype="float32", num_kv_blocks=64)).eos_token_ids == (3,)
