@@ -35,6 +35,12 @@ def test_knobs_as_request_parameters_and_input_ids():
     assert req.priority == "high" and req.cache_salt == "tenant-a"
 
 
+def test_a_knob_in_the_tensor_and_as_a_parameter_takes_the_tensors_value():
+    req = parse_request({"text_input": text(), "sampling_parameters": text('{"max_tokens": 3}')},
+                        {"max_tokens": 4, "seed": 5})
+    assert (req.params.max_tokens, req.params.seed) == (3, 5)
+
+
 def test_stop_and_bad_words():
     req = parse_request({"text_input": text()}, {"stop": "\n\n", "bad_words": ["foo", "bar"], "stop_token_ids": [5]})
     assert req.params.stop == ("\n\n",) and req.bad_words == ("foo", "bar") and req.params.stop_token_ids == (5,)
@@ -65,7 +71,6 @@ BAD = [
     ({"text_input": text()}, {"stop": 5}, "'stop' must be a string or a list"),
     ({"text_input": text()}, {"temprature": 0.5}, "unknown sampling parameter(s) ['temprature']"),
     ({"text_input": text()}, {"priority": "urgent"}, "'priority' must be one of"),
-    ({"text_input": text(), "sampling_parameters": text('{"max_tokens": 3}')}, {"max_tokens": 4}, "'max_tokens' is given both"),
 ]
 
 

@@ -119,6 +119,36 @@ def test_one_response_defaults_to_the_prompt_and_the_full_counts(server, tokeniz
     assert "'exclude_input_in_output' = false is not allowed when streaming" in error
 
 
+def test_the_vllm_backends_own_test_client_knobs_in_the_tensor_and_as_parameters(server, tokenizer, reference_engine):
+    """The request the vLLM backend's CI builds (ci/common/test_util.py, create_vllm_request) and
+    sends with tritonclient's callback stream: every knob both in `sampling_parameters` and as a
+    request parameter. The tensor's value counts where the two differ, as that backend reads it alone."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+    sampling = {"temperature": "0", "top_p": "1", "max_tokens": "9"}
+    ref = reference_engine.generate([tokenizer(PROMPT)["input_ids"]], SamplingParams(max_tokens=9, temperature=0))[0]
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for stream in (False, True):
+            client.async_stream_infer(model_name="llm", inputs=grpc_inputs(PROMPT, stream, sampling),
+                                      outputs=[grpcclient.InferRequestedOutput("text_output")],
+                                      request_id=str(stream), parameters={**sampling, "max_tokens": "3"})
+            texts = []
+            while True:
+                result, error = results.get(timeout=60)
+                assert error is None, error
+                texts += strings(result.as_numpy("text_output"))
+                if not stream or result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+            assert "".join(texts) == (PROMPT if not stream else "") + decode(tokenizer, ref.token_ids)
+    finally:
+        client.stop_stream()
+        client.close()
+
+
 def test_stop_strings_with_and_without_include_stop_str_in_output(server, tokenizer, reference_engine):
     ref = reference_engine.generate([tokenizer(PROMPT)["input_ids"]], SamplingParams(max_tokens=30, temperature=0))[0]
     full = decode(tokenizer, ref.token_ids)

@@ -1,7 +1,9 @@
 """Request parsing for the `llm` model, following the Triton vLLM backend's tensor conventions.
 
 Sampling knobs arrive as a `sampling_parameters` JSON object and/or as request parameters (the
-HTTP generate endpoint turns unknown JSON keys into parameters). Clients such as genai-perf send
+HTTP generate endpoint turns unknown JSON keys into parameters); a knob given both ways takes the
+tensor's value, as the vLLM backend reads the tensor alone when it is present (its own test client
+sends every knob both ways). Clients such as genai-perf send
 numbers as strings ({"max_tokens": "128"}), so numeric strings are accepted; anything else that
 does not fit raises RequestError with a message naming the field. A JSON null means "not given".
 Triton's OpenAI frontend always sends `n`, `frequency_penalty` and `presence_penalty` (1, 0, 0).
@@ -176,9 +178,7 @@ def _knobs(sampling_parameters: str | None, parameters: dict) -> dict:
     for key, value in parameters.items():
         if key in IGNORED_PARAMETERS:
             continue
-        if key in merged:
-            raise RequestError(f"'{key}' is given both in 'sampling_parameters' and as a request parameter")
-        merged[key] = value
+        merged.setdefault(key, value)
     merged = {key: value for key, value in merged.items() if value is not None}
     unknown = sorted(set(merged) - set(KNOBS) - set(SETTINGS))
     if unknown:
