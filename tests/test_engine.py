@@ -172,6 +172,25 @@ def test_requests_that_can_never_run_are_rejected_at_once(engine):
     engine.step()
 
 
+def test_preempted_requests_do_not_fill_the_queue(tiny_checkpoint):
+    """max_queue_size counts requests that have not started: a preempted one is already streaming."""
+    eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=10, block_size=4, max_num_seqs=4,
+                                                                  max_queue_size=1, cpu_threads=1))
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    eng.add_request("a", list(range(3, 15)), params)
+    eng.step()
+    eng.add_request("b", list(range(20, 32)), params)
+    while not eng.scheduler.num_preemptions:
+        eng.step()
+    assert eng.scheduler.num_waiting == 1 and eng.scheduler.num_queued == 0
+    eng.add_request("c", [5, 6, 7], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError, match="1 requests are already waiting"):
+        eng.add_request("d", [5, 6, 7], SamplingParams(max_tokens=2))
+    while eng.has_unfinished():
+        eng.step()
+    eng.check_invariants()
+
+
 def test_a_request_larger_than_the_kv_pool_is_rejected(tiny_checkpoint):
     small = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=4, block_size=16))
     with pytest.raises(ValueError, match="KV blocks but the pool has only 4"):

@@ -151,7 +151,7 @@ def test_a_preempted_request_resumes_from_its_own_cached_blocks(tiny_checkpoint)
     assert low.num_preemptions == 1 and high.status.name == "RUNNING"
     while engine.has_unfinished():
         engine.step()
-    assert engine.stats()["prefix_cache_hit_tokens"] >= 64, "the victim's 4 full blocks were reused"
+    assert engine.stats()["prefix_cache_resumed_hit_tokens"] >= 64, "the victim's 4 full blocks were reused"
     expected = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float64", num_kv_blocks=64)).generate(
         [low.prompt_token_ids], SamplingParams(max_tokens=40, temperature=0))[0].token_ids
     assert low.output_token_ids == expected and len(high.output_token_ids) == 20

@@ -320,3 +320,46 @@ def test_blocks_are_conserved_through_any_operations(ops, prefix, budget, policy
         if r.finish_reason == "length":
             assert len(r.output_token_ids) == r.params.max_tokens
     assert_pool_whole(s)
+
+
+def test_a_high_priority_arrival_preempts_only_when_that_lets_it_in():
+    """A victim's blocks that hold the newcomer's cached prefix are not room the newcomer gains;
+    without chunked prefill, a prompt the step's budget cannot take is no reason to preempt."""
+    s = make_scheduler(num_blocks=12, budget=64, max_seqs=4, prefix=True)
+    prefix = list(range(10, 30))                                    # 5 full blocks
+    add(s, list(range(40, 53)), max_tokens=30, priority=0)
+    low = add(s, prefix + [50, 51], max_tokens=10, priority=2)
+    step(s)
+    high = add(s, prefix + list(range(60, 74)), max_tokens=4, priority=0)   # 9 blocks, 5 cached in low's
+    step(s)
+    assert (low.status, low.num_preemptions, high.status) == (Status.RUNNING, 0, Status.WAITING)
+
+    s = make_scheduler(num_blocks=16, budget=32, max_seqs=4, max_model_len=32, enable_chunked_prefill=False)
+    add(s, 10, max_tokens=20, priority=0)
+    add(s, 9, max_tokens=20, priority=0)
+    low = add(s, 9, max_tokens=20, priority=2)
+    step(s)
+    high = add(s, 31, max_tokens=1, priority=0)
+    for _ in range(6):
+        step(s)
+    assert low.num_preemptions == 0 and high.status == Status.WAITING
+
+
+def test_prefix_cache_counters_count_new_requests_that_look_up():
+    """As vLLM's: resumptions after preemption and requests that skip the lookup (prompt
+    log-probabilities) are not queries."""
+    s = make_scheduler(num_blocks=64, prefix=True)
+    prompt = list(range(10, 27))
+    add(s, prompt, max_tokens=1)
+    run_until_idle(s)
+    add(s, prompt, max_tokens=1)
+    run_until_idle(s)
+    assert (s.prefix_query_tokens, s.prefix_hit_tokens) == (34, 16)
+    add(s, prompt, max_tokens=1, prompt_logprobs=0)
+    run_until_idle(s)
+    assert (s.prefix_query_tokens, s.prefix_hit_tokens) == (34, 16)
+    victim = add(s, list(range(100, 109)), max_tokens=20, priority=2)
+    step(s)
+    s.preempt(victim)
+    run_until_idle(s)
+    assert victim.num_preemptions == 1 and (s.prefix_query_tokens, s.prefix_hit_tokens) == (43, 16)

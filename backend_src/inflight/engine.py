@@ -106,7 +106,7 @@ class LLMEngine:
             raise ValueError(f"prompt + 'max_tokens' needs {blocks} KV blocks but the pool has only "
                              f"{self.kv.num_blocks} (block_size {self.config.block_size})")
         limit = self.config.max_queue_size
-        if limit is not None and self.scheduler.num_waiting >= limit:
+        if limit is not None and self.scheduler.num_queued >= limit:
             raise QueueFullError(f"queue full: {limit} requests are already waiting (max_queue_size)")
         salt = self._salt_key(cache_salt)
         lora_slot, lora_key = self._lora_adapter(params.lora_name)
@@ -299,6 +299,7 @@ class LLMEngine:
             "generated_tokens": self.num_generated_tokens,
             "prefix_cache_query_tokens": scheduler.prefix_query_tokens,
             "prefix_cache_hit_tokens": scheduler.prefix_hit_tokens,
+            "prefix_cache_resumed_hit_tokens": scheduler.resumed_hit_tokens,
         }
 
     def check_invariants(self) -> None:

@@ -10,6 +10,7 @@ policies that continuous batching replaces, kept so benchmarks can compare sched
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -68,12 +69,20 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0        # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0          # of which found cached
+        self.resumed_hit_tokens = 0         # tokens resumed requests found cached (their own blocks, mostly)
         self.num_prefill_tokens = 0         # prompt positions computed (cache hits excluded)
 
     # ---- queues -------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
         return sum(len(q) for q in self.waiting)
+
+    @property
+    def num_queued(self) -> int:
+        """Waiting requests never scheduled: preempted ones, already streaming, sit at the head of
+        their class (preempt puts them there) and are not counted."""
+        return sum(len(q) - sum(1 for _ in itertools.takewhile(lambda r: r.first_scheduled_time is not None, q))
+                   for q in self.waiting)
 
     @property
     def num_running(self) -> int:
@@ -166,29 +175,30 @@ class Scheduler:
                 kept_n.append(count)
         return np.asarray(kept_rows, dtype=np.int64), np.asarray(kept_n, dtype=n.dtype)
 
-    def _victims_for(self, req: Request) -> list[Request]:
+    def _victims_for(self, req: Request, hit: list[int]) -> list[Request]:
         """Running requests of strictly lower priority (lowest, then newest, first) whose
         preemption would let `req` in; empty if even all of them would not be enough."""
         victims, freed_blocks = [], 0
+        hit_blocks = set(hit)
         for row in self.running[::-1].tolist():
             victim = self.table.requests[row]
             if victim.priority <= req.priority:
                 break
             victims.append(victim)
-            # blocks only this victim holds go back to the pool (shared ones stay)
-            freed_blocks += sum(1 for b in self.table.blocks(row) if self.kv.ref_counts[b] == 1)
-            if self._fits(req, len(victims), freed_blocks):
+            # blocks only this victim holds go back to the pool (shared ones stay); those of req's
+            # cached prefix are room req takes anyway, not room it gains
+            freed_blocks += sum(1 for b in self.table.blocks(row) if self.kv.ref_counts[b] == 1 and b not in hit_blocks)
+            if self._fits(req, hit, len(victims), freed_blocks):
                 return victims
         return []
 
-    def _fits(self, req: Request, freed_seats: int, freed_blocks: int) -> bool:
-        """Admission test. Besides a seat, the free pool must hold the request's whole remaining
-        prompt plus one block of headroom per other running request. The headroom is the thrash
-        guard: a just-admitted request cannot be the victim of the very next decode steps, and a
-        preempted request comes back only once its whole recompute fits."""
+    def _fits(self, req: Request, hit: list[int], freed_seats: int, freed_blocks: int) -> bool:
+        """Admission test (`hit`: its cached prefix). Besides a seat, the free pool must hold the
+        request's whole remaining prompt plus one block of headroom per other running request. The
+        headroom is the thrash guard: a just-admitted request cannot be the victim of the very next
+        decode steps, and a preempted request comes back only once its whole recompute fits."""
         if self.table.num_free_rows + freed_seats == 0:
             return False
-        hit, _ = self._prefix_hit(req)
         need_total = -(-len(req.token_ids) // self.block_size) - len(hit)
         headroom = len(self.running) - freed_seats
         available = self.kv.num_free_blocks + freed_blocks - self.kv.count_free_among(hit)
@@ -221,17 +231,18 @@ class Scheduler:
             req = self._peek_waiting()
             if req is None:
                 break
-            if not self._fits(req, 0, 0):
-                victims = self._victims_for(req)
-                if not victims:
-                    break
-                for victim in victims:
-                    budget += int(counts[rows == victim.row].sum())
-                    preempted.append(victim.row)
-                    self.preempt(victim)
-                continue
             hit, num_computed = self._prefix_hit(req)
             remaining = len(req.token_ids) - num_computed
+            if not self._fits(req, hit, 0, 0):
+                victims = self._victims_for(req, hit)
+                returned = sum(int(counts[rows == victim.row].sum()) for victim in victims)
+                if not victims or (remaining > budget + returned and not self.config.enable_chunked_prefill):
+                    break       # preempting would not let it run this step
+                for victim in victims:
+                    preempted.append(victim.row)
+                    self.preempt(victim)
+                budget += returned
+                continue
             count = min(remaining, budget)
             if count < remaining and not self.config.enable_chunked_prefill:
                 break
@@ -250,12 +261,15 @@ class Scheduler:
         self.table.append_blocks([row], [len(hit)], hit)
         self.table.num_computed[row] = num_computed
         req.status = Status.RUNNING
-        if req.first_scheduled_time is None:
+        if req.first_scheduled_time is not None:         # a resumption, which vLLM counts apart
+            self.resumed_hit_tokens += num_computed
+        else:
             req.first_scheduled_time = time.monotonic()
             req.num_cached_tokens = num_computed
-        if self.kv.enable_prefix_caching:      # every admission looks up, resumptions included
-            self.prefix_query_tokens += len(req.token_ids)
-            self.prefix_hit_tokens += num_computed
+            if self.kv.enable_prefix_caching and req.params.prompt_logprobs is None:
+                # new requests that looked up, as vLLM counts them (not those that skip the lookup)
+                self.prefix_query_tokens += len(req.token_ids)
+                self.prefix_hit_tokens += num_computed
         self._insert_running(req)
         return row
 

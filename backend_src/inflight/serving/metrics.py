@@ -11,7 +11,7 @@ STEP_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 GAUGES = {
     "kv_blocks_used": "KV-cache blocks held by requests",
     "kv_blocks_total": "KV-cache blocks in the pool",
-    "kv_blocks_cached": "Free KV-cache blocks that still hold a reusable prefix",
+    "kv_blocks_cached": "KV-cache blocks holding a reusable prefix, in use or free",
     "requests_running": "Requests in the running batch",
     "requests_waiting": "Requests waiting for admission (including preempted ones)",
 }
@@ -20,7 +20,7 @@ COUNTERS = {
     "preemptions": ("preemptions_total", "Requests preempted (recompute) for lack of KV blocks or for priority"),
     "computed_tokens": ("prompt_and_decode_tokens_total", "Tokens run through the model"),
     "generated_tokens": ("generation_tokens_total", "Tokens generated"),
-    "prefix_cache_query_tokens": ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache"),
+    "prefix_cache_query_tokens": ("prefix_cache_queries_total", "Prompt tokens of new requests looked up in the prefix cache"),
     "prefix_cache_hit_tokens": ("prefix_cache_hits_total", "Prompt tokens found in the prefix cache"),
 }
 # per LoRA adapter (label lora_name), counted when a request ends -> description
