@@ -299,6 +299,15 @@ class FailingMetrics:
     def publish(self, snapshot):
         pass
 
+    def delivered(self, job, gap):
+        pass
+
+    def publish_delivered(self):
+        pass
+
+    def refused(self):
+        pass
+
     def after_request(self, job, reason, now):
         raise RuntimeError("a bug in after_request")
 

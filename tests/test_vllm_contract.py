@@ -316,3 +316,43 @@ def test_prompt_logprobs_come_whole_in_the_first_response(server, tokenizer, hf_
     assert len(got) == len(long_ids) and got[0] is None
     assert [p[str(t)]["logprob"] for t, p in zip(long_ids[1:], got[1:])] == \
         pytest.approx(rows.gather(1, torch.tensor(long_ids[1:])[:, None]).squeeze(1).tolist(), abs=1e-9)
+
+
+def test_the_vllm_backends_metrics_with_report_custom_metrics(tmp_path, tokenizer):
+    """config.pbtxt's REPORT_CUSTOM_METRICS adds the vLLM backend's `vllm:` metrics (labels model
+    and version): tokens counted as delivered — also after a stop string ends an output while the
+    engine has stepped on — one gap observation per token after the first, one of each per-request
+    histogram per output; a request refused before the engine counts as an error."""
+    from inflight.serving.launch import ServerProcess, make_repository
+
+    from .conftest import TEST_ENGINE
+    from .helpers import wait_for_metric
+    repo = make_repository(str(tmp_path / "repo"), DEFAULT_MODEL, TEST_ENGINE, models=("llm",))
+    with open(tmp_path / "repo" / "llm" / "config.pbtxt", "a") as f:
+        f.write('\nparameters: { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n')
+    with ServerProcess(repo) as server:
+        ref = decode(tokenizer, tokenizer(PROMPT)["input_ids"])
+        requests = [{"max_tokens": 6, "temperature": 0, "ignore_eos": True},
+                    {"max_tokens": 5, "temperature": 0.8, "seed": 1, "ignore_eos": True, "n": 2},
+                    {"max_tokens": 30, "temperature": 0, "stop": [ref[4:6]]}]
+        delivered, prompts, gaps = 0, 0, 0
+        for sampling in requests:
+            counts = np.zeros(sampling.get("n", 1), dtype=int)
+            for outputs, _ in llm(server, grpc_inputs(PROMPT, True, sampling, return_num_output_tokens=True,
+                                                      return_num_input_tokens=True)):
+                counts += outputs["num_output_tokens"]
+                prompt_tokens = int(outputs["num_input_tokens"][0])
+            delivered += int(counts.sum())
+            prompts += prompt_tokens * len(counts)
+            gaps += int((counts - 1).sum())
+        assert "unknown sampling parameter" in llm_error(server, grpc_inputs(PROMPT, True, {"max_tokenz": 3}))
+        labels = {"model": "llm", "version": "1"}
+        assert wait_for_metric(server, "vllm:generation_tokens_total", delivered, **labels) == delivered
+        assert server.metric("inflight_generation_tokens_total") == delivered
+        assert server.metric("vllm:prompt_tokens_total", **labels) == prompts
+        assert server.metric("vllm:time_per_output_token_seconds_count", **labels) == gaps
+        assert server.metric("vllm:time_to_first_token_seconds_count", **labels) == 3
+        assert server.metric("vllm:request_params_n_count", **labels) == 3
+        assert server.metric("vllm:request_generation_tokens_sum", **labels) == delivered
+        assert server.metric("vllm:e2e_request_latency_seconds_count", **labels) == 4
+        assert wait_for_metric(server, "inflight_requests_total", 1, finish_reason="error") == 1

@@ -45,6 +45,7 @@ class Sample:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     ready: bool = False                     # got tokens (or its end) since the last response
+    last_token_time: float | None = None    # when its latest token was delivered (the metrics' token gaps)
     _text: list[str] = field(default_factory=list)          # not sent yet
     _logprobs: list[TokenLogprobs] = field(default_factory=list)
     _num_tokens: int = 0

@@ -67,13 +67,14 @@ class EngineLoop:
     # ---- called from Triton's execute() thread ------------------------------------------------------
     def submit(self, request: GenerateRequest, sink: ResponseSink) -> None:
         """Queue a parsed request; errors (bad prompt, loop down) go back through the sink."""
-        if self.failure is not None:
-            sink.send(None, final=True, error=self.failure)
-            return
         try:
+            if self.failure is not None:
+                raise RequestError(self.failure)
             job = self._make_job(request, sink)
         except RequestError as exc:
             sink.send(None, final=True, error=str(exc))
+            if self.metrics is not None:
+                self.metrics.refused()
             return
         self.outbox.put(("register", job))        # before the engine can produce its first token
         self.inbox.put(("add", job))
@@ -301,13 +302,17 @@ class EngineLoop:
             if job is not None:
                 job.prompt_logprobs += entries
         logprobs = out.logprobs or itertools.repeat(None)
+        now = time.monotonic()
         for request_id, token, entry in zip(out.request_ids, out.token_ids, logprobs):
             sample = samples.get(request_id)
             job = owner.get(request_id)
             if sample is None or sample.finished or job.done:
                 continue
             if job.first_token_time is None:
-                job.first_token_time = time.monotonic()
+                job.first_token_time = now
+            if self.metrics is not None:
+                self.metrics.delivered(job, None if sample.last_token_time is None else now - sample.last_token_time)
+            sample.last_token_time = now
             if sample.add(token, entry, out.finished.get(request_id)):
                 self.inbox.put(("abort", request_id))      # a stop string; its later "abort" is ignored
             touched[job] = None
@@ -323,6 +328,8 @@ class EngineLoop:
             touched[job] = None
         for job in touched:
             self._respond(job)
+        if self.metrics is not None:
+            self.metrics.publish_delivered()
 
     def _respond(self, job: Job) -> None:
         """A stream: one response per step that brought something (new text or an end); the

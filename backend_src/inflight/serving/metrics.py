@@ -1,5 +1,7 @@
 """Engine metrics through the Python backend's custom metrics API, served on Triton's metrics port
-next to Triton's own (all prefixed `inflight_`, labelled with the model name)."""
+next to Triton's own (all prefixed `inflight_`, labelled with the model name); with
+REPORT_CUSTOM_METRICS in config.pbtxt, also the Triton vLLM backend's `vllm:` metrics, as it
+exports them (its src/utils/metrics.py: names, buckets, labels model and version)."""
 from __future__ import annotations
 
 import threading
@@ -19,7 +21,6 @@ GAUGES = {
 COUNTERS = {
     "preemptions": ("preemptions_total", "Requests preempted (recompute) for lack of KV blocks or for priority"),
     "computed_tokens": ("prompt_and_decode_tokens_total", "Tokens run through the model"),
-    "generated_tokens": ("generation_tokens_total", "Tokens generated"),
     "prefix_cache_query_tokens": ("prefix_cache_queries_total", "Prompt tokens of new requests looked up in the prefix cache"),
     "prefix_cache_hit_tokens": ("prefix_cache_hits_total", "Prompt tokens found in the prefix cache"),
 }
@@ -37,14 +38,52 @@ HISTOGRAMS = {
 }
 
 
+# the vLLM backend's bucket boundaries
+VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+VLLM_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+VLLM_E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+VLLM_COUNTERS = {
+    "prompt_tokens": ("vllm:prompt_tokens_total", "Number of prefill tokens processed."),
+    "generation_tokens": ("vllm:generation_tokens_total", "Number of generation tokens processed."),
+}
+VLLM_HISTOGRAMS = {      # buckets None: 1-2-5 up to max_model_len
+    "ttft": ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", VLLM_TTFT_BUCKETS),
+    "itl": ("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", VLLM_ITL_BUCKETS),
+    "e2e": ("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+            VLLM_E2E_BUCKETS),
+    "request_prompt": ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", None),
+    "request_generation": ("vllm:request_generation_tokens", "Number of generation tokens processed.", None),
+    "n": ("vllm:request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20]),
+}
+
+
+def buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's build_1_2_5_buckets)."""
+    out, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return out
+            out.append(mantissa * scale)
+        scale *= 10
+
+
 class EngineMetrics:
-    def __init__(self, pb_utils, model_name: str, min_interval_s: float = 0.05, lora_names=()):
+    def __init__(self, pb_utils, model_name: str, min_interval_s: float = 0.05, lora_names=(),
+                 vllm_labels: dict | None = None, max_model_len: int = 0):
+        """vllm_labels ({model, version}): also export the vLLM backend's metrics."""
         self._pb = pb_utils
         self._labels = {"model": model_name}
         self._families = []          # a MetricFamily must outlive its metrics
         self._gauges = {key: self._metric(f"inflight_{key}", desc, "GAUGE") for key, desc in GAUGES.items()}
         self._counters = {key: self._metric(f"inflight_{name}", desc, "COUNTER")
                           for key, (name, desc) in COUNTERS.items()}
+        self._generation = self._metric("inflight_generation_tokens_total", "Tokens generated and delivered", "COUNTER")
+        self._vllm = None if vllm_labels is None else self._vllm_metrics(vllm_labels, max_model_len)
+        # tokens delivered since the last publish: generated, prompts of outputs begun, token gaps
+        self._new_tokens = 0
+        self._new_prompt_tokens = 0
+        self._gaps: list[float] = []
         self._histograms = {key: self._metric(f"inflight_{key}", desc, "HISTOGRAM", buckets=buckets)
                             for key, (desc, buckets) in HISTOGRAMS.items()}
         self._requests = self._family("inflight_requests_total", "Requests ended, by how they ended", "COUNTER")
@@ -64,8 +103,29 @@ class EngineMetrics:
         self._families.append(family)
         return family
 
-    def _metric(self, name: str, description: str, kind: str, **extra):
-        return self._family(name, description, kind).Metric(labels=self._labels, **extra)
+    def _metric(self, name: str, description: str, kind: str, labels: dict | None = None, **extra):
+        return self._family(name, description, kind).Metric(labels=labels or self._labels, **extra)
+
+    def _vllm_metrics(self, labels: dict, max_model_len: int) -> dict:
+        lengths = buckets_1_2_5(max_model_len)
+        metrics = {key: self._metric(name, desc, "COUNTER", labels) for key, (name, desc) in VLLM_COUNTERS.items()}
+        for key, (name, desc, buckets) in VLLM_HISTOGRAMS.items():
+            metrics[key] = self._metric(name, desc, "HISTOGRAM", labels, buckets=buckets or lengths)
+        return metrics
+
+    def delivered(self, job, gap: float | None) -> None:
+        """Response thread: one token reached an output; gap: the time since that output's
+        previous token (None for its first)."""
+        self._new_tokens += 1
+        if self._vllm is not None:
+            if gap is None:
+                self._new_prompt_tokens += len(job.prompt_ids)
+            else:
+                self._gaps.append(gap)
+
+    def refused(self) -> None:
+        """A request refused before it reached the engine (a malformed one)."""
+        self._by_reason_metric("error").increment(1)
 
     def snapshot(self, engine, force: bool = False) -> tuple[float | None, dict | None] | None:
         """Engine thread, no IPC: the duration of a step that ran since the last call (not of an
@@ -97,13 +157,33 @@ class EngineMetrics:
                 metric.increment(delta)
                 self._last_counts[key] = stats[key]
 
-    def after_request(self, job, reason: str, now: float) -> None:
-        """Response thread: one request's latencies, and how it ended."""
-        with self._lock:
+    def publish_delivered(self) -> None:
+        """Response thread, after each step's responses: tokens counted as delivered, as vLLM
+        counts its outputs (the token a step makes after a stop string ended its output is not
+        generated text)."""
+        if self._new_tokens:
+            self._generation.increment(self._new_tokens)
+            if self._vllm is not None:
+                self._vllm["generation_tokens"].increment(self._new_tokens)
+            self._new_tokens = 0
+        if self._vllm is not None:
+            if self._new_prompt_tokens:
+                self._vllm["prompt_tokens"].increment(self._new_prompt_tokens)
+                self._new_prompt_tokens = 0
+            for gap in self._gaps:
+                self._vllm["itl"].observe(gap)
+            self._gaps.clear()
+
+    def _by_reason_metric(self, reason: str):
+        with self._lock:          # Triton's execute thread counts refusals
             metric = self._by_reason.get(reason)
             if metric is None:
                 metric = self._by_reason[reason] = self._requests.Metric(labels={**self._labels, "finish_reason": reason})
-        metric.increment(1)
+        return metric
+
+    def after_request(self, job, reason: str, now: float) -> None:
+        """Response thread: one request's latencies, and how it ended."""
+        self._by_reason_metric(reason).increment(1)
         lora = self._by_lora.get(job.samples[0].params.lora_name)
         if lora is not None:
             lora["lora_requests_total"].increment(1)
@@ -117,3 +197,16 @@ class EngineMetrics:
             if len(job.output_ids) > 1:
                 self._histograms["time_per_output_token_seconds"].observe(
                     (now - job.first_token_time) / (len(job.output_ids) - 1))
+        if self._vllm is not None:
+            self._after_request_vllm(job, now)
+
+    def _after_request_vllm(self, job, now: float) -> None:
+        """Per output, as the vLLM backend records each finished (child) request; n per request."""
+        vllm = self._vllm
+        vllm["n"].observe(len(job.samples))
+        if job.first_token_time is not None:
+            vllm["ttft"].observe(job.first_token_time - job.arrival)
+        for sample in job.samples:
+            vllm["e2e"].observe(now - job.arrival)
+            vllm["request_prompt"].observe(len(job.prompt_ids))
+            vllm["request_generation"].observe(len(sample.output_ids))

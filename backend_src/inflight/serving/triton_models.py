@@ -130,6 +130,12 @@ def hide_torch() -> None:
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")   # its "PyTorch was not found"
 
 
+def config_flag(args, key: str) -> bool:
+    """A yes/true string parameter of config.pbtxt, read as the vLLM backend reads its own."""
+    parameters = json.loads(args["model_config"]).get("parameters", {})
+    return parameters.get(key, {}).get("string_value", "").strip().lower() in ("yes", "true")
+
+
 def read_inputs(pb_utils, request, names) -> dict[str, np.ndarray]:
     inputs = {}
     for name in names:
@@ -223,9 +229,12 @@ class LLMModel:
                                                                              settings.lora_modules))
             except LoraError as exc:      # an adapter of multi_lora.json: name the file too
                 raise StartupError(f"{settings.lora_file}: {exc}") from None
-        metrics = EngineMetrics(self.pb, args["model_name"], lora_names=engine.lora_names)
-        metrics.publish(metrics.snapshot(engine, force=True))      # before the loop's threads use it
-        self.loop = EngineLoop(engine, load_tokenizer(settings), metrics,
+        vllm_labels = {"model": args["model_name"], "version": args["model_version"]} \
+            if config_flag(args, "REPORT_CUSTOM_METRICS") else None
+        self.metrics = EngineMetrics(self.pb, args["model_name"], lora_names=engine.lora_names,
+                                     vllm_labels=vllm_labels, max_model_len=engine.max_model_len)
+        self.metrics.publish(self.metrics.snapshot(engine, force=True))      # before the loop's threads use it
+        self.loop = EngineLoop(engine, load_tokenizer(settings), self.metrics,
                                on_failure=stop_server).start()
 
     def execute(self, requests):
@@ -235,6 +244,7 @@ class LLMModel:
                 parsed = parse_request(read_inputs(self.pb, request, LLM_INPUTS), request_parameters(request))
             except RequestError as exc:
                 sink.send(None, final=True, error=str(exc))
+                self.metrics.refused()
                 continue
             self.loop.submit(parsed, sink)
         return None
