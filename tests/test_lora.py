@@ -164,6 +164,8 @@ def refused_adapters(tiny_checkpoint, tmp_path_factory):
         "modules-to-save": (tiny_checkpoint, dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
                             "'modules_to_save' is set"),
         "rank-32": (tiny_checkpoint, dict(r=32, target_modules=["v_proj"]), "has rank 32, over 'max_lora_rank' 16"),
+        "pissa": (tiny_checkpoint, dict(r=4, target_modules=["q_proj"], init_lora_weights="pissa"),
+                  "'init_lora_weights' is 'pissa': PEFT changes the base weights"),
         "other-hidden-size": (wider, dict(r=4, target_modules=["q_proj"]),
                               r"model.layers.0.self_attn.q_proj has lora_A \[4, 32\] and lora_B \[32, 4\], but the "
                               r"base model's q_proj maps 64 -> 64 features"),
@@ -173,7 +175,7 @@ def refused_adapters(tiny_checkpoint, tmp_path_factory):
             for name, (base, config, message) in cases.items()}
 
 
-@pytest.mark.parametrize("case", ["dora", "embedding", "lm-head-regex", "modules-to-save", "rank-32",
+@pytest.mark.parametrize("case", ["dora", "embedding", "lm-head-regex", "modules-to-save", "rank-32", "pissa",
                                   "other-hidden-size", "other-depth"])
 def test_unsupported_adapters_are_refused_naming_adapter_and_field(tiny_checkpoint, refused_adapters, case):
     path, message = refused_adapters[case]
@@ -181,6 +183,21 @@ def test_unsupported_adapters_are_refused_naming_adapter_and_field(tiny_checkpoi
         LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(enable_lora=True, num_kv_blocks=16),
                                   lora_modules={case: path})
     assert f"LoRA adapter {case!r} ({path})" in str(error.value)
+
+
+def test_adapter_keys_without_peft_prefix_load_the_same(tiny_checkpoint, adapters, tmp_path):
+    """Adapters saved by other tools name their tensors without PEFT's base_model.model. prefix;
+    vLLM reads them, and so does inflight, with the same tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    copy = shutil.copytree(adapters["qv-r8"], tmp_path / "no-prefix")
+    tensors = load_file(copy / "adapter_model.safetensors")
+    save_file({k.removeprefix("base_model.model."): v for k, v in tensors.items()}, copy / "adapter_model.safetensors")
+    prompts, lengths, _ = make_workload(seed=5, num_prompts=4)
+    with_prefix = engine_greedy(tiny_checkpoint, {"a": adapters["qv-r8"]}, prompts, lengths, ["a"] * len(prompts))
+    without = engine_greedy(tiny_checkpoint, {"a": str(copy)}, prompts, lengths, ["a"] * len(prompts))
+    assert without[0] == with_prefix[0]
 
 
 def test_adapter_count_and_switch_are_checked(tiny_checkpoint, adapters, tmp_path):

@@ -824,3 +824,13 @@ def test_a_lora_adapter_is_a_model_id_routed_to_lora_name(server, client):
     whole = client.chat.completions.create(model=ADAPTER, messages=[{"role": "user", "content": PROMPTS[1]}],
                                            **params)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == whole.choices[0].message.content
+
+
+def test_vllms_name_path_form_of_lora_modules_is_refused_with_the_reason(capsys):
+    """vLLM's `--lora-modules name=path` would otherwise become a model id no request could match."""
+    from inflight_client.openai_server.cli import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--model-dir", DEFAULT_MODEL, "--lora-modules", "sql-lora=/adapters/sql"])
+    assert "'sql-lora=/adapters/sql' is vLLM's name=path form; give the names alone" in capsys.readouterr().err
+    settings, _ = parse_args(["--model-dir", DEFAULT_MODEL, "--lora-modules", "sql-lora"])
+    assert "sql-lora" in settings.lora_names

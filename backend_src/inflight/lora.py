@@ -52,8 +52,13 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("
           "down": ("down_proj",)}
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-# PEFT's key for a LoRA weight of a decoder layer's linear module (saved without the adapter name)
-_TENSOR = re.compile(r"^base_model\.model\.((?:model\.)?layers\.(\d+)\.(\w+)\.(\w+))\.lora_([AB])\.weight$")
+# PEFT's key for a LoRA weight of a decoder layer's linear module (saved without the adapter name;
+# its base_model.model. prefix optional, as vLLM reads adapters saved by other tools)
+_TENSOR = re.compile(r"^(?:base_model\.model\.)?((?:model\.)?layers\.(\d+)\.(\w+)\.(\w+))\.lora_([AB])\.weight$")
+# init_lora_weights methods under which PEFT rebuilds the base weights as it loads the adapter (the
+# adapter is then exact only on that residual base, until converted with
+# path_initial_model_for_weight_conversion)
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 # adapter_config.json fields that ask for something other than plain LoRA on linear layers
 _UNSUPPORTED_FIELDS = {
     "use_dora": "DoRA adapters are not supported",
@@ -175,6 +180,10 @@ def _check_config(config: dict, fail) -> None:
     for name, message in _UNSUPPORTED_FIELDS.items():
         if config.get(name):
             fail(f"'{name}' is set: {message}")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        fail(f"'init_lora_weights' is {init!r}: PEFT changes the base weights when it loads such an adapter; "
+             "convert it to plain LoRA first (PEFT's save_pretrained(path_initial_model_for_weight_conversion=...))")
     if config.get("bias", "none") != "none":
         fail(f"'bias' is {config['bias']!r}: adapters that train base biases are not supported (need 'none')")
     targets = config.get("target_modules")

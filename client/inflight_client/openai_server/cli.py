@@ -50,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     name = args.served_model_name or os.path.basename(os.path.normpath(directory))
     if name in args.lora_modules:
         parser.error(f"--lora-modules: {name!r} is also the served model name")
+    for module in args.lora_modules:
+        if "=" in module or module.lstrip().startswith("{"):
+            parser.error(f"--lora-modules: {module!r} is vLLM's name=path form; give the names alone: `llm` "
+                         "loads the adapters, from the paths in its multi_lora.json")
     settings = Settings(args.triton_url, directory, name, args.triton_model, args.chat_template,
                         args.default_max_tokens, tuple(args.lora_modules), args.disable_any_whitespace,
                         args.max_model_len or checkpoint_max_len(directory))
