@@ -190,6 +190,10 @@ class LLMEngine:
     def step(self) -> StepOutput:
         """One iteration: schedule, forward, sample, update. Returns the new token of every request
         that advanced and the requests that ended (finished, aborted, failed)."""
+        with self.runner.on_device():
+            return self._step()
+
+    def _step(self) -> StepOutput:
         started = time.perf_counter()
         errors = self._expire_waiting()
         scheduler, table = self.scheduler, self.scheduler.table

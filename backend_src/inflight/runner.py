@@ -2,6 +2,7 @@
 into flat tensors and runs the forward pass, returning logits for the rows that sample."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -28,6 +29,16 @@ log = logging.getLogger("inflight")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float64": torch.float64}
 _CPU_DEFAULT_KV_GB = 1.0
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,6 +86,10 @@ class ModelRunner:
         """model_dir None keeps the modules' random initialisation (inflight.testing.random_engine)."""
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            # Triton kernels launch on the current device, not their tensors': cuda:N is made
+            # current here for the start-up forward, and around every step (on_device)
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
         if config.cpu_threads:
             torch.set_num_threads(config.cpu_threads)
@@ -82,7 +97,10 @@ class ModelRunner:
         self.max_model_len = self._resolve_max_model_len(config.max_model_len)
         self.block_size = config.block_size
         self.backend = select_backend(config.attention_backend, self.device, self.dtype)
-        with torch.device(self.device):
+        # a checkpoint's weights replace the initial ones: build in the serving dtype, so loading
+        # never holds a float32 copy (a 14B model: 59 GB instead of 29); random weights are drawn
+        # in float32, the same values whatever the dtype
+        with torch.device(self.device), default_dtype(self.dtype if model_dir is not None else torch.float32):
             self.model = LlamaForCausalLM(self.spec).to(self.dtype)
         if model_dir is not None:
             with torch.no_grad():
@@ -101,6 +119,10 @@ class ModelRunner:
         log.info("inflight runner: %s on %s/%s, attention=%s, %d KV blocks x %d tokens (%.2f GiB)",
                  type(self.model).__name__, self.device, self.dtype, self.backend.name, self.num_blocks,
                  self.block_size, self.num_blocks * self.kv_block_bytes / 2**30)
+
+    def on_device(self):
+        """The engine's CUDA device made current (for a step run on any thread)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _cache_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -153,8 +175,8 @@ class ModelRunner:
         a forward pass of max_num_batched_tokens padding tokens, then top-p sampling of
         max_num_seqs rows (the sampler's fp32 copies and sort of the logits)."""
         torch.cuda.synchronize(self.device)
-        # the modules were built in fp32 and then cast: give those freed blocks back to the device,
-        # or they would stay reserved beside the KV pool and push the total past the target
+        # random weights were drawn in fp32 and then cast: give those freed blocks back to the
+        # device, or they would stay reserved beside the KV pool and push the total past the target
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.config.max_num_batched_tokens
