@@ -64,7 +64,9 @@ def test_models_and_health(api, client):
     assert [m.id for m in listed] == [MODEL, ADAPTER]
     with open(os.path.join(DEFAULT_MODEL, "config.json")) as f:
         context = json.load(f)["max_position_embeddings"]
-    assert all(m.model_extra["max_model_len"] == context for m in listed), "vLLM's model card field"
+    # vLLM's model card fields: the base's context length; an adapter names its parent and has none
+    assert [(m.model_extra["max_model_len"], m.model_extra["parent"]) for m in listed] == [(context, None),
+                                                                                          (None, MODEL)]
     assert client.models.retrieve(ADAPTER).model_dump() == listed[1].model_dump()
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("no-such-model")

@@ -35,6 +35,8 @@ class ServedModels:
 
     def card(self, model: str) -> dict:
         """GET /v1/models/{model} (OpenAI's retrieve); 404 for a model this server does not serve."""
-        parent = self.name if self.check(model) is not None else None
+        adapter = self.check(model) is not None
+        # as vLLM's cards: an adapter's names its parent and carries no max_model_len of its own
         return {"object": "model", "created": self.created, "owned_by": "inflight",
-                "max_model_len": self.max_model_len, "id": model, "root": model, "parent": parent}
+                "max_model_len": None if adapter else self.max_model_len, "id": model, "root": model,
+                "parent": self.name if adapter else None}
