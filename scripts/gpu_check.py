@@ -104,6 +104,10 @@ def main(argv=None) -> int:
               + (": run it with a python3 that has torch and triton (make gpu-check PYTHON=...)" if gpu
                  else ", and this machine shows no NVIDIA GPU either; nothing to check"))
         return 1 if gpu else 0
+    missing = missing_packages()
+    if missing:
+        print(f"gpu-check: {sys.executable} {missing}; nothing was run")
+        return 1
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu-check: no CUDA device here, nothing to check (`make gpu-check DRY_RUN=1` runs every "
               "stage at toy size on CPU)")
@@ -123,6 +127,20 @@ def main(argv=None) -> int:
     print(f"gpu-check: {'FAILED: ' + ', '.join(failed) if failed else 'all stages passed or were skipped'}; "
           f"report in {os.path.join(args.out, 'report.md')}")
     return 1 if failed else 0
+
+
+def missing_packages() -> str | None:
+    """What the stages need beyond torch, checked before the first one starts (a GPU machine brings
+    its own Python): a one-line reason instead of a traceback minutes into the run."""
+    import importlib.util
+    absent = [name for name in ("triton", "transformers", "pytest", "safetensors", "numpy")
+              if importlib.util.find_spec(name) is None]
+    if absent:
+        return f"lacks {', '.join(absent)}"
+    import transformers
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return f"has transformers {transformers.__version__}; the model code needs 5 or newer (its rope API)"
+    return None
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -32,3 +32,12 @@ def test_gpu_check_dry_run_passes_every_stage_and_writes_both_reports(tmp_path):
     markdown = (out / "report.md").read_text()
     assert all(s["title"] in markdown for s in stages.values())
     assert "| sequences | output tok/s |" in markdown and "| case | splits |" in markdown
+
+
+def test_gpu_check_names_a_missing_or_old_package_before_any_stage(monkeypatch):
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import gpu_check
+    import transformers
+    assert gpu_check.missing_packages() is None
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    assert "has transformers 4.57.1; the model code needs 5 or newer" in gpu_check.missing_packages()
