@@ -137,7 +137,8 @@ def throughput(model_dir: str, n: int, max_seqs: int, repeats: int) -> dict:
     prompts = [it.prompt_token_ids for it in items]
     params = [SamplingParams(max_tokens=it.max_tokens, temperature=0, ignore_eos=True) for it in items]
     engines = {policy: LLMEngine.from_pretrained(model_dir, EngineConfig(
-        policy=policy, max_num_seqs=max_seqs, num_kv_blocks=n * 64, batch_wait_timeout_s=0))
+        policy=policy, max_num_seqs=max_seqs, num_kv_blocks=n * 64, batch_wait_timeout_s=0,
+        enable_prefix_caching=False))         # only continuous caches: repeats would favour it
         for policy in ("continuous", "dynamic", "static")}
     for engine in engines.values():
         engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2))            # warm up

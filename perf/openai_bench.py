@@ -39,7 +39,8 @@ from perf.bench_stats import RequestRecord, summarize  # noqa: E402
 from perf.quiet import tree_cpu_seconds, wait_quiet  # noqa: E402
 from perf.serve_bench import build_serve_model  # noqa: E402
 
-ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
+# prefix caching off: both paths send a round's prompts, and the second must not find them cached
+ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "enable_prefix_caching": False}
 
 
 async def triton_stream(http, url: str, item, record: RequestRecord) -> None:

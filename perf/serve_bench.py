@@ -270,7 +270,10 @@ def main() -> None:
     args.model = args.model or build_serve_model()
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
-    engine = {"max_num_seqs": args.max_batch, "max_num_batched_tokens": args.budget, "kv_cache_gb": 1.0}
+    # prefix caching off: rounds repeat the prompts, and only continuous batching caches (its gain
+    # from caching is bench-prefix's)
+    engine = {"max_num_seqs": args.max_batch, "max_num_batched_tokens": args.budget, "kv_cache_gb": 1.0,
+              "enable_prefix_caching": False}
     slo = {"slo_ttft": args.slo_ttft, "slo_tpot": args.slo_tpot}
     uniform = make_workload("uniform", args.requests, vocab, 1, args.scale)
     long_mix = make_workload("long-mix", args.requests, vocab, 2, args.scale)

@@ -27,7 +27,7 @@ def main() -> None:
 
     def run(workload) -> dict:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in workload]
-        params = [SamplingParams(max_tokens=n, min_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
                   for _, n in workload]
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inflight.detokenizer import Delta, IncrementalDetokenizer, StopStrings, decode, decode_delta
+from inflight.detokenizer import Delta, IncrementalDetokenizer, StopStrings, decode, decode_delta, token_text
 
 from .conftest import DEFAULT_MODEL
 
@@ -241,3 +241,17 @@ def test_the_whole_output_decodes_after_the_prompt_tail_too():
     det = IncrementalDetokenizer(tokenizer, [1, 3, 4, 5, 6])
     assert det.prompt_tail == [4, 5, 6] or det.prompt_tail == [3, 4, 5, 6]
     assert decode_delta(tokenizer, det.prompt_tail, [7, 8, 2]) == " Machine learning"
+
+
+def test_a_tokens_own_text_keeps_its_sentencepiece_space(tokenizer):
+    """vLLM's decoded_token: a SentencePiece (Metaspace) piece decoded alone loses the space its
+    `▁` stands for, which log-probability tokens (and OpenAI's `bytes`) must keep; byte-level
+    tokenizers decode a token alone as it is."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "\u2581Machine": 1, "ing": 2, "\u2581": 3}, unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    spiece = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    assert spiece.decode([1]) == "Machine"
+    assert [token_text(spiece, t) for t in (1, 2, 3)] == [" Machine", "ing", " "]
+    assert all(token_text(tokenizer, t) == tokenizer.decode([t]) for t in range(len(tokenizer)))

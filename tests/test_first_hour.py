@@ -83,7 +83,8 @@ def served_checkpoint(tmp_path_factory):
 def test_a_checkpoint_given_with_model_is_served_through_llm_and_the_ensemble(served_checkpoint):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     launcher = Launcher("--model", served_checkpoint, "--engine", "dtype=float64", "--engine", "max_num_seqs=4",
-                        "--engine", "cpu_threads=1", "--engine", "max_model_len=256")
+                        "--engine", "cpu_threads=1", "--engine", "max_model_len=256",
+                        "--openai-arg=--served-model-name=user-model")
     try:
         launcher.wait_for("inflight: ready", 120)
         banner = "\n".join(launcher.lines[-8:])
@@ -93,7 +94,7 @@ def test_a_checkpoint_given_with_model_is_served_through_llm_and_the_ensemble(se
             assert endpoint in banner
         with urllib.request.urlopen(f"http://localhost:{launcher.openai_port}/v1/models", timeout=10) as response:
             cards = json.load(response)["data"]
-        assert [m["id"] for m in cards] == [os.path.basename(served_checkpoint)]
+        assert [m["id"] for m in cards] == ["user-model"], "--openai-arg reaches the OpenAI server"
         assert cards[0]["max_model_len"] == 256, "the engine's context length, passed on by the launcher"
         prompt = "The assert statement"
         url = f"localhost:{launcher.http_port}"

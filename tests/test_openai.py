@@ -670,6 +670,42 @@ def test_required_tool_choice_gives_calls_of_known_tools(client):
     assert calls_of(streamed) == calls and streamed.choices[0].finish_reason == "tool_calls"
 
 
+def test_required_tool_calls_cut_short_or_single_read_the_same_streamed_and_not(client):
+    """A "required" array cut short (a stop string, max_tokens) gives its complete calls as calls
+    and the unfinished rest as content, streamed or not; parallel_tool_calls false asks for one
+    call, as vLLM keeps one."""
+    def reply(completion):
+        choice = completion.choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return choice.message.content, calls, choice.finish_reason
+
+    def streamed_reply(**kwargs):      # the SDK's own accumulation refuses a finish_reason "length"
+        content, calls, reason = None, {}, None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            delta = chunk.choices[0].delta
+            if delta.content:
+                content = (content or "") + delta.content
+            for call in delta.tool_calls or []:
+                name, arguments = calls.get(call.index, (call.function.name, ""))
+                calls[call.index] = (name, arguments + (call.function.arguments or ""))
+            reason = chunk.choices[0].finish_reason or reason
+        return content, [calls[i] for i in sorted(calls)], reason
+
+    base = dict(model=MODEL, messages=ASK, temperature=0.9, tools=TOOLS, tool_choice="required")
+    seen_rest = False
+    for seed in range(4):
+        for cut in ({"stop": ['"parameters"']}, {"stop": ["}, {"]}, {"max_tokens": 30}):
+            kwargs = {"max_tokens": 150, **base, "seed": seed, **cut}
+            whole = reply(client.chat.completions.create(**kwargs))
+            assert streamed_reply(**kwargs) == whole, (seed, cut)
+            if whole[0] is not None:
+                seen_rest = True
+                assert whole[2] != "tool_calls"
+        single = client.chat.completions.create(**base, max_tokens=150, seed=seed, parallel_tool_calls=False)
+        assert len(single.choices[0].message.tool_calls) == 1
+    assert seen_rest, "some cut left text that is not a call"
+
+
 ONE_USER = [{"role": "user", "content": "x"}]
 BAD = [
     ("completions", {"model": "gpt-4", "prompt": "x"}, 404, "'gpt-4' does not exist", "model"),

@@ -102,7 +102,8 @@ HTTP_ENSEMBLE = [
     ({"max_tokens": 3}, "text_input"),
 ]
 GRPC = [
-    ("llm", [t("text_input", np.array([5], dtype=np.int32), "INT32")], "text_input"),
+    ("llm", [t("text_input", np.array([5], dtype=np.int32), "INT32")],
+     "inference input 'text_input' data-type is 'INT32', but model 'llm' expects 'BYTES'"),
     ("llm", [t("text_input", np.array([b"a", b"b"], dtype=object), "BYTES")], "text_input"),
     ("llm", [t("text_input", text(b"\xff\xfe\xfd"), "BYTES")], "'text_input' is not valid UTF-8"),
     ("llm", [t("text_input", text("hi"), "BYTES"), t("stream", np.array([1], dtype=np.int32), "INT32")], "stream"),

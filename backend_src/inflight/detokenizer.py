@@ -4,7 +4,10 @@ Decoding token by token loses the spaces that some tokenizers attach to the next
 multi-byte UTF-8 characters split across tokens. Here each delta is the difference between two
 decodes that start at the same token (`prefix_offset`, a little before the new tokens), and text
 is released only once it no longer ends in an incomplete character (U+FFFD). The final add releases
-whatever is left at the end, so ''.join(deltas) == decode(all tokens) always.
+whatever is left at the end, so ''.join(deltas) == decode(all tokens) — except where a tokenizer's
+decode of earlier tokens changes with later ones: SentencePiece byte fallback turns a whole run of
+byte tokens into U+FFFD once one of them is invalid, text a stream has already sent (vLLM's
+incremental decode cannot take it back either).
 
 Bytes that never become a character (a model can emit any byte tokens) must not hold the stream:
 while the text ends in U+FFFD, everything up to the last cut that no later token can change is
@@ -25,6 +28,21 @@ MAX_LOOKBACK = 8             # tokens searched back for a cut (a character spans
 def decode(tokenizer, token_ids: Sequence[int]) -> str:
     """The one decode that both the full and the incremental paths use."""
     return tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+SPIECE_SPACE = "\u2581"        # SentencePiece's (Metaspace's) mark of a leading space
+
+
+def token_text(tokenizer, token: int) -> str:
+    """A token decoded alone (vLLM's `decoded_token`), with the leading spaces of its SentencePiece
+    piece that decode strips from a text's first token restored, as vLLM restores them."""
+    text = tokenizer.decode([token])
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str):
+        missing = (len(piece) - len(piece.lstrip(SPIECE_SPACE))) - (len(text) - len(text.lstrip(" ")))
+        if missing > 0:
+            return " " * missing + text
+    return text
 
 
 def decode_delta(tokenizer, context_ids: Sequence[int], new_ids: Sequence[int]) -> str:

@@ -324,6 +324,7 @@ class Endpoints:
     grpc_port: int
     metrics_port: int
     openai_port: int | None = None       # the OpenAI-compatible server, where one runs
+    openai_args: tuple[str, ...] = ()    # and flags of its own (--openai-arg)
 
     def banner(self, model: str, model_names: list[str]) -> list[str]:
         lines = [f"inflight: ready, serving {model}",
@@ -428,7 +429,7 @@ def start_openai_server(children: Children, model_repository: str, endpoints: En
     try:
         settings = Settings.load(os.path.join(model_repository, "llm", "1"))
         lora_names = sorted(settings.lora_modules)      # each adapter of multi_lora.json is a model id
-        extra = ["--lora-modules", *lora_names] if lora_names else []
+        extra = [*endpoints.openai_args, *(["--lora-modules", *lora_names] if lora_names else [])]
         if settings.engine.max_model_len:
             extra += ["--max-model-len", str(settings.engine.max_model_len)]
         openai = OpenAIServerProcess(f"localhost:{endpoints.http_port}", settings.model_dir,
@@ -453,6 +454,9 @@ def main() -> None:
     parser.add_argument("--production", action="store_true", help="the production-profile flags (see README)")
     parser.add_argument("--openai-port", type=int, default=9000, help="the OpenAI-compatible server's port")
     parser.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible server")
+    parser.add_argument("--openai-arg", action="append", default=[], metavar="FLAG",
+                        help="a flag for the OpenAI server, in the = form: --openai-arg=--disable-any-whitespace "
+                             "(repeatable; `python -m inflight_client.openai_server --help` lists them)")
     args, extra = parser.parse_known_args()
     overrides = engine_overrides(args.engine)
     if (args.model or overrides) and args.model_repository:
@@ -470,7 +474,7 @@ def main() -> None:
     try:
         code = serve(server, written or args.model_repository or DEFAULT_REPOSITORY,
                      Endpoints(args.http_port, args.grpc_port, args.metrics_port,
-                               None if args.no_openai else args.openai_port), extra, note)
+                               None if args.no_openai else args.openai_port, tuple(args.openai_arg)), extra, note)
     finally:
         if written:
             shutil.rmtree(written, ignore_errors=True)

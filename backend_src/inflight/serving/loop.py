@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from ..config import SamplingParams
-from ..detokenizer import IncrementalDetokenizer, StopStrings, decode
+from ..detokenizer import IncrementalDetokenizer, StopStrings, decode, token_text
 from ..engine import LLMEngine, QueueFullError
 from .job import Job, ResponseSink, Sample
 from .outputs import response_outputs
@@ -355,7 +355,7 @@ class EngineLoop:
         """A token decoded alone (vLLM's `decoded_token`), cached."""
         text = self._token_texts.get(token)
         if text is None:
-            text = self._token_texts[token] = self.tokenizer.decode([token])
+            text = self._token_texts[token] = token_text(self.tokenizer, token)
         return text
 
     def _fail(self, job: Job, error: str | None) -> None:

@@ -131,10 +131,13 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
                     yield chunk(response, index, {"content": text}, logprobs, reason, positions)
                     continue
                 calls = readers[index].feed(text)
+                delta = {"tool_calls": calls} if calls else {}
                 if reason is not None:
+                    rest = readers[index].rest()
+                    if rest is not None:
+                        delta["content"] = rest
                     reason = readers[index].finish_reason(reason)
-                if calls or reason is not None or logprobs is not None or body.return_token_ids:
-                    delta = {"tool_calls": calls} if calls else {}
+                if delta or reason is not None or logprobs is not None or body.return_token_ids:
                     yield chunk(response, index, delta, logprobs, reason, positions)
     finally:
         await responses.aclose()

@@ -206,7 +206,7 @@ class ChatCompletionRequest(SamplingFields, TemplateFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(None, min_length=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None      # accepted, unused ("required" may give several calls)
+    parallel_tool_calls: bool | None = None      # false: "required" gives exactly one call
     metadata: dict | None = None                 # accepted, unused
     store: bool | None = None                    # accepted, unused
 

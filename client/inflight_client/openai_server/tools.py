@@ -23,9 +23,10 @@ def _parameters(tool) -> dict:
     return tool.function.parameters or EMPTY_OBJECT
 
 
-def _required_schema(tools) -> dict:
-    """An array of at least one {"name": <a tool's name>, "parameters": <its schema>}, with the
-    tools' "$defs" lifted to the top so that their "#/$defs/..." references still resolve."""
+def _required_schema(tools, parallel: bool) -> dict:
+    """An array of at least one {"name": <a tool's name>, "parameters": <its schema>} (exactly one
+    without `parallel`), with the tools' "$defs" lifted to the top so that their "#/$defs/..."
+    references still resolve."""
     defs, calls = {}, []
     for tool in tools:
         parameters = dict(_parameters(tool))
@@ -37,6 +38,8 @@ def _required_schema(tools) -> dict:
                                      "parameters": parameters},
                       "required": ["name", "parameters"]})
     schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
     return {**schema, "$defs": defs} if defs else schema
 
 
@@ -46,7 +49,8 @@ def tool_constraint(body: ChatCompletionRequest) -> Constraint | None:
         tool = next(t for t in body.tools if t.function.name == body.tool_choice.function.name)
         return Constraint({"json": _parameters(tool)}, "tool_choice")
     if body.tool_choice == "required":
-        return Constraint({"json": _required_schema(body.tools)}, "tool_choice")
+        return Constraint({"json": _required_schema(body.tools, body.parallel_tool_calls is not False)},
+                          "tool_choice")
     return None
 
 
@@ -105,16 +109,24 @@ class ToolCallText:
     def finish_reason(self, reason: str) -> str:
         """'tool_calls' when a "required" array ended as its grammar did; a named call keeps
         'stop', as OpenAI and vLLM report a call the request forced."""
-        return "tool_calls" if self.function is None and reason == "stop" and self.num_calls else reason
+        return "tool_calls" if self.function is None and reason == "stop" and self.closed else reason
+
+    def rest(self) -> str | None:
+        """At the end: the text of a "required" array cut short (by max_tokens, a stop string or
+        a stop token) after its last complete call, which is content, not a call."""
+        if self.function is not None or self.closed:
+            return None
+        return self.text[self.position:] or None
 
 
 def tool_message(function: str | None, text: str, reason: str) -> tuple[dict, str]:
-    """A whole output as the assistant message and its finish_reason. An array cut short by
-    max_tokens stays text (content), as it is not a call."""
+    """A whole output as the assistant message and its finish_reason: the same calls and content
+    a stream of it gives."""
     reader = ToolCallText(function)
     calls = reader.feed(text)
-    if function is None and not reader.closed:
-        return {"role": "assistant", "content": text}, reason
     for call in calls:
         del call["index"]
-    return {"role": "assistant", "content": None, "tool_calls": calls}, reader.finish_reason(reason)
+    message = {"role": "assistant", "content": reader.rest()}
+    if calls:
+        message["tool_calls"] = calls
+    return message, reader.finish_reason(reason)
