@@ -72,9 +72,9 @@ class EngineLoop:
                 raise RequestError(self.failure)
             job = self._make_job(request, sink)
         except RequestError as exc:
-            sink.send(None, final=True, error=str(exc))
             if self.metrics is not None:
                 self.metrics.refused()
+            sink.send(None, final=True, error=str(exc))
             return
         self.outbox.put(("register", job))        # before the engine can produce its first token
         self.inbox.put(("add", job))
@@ -326,10 +326,10 @@ class EngineLoop:
             sample.finish_reason = reason
             sample.ready = True
             touched[job] = None
+        if self.metrics is not None:          # before the responses, so metrics never lag a reply
+            self.metrics.publish_delivered()
         for job in touched:
             self._respond(job)
-        if self.metrics is not None:
-            self.metrics.publish_delivered()
 
     def _respond(self, job: Job) -> None:
         """A stream: one response per step that brought something (new text or an end); the
@@ -347,9 +347,9 @@ class EngineLoop:
             prompt = request.prompt_text if request.prompt_text is not None else decode(self.tokenizer, job.prompt_ids)
         pieces = [sample.take() for sample in job.samples]
         final = job.finished
-        self._send(job, response_outputs(job, pieces, self._token_text, prompt), final=final)
-        if final:
+        if final:       # counted before the client can see its end, so metrics never lag a reply
             self._record(job, job.samples[0].finish_reason)
+        self._send(job, response_outputs(job, pieces, self._token_text, prompt), final=final)
 
     def _token_text(self, token: int) -> str:
         """A token decoded alone (vLLM's `decoded_token`), cached."""
@@ -365,8 +365,8 @@ class EngineLoop:
         for sample in job.samples:
             if not sample.finished:
                 self.inbox.put(("abort", sample.request_id))
-        self._send(job, None, final=True, error=error)
         self._record(job, "error" if error is not None else "abort")
+        self._send(job, None, final=True, error=error)
 
     def _send(self, job: Job, outputs, final: bool, error: str | None = None) -> None:
         job.num_responses += 1

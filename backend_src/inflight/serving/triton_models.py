@@ -243,8 +243,8 @@ class LLMModel:
             try:
                 parsed = parse_request(read_inputs(self.pb, request, LLM_INPUTS), request_parameters(request))
             except RequestError as exc:
-                sink.send(None, final=True, error=str(exc))
                 self.metrics.refused()
+                sink.send(None, final=True, error=str(exc))
                 continue
             self.loop.submit(parsed, sink)
         return None
