@@ -86,10 +86,6 @@ class ModelRunner:
         """model_dir None keeps the modules' random initialisation (inflight.testing.random_engine)."""
         self.config = config
         self.device = resolve_device(config.device)
-        if self.device.type == "cuda":
-            # Triton kernels launch on the current device, not their tensors': cuda:N is made
-            # current here for the start-up forward, and around every step (on_device)
-            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
         if config.cpu_threads:
             torch.set_num_threads(config.cpu_threads)
@@ -121,7 +117,8 @@ class ModelRunner:
                  self.block_size, self.num_blocks * self.kv_block_bytes / 2**30)
 
     def on_device(self):
-        """The engine's CUDA device made current (for a step run on any thread)."""
+        """The engine's CUDA device made current, for a forward on any thread: Triton kernels
+        launch on the current device, not their tensors' (cuda:N would run them on GPU 0)."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _cache_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -151,7 +148,8 @@ class ModelRunner:
         elif self.config.kv_cache_gb:
             budget, source = self.config.kv_cache_gb * 2**30, f"kv_cache_gb={self.config.kv_cache_gb}"
         else:
-            budget = self._cuda_kv_budget()
+            with self.on_device():          # its forward launches Triton kernels
+                budget = self._cuda_kv_budget()
             source = f"gpu_memory_utilization={self.config.gpu_memory_utilization} after weights and activations"
         blocks = int(budget // self.kv_block_bytes)
         if blocks < 1:
