@@ -13,6 +13,8 @@ from inflight.packed_linear import PackedLinear, pack_linears
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_packed_linear_gives_f_linear_results(dtype, rows, bias):
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bfloat16 path on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
     g = torch.Generator().manual_seed(rows)
     linear = nn.Linear(96, 200, bias=bias).to(dtype)
     with torch.no_grad():
@@ -42,3 +44,19 @@ def test_the_cpu_engine_runs_its_linears_packed(tiny_checkpoint):
 def test_float64_models_keep_plain_linears():
     model = nn.Sequential(nn.Linear(8, 8).double())
     assert pack_linears(model) == 0 and isinstance(model[0], nn.Linear)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_cpu_without_packing_keeps_plain_linears(dtype, monkeypatch):
+    """Where oneDNN cannot pack (a bf16 model on an AVX2 CPU raises in the reorder), the model keeps
+    its nn.Linear layers and their results; the probe's failure is simulated so this runs on any CPU."""
+    def refuses(self, linear):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(PackedLinear, "__init__", refuses)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    model = nn.Sequential(nn.Linear(16, 8).to(dtype))
+    x = torch.randn(3, 16).to(dtype)
+    expected = model(x)
+    assert pack_linears(model) == 0 and isinstance(model[0], nn.Linear)
+    assert torch.equal(model(x), expected)

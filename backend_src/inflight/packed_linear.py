@@ -52,6 +52,10 @@ def _packing_works(linear: nn.Linear) -> bool:
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         log.info("inflight: this torch has no oneDNN linear packing; CPU matmuls use the plain weights")
         return False
+    if linear.weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        # oneDNN's bf16 packing needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; an AVX2 CPU has neither
+        log.info("inflight: this CPU has no oneDNN bfloat16 path; CPU matmuls use the plain weights")
+        return False
     x = torch.randn(5, linear.in_features, generator=torch.Generator().manual_seed(0)).to(linear.weight.dtype)
     try:
         with torch.no_grad():
