@@ -82,3 +82,26 @@ def test_a_step_reports_each_prompt_position_once(prompts_and_expected):
 def test_prompt_logprobs_out_of_range_is_refused():
     with pytest.raises(ValueError, match="'prompt_logprobs' must be None or an integer in \\[0, 20\\]"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_a_step_that_raised_adds_no_prompt_entries(prompts_and_expected, monkeypatch):
+    """A sampler that raises after the forward scored a chunk: the caller steps again, the chunk is
+    recomputed, and its positions are on the request once."""
+    prompts, expected = prompts_and_expected
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float64", max_num_batched_tokens=32))
+    req = engine.add_request("p", prompts[7], SamplingParams(max_tokens=4, prompt_logprobs=TOP, ignore_eos=True))
+    sample = engine.sampler
+
+    def fails_once(*args):
+        monkeypatch.setattr(engine, "sampler", sample)
+        raise RuntimeError("sampler fault")
+
+    monkeypatch.setattr(engine, "sampler", fails_once)
+    with pytest.raises(RuntimeError, match="sampler fault"):
+        engine.step()
+    assert req.prompt_logprobs == []
+    reported = []
+    while engine.has_unfinished():
+        reported += engine.step().prompt_logprobs.get("p", [])
+    check(prompts[7], [None] + reported, expected[7])
+    check(prompts[7], [None] + req.prompt_logprobs, expected[7])

@@ -17,7 +17,7 @@ import torch
 
 from .config import EngineConfig, SamplingParams, parse_priority
 from .kv_cache import KVCacheManager
-from .logprobs import PromptPositions, prompt_logprobs
+from .logprobs import PromptPositions, TokenLogprobs, prompt_logprobs
 from .request import Request, RequestOutput, Status, StepOutput
 from .runner import ModelRunner
 from .sampler import Sampler
@@ -201,8 +201,7 @@ class LLMEngine:
         request_ids, token_ids, logprobs, prompt_entries = [], [], None, {}
         if len(out):
             logits, prompt = self.runner.execute(out, table)
-            if prompt is not None:
-                prompt_entries = self._record_prompt_logprobs(prompt, table)
+            scored = self._score_prompt(prompt, table) if prompt is not None else []
             sample_rows = out.sample_rows
             mask = self.structured.step_mask(table, sample_rows) if self.num_constrained else None
             tokens, step_logprobs = self.sampler(logits, table, sample_rows, mask)
@@ -214,6 +213,7 @@ class LLMEngine:
                     logprobs[i] = step_logprobs.entry(j, int(tokens[i]))
                     table.requests[int(sample_rows[i])].logprobs.append(logprobs[i])
             scheduler.update(out, tokens, grammar_done)
+            prompt_entries = self._record_prompt_logprobs(scored)
             token_ids = tokens.tolist()
             if mask is not None and mask.rejected:
                 request_ids, token_ids, logprobs = self._fail_rejected(mask.rejected, request_ids, token_ids,
@@ -230,12 +230,17 @@ class LLMEngine:
         self.last_step_s = time.perf_counter() - started
         return StepOutput(request_ids, token_ids, logprobs, finished, errors, prompt_entries)
 
-    def _record_prompt_logprobs(self, prompt: PromptPositions, table) -> dict[str, list]:
-        """Score the prompt tokens this step reached, onto their requests; request id -> entries."""
+    def _score_prompt(self, prompt: PromptPositions, table) -> list[tuple[Request, TokenLogprobs]]:
+        """The prompt tokens this step reached, scored: (request, entry) per position."""
         entries = prompt_logprobs(prompt, table.num_prompt_logprobs[prompt.rows], self.runner.model.compute_logits)
+        return [(table.requests[row], entry) for row, entry in zip(prompt.rows.tolist(), entries)]
+
+    @staticmethod
+    def _record_prompt_logprobs(scored: list[tuple[Request, TokenLogprobs]]) -> dict[str, list]:
+        """Onto their requests once the step has stood (a step that raised before update() is
+        recomputed, and must not add its positions twice); request id -> entries."""
         by_request: dict[str, list] = {}
-        for row, entry in zip(prompt.rows.tolist(), entries):
-            req = table.requests[row]
+        for req, entry in scored:
             req.prompt_logprobs.append(entry)
             by_request.setdefault(req.request_id, []).append(entry)
         return by_request
