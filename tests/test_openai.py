@@ -254,6 +254,9 @@ def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, refere
         # tool_choice "none": the tools only reach the template
         tooled = other_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                                       tools=TOOLS, tool_choice="none")
+        # an explicit null with tools: vLLM generates text, as "none" does (not "auto"'s 400)
+        nulled = other_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                      tools=TOOLS, extra_body={"tool_choice": None})
         brief = other_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                                      extra_body={"chat_template_kwargs": {"brief": True}})
         # an assistant's tool call as OpenAI sends it back (arguments a JSON string): the template
@@ -275,6 +278,8 @@ def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, refere
     assert brief.choices[0].message.content == reference(reference_engine, tokenizer, [briefly], 8)[0]
     assert tooled.choices[0].message.content == reference(reference_engine, tokenizer, [with_tools], 8)[0]
     assert tooled.choices[0].message.tool_calls is None
+    assert (nulled.choices[0].message.content, nulled.choices[0].message.tool_calls) == (
+        tooled.choices[0].message.content, None)
 
 
 def test_n_seeds_and_stop_strings(client, reference_engine, tokenizer):

@@ -210,6 +210,15 @@ class ChatCompletionRequest(SamplingFields, TemplateFields):
     metadata: dict | None = None                 # accepted, unused
     store: bool | None = None                    # accepted, unused
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_tool_choice_is_none(cls, data):
+        # vLLM reads an explicit null as no tool parsing (text; the tools still reach the template),
+        # where an absent tool_choice with tools is OpenAI's "auto"
+        if isinstance(data, dict) and "tool_choice" in data and data["tool_choice"] is None:
+            return {**data, "tool_choice": "none"}
+        return data
+
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
