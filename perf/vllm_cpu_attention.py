@@ -10,7 +10,8 @@ import time
 
 if __name__ == "__main__":
     import torch
-    import vllm._C  # noqa: F401  (registers torch.ops._C)
+    from vllm.platforms.cpu import CpuPlatform
+    CpuPlatform.import_kernels()     # registers torch.ops._C from the build for this ISA (AVX2, AVX-512, ...)
     from vllm import _custom_ops as ops
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -25,6 +25,14 @@ def kernels():
     return loaded
 
 
+@pytest.fixture(params=[True, False], ids=["prefill-kernel", "prefill-sdpa"])
+def prefill_route(request, kernels, monkeypatch):
+    """Both ways a prefill chunk can go, on any CPU (the kernel where the CPU has AVX-512, gather +
+    SDPA where it has not)."""
+    monkeypatch.setattr(kernels, "tiled_prefill", request.param)
+    return request.param
+
+
 def meta_of(step) -> AttentionMetadata:
     return AttentionMetadata(torch.zeros(0, dtype=torch.long), step["cu_seqlens_q"], step["seq_lens"],
                              step["block_table"], int(step["cu_seqlens_q"][-1]), int(step["seq_lens"].max()))
@@ -38,7 +46,7 @@ def run(kernels, step):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_random_mixed_steps_match_the_reference(kernels, seed):
+def test_random_mixed_steps_match_the_reference(kernels, seed, prefill_route):
     """Decodes of many lengths (1 to past several tiles of 128 keys), prefill chunks with and without
     context, GQA groups 1/2/4/8, head dims 24/64/128, block sizes 16/32, strided views."""
     rng = torch.Generator().manual_seed(300 + seed)
@@ -61,7 +69,7 @@ def test_random_mixed_steps_match_the_reference(kernels, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group, head_dim", [(1, 64), (4, 128), (16, 256), (2, 24)])
-def test_long_prefill_chunks_match_the_reference(kernels, dtype, group, head_dim):
+def test_long_prefill_chunks_match_the_reference(kernels, dtype, group, head_dim, prefill_route):
     """Prefill chunks over many of the prefill kernel's tiles (64 query rows, 32 keys): fresh,
     after a context, ending mid-tile, next to decodes."""
     cases = [(1, 40), (200, 200), (1, 333), (97, 400), (95, 95 + 33), (3, 3), (2, 700)]
@@ -69,7 +77,7 @@ def test_long_prefill_chunks_match_the_reference(kernels, dtype, group, head_dim
     torch.testing.assert_close(run(kernels, step).double(), reference(step), atol=ATOL[dtype], rtol=0)
 
 
-def test_results_are_bitwise_the_same_with_any_thread_count(kernels):
+def test_results_are_bitwise_the_same_with_any_thread_count(kernels, prefill_route):
     step = make_step([(1, n) for n in (700, 3, 129, 40, 1, 260)] + [(5, 30), (150, 300)], 8, 2, 64, 16,
                      torch.bfloat16)
     saved = torch.get_num_threads()

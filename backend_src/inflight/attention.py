@@ -12,7 +12,7 @@ On CPU, `compiled_paged_attention` (backend "cpu", the default for float32 and b
 every query through the compiled kernels of cpu_kernels.cpp, which read K/V in place through the
 block table: one-token queries through the decode kernel, prefill chunks through the prefill
 kernel a tile of query tokens at a time (causal; 3-4x faster than gathering the context for
-SDPA). Two torch implementations over the same layout: `paged_attention`, the reference the tests
+SDPA with AVX-512; on a CPU without it the chunks take gather + SDPA, which is faster there). Two torch implementations over the same layout: `paged_attention`, the reference the tests
 compare against, and `grouped_paged_attention`, the CPU fallback (backend "torch": float64, or no
 compiler). The reference pads every decoding sequence to the longest and copies the whole batch's K/V into one
 tensor per layer; the fallback sorts the decoding sequences by length once per step, cuts them into
@@ -199,14 +199,14 @@ class CpuAttentionPlan:
     prefill_masks: dict[int, torch.Tensor] = field(default_factory=dict)   # by prefill, from the first layer
 
 
-def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> CpuAttentionPlan:
-    """The prefill chunks, and the decodes cut into groups for the torch path."""
+def plan_cpu_attention(meta: AttentionMetadata, k_cache: torch.Tensor, group_decodes: bool = True) -> CpuAttentionPlan:
+    """The prefill chunks, and the decodes cut into groups for the torch path (group_decodes)."""
     block_size, kv_heads, dim = k_cache.shape[1:]
     device = k_cache.device          # the torch backend also runs on CUDA when asked for
     starts = meta.cu_seqlens_q.cpu().numpy()
     lens = meta.seq_lens.cpu().numpy().astype(np.int64)
     one_token = np.diff(starts) == 1
-    decode = np.flatnonzero(one_token)
+    decode = np.flatnonzero(one_token) if group_decodes else np.zeros(0, dtype=np.int64)
     order = decode[np.argsort(lens[decode], kind="stable")]
     group_tokens = max(block_size, GROUP_KV_BYTES // (2 * kv_heads * dim * k_cache.element_size()))
     groups, i = [], 0
@@ -271,7 +271,12 @@ def compiled_paged_attention(kernels: "cpu_kernels.CpuKernels", q: torch.Tensor,
     args = (q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens, meta.block_table, scale)
     kernels.paged_decode_attention(*args)
     if meta.num_real_tokens > len(meta.seq_lens):       # some sequence has several query tokens
-        kernels.paged_prefill_attention(*args)
+        if kernels.tiled_prefill:
+            kernels.paged_prefill_attention(*args)
+        else:
+            if meta.cpu_plan is None:
+                meta.cpu_plan = plan_cpu_attention(meta, k_cache, group_decodes=False)
+            _prefill_attention(q, k_cache, v_cache, out, meta, scale)
     return out
 
 

@@ -20,7 +20,7 @@
 #include <algorithm>
 #include <type_traits>
 #include <vector>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -62,6 +62,21 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
 inline v16f load16(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
+
+// x in every lane. Without AVX-512 GCC builds `x * vector`'s broadcast from 16 scalar stores that
+// the two 32-byte loads after them cannot forward from: a stall per multiply-add, which made the
+// fp32 decode layer 2x vLLM-CPU's time on a 2-core AVX2 EPYC (as fast with AVX-512)
+inline v16f splat(float x) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    const __m256 half = _mm256_set1_ps(x);
+    v16f v;
+    memcpy(&v, &half, 32);
+    memcpy((char *)&v + 32, &half, 32);
+    return v;
+#else
+    return (v16f){} + x;
+#endif
+}
 inline v16f load16(const bf16 *p) {
 #ifdef __AVX512F__
     // one widening load and a shift (GCC splits the generic conversion into five instructions)
@@ -179,6 +194,22 @@ __attribute__((always_inline)) inline void fetch_ahead(KRow k_row, VRow v_row, i
 
 // lanes 0, 4, 8, 12 = the sums of a, b, c, d
 inline v16f hsum4(v16f a, v16f b, v16f c, v16f d) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    // a 16-lane vector is two AVX2 registers here, where GCC turns the generic two-vector shuffles
+    // below into lane-by-lane moves (a 64-sequence fp32 decode layer 2x vLLM-CPU's time): add the
+    // halves, then the horizontal adds of 8 lanes
+    auto halves = [](v16f x) {
+        __m256 lo, hi;
+        memcpy(&lo, &x, 32);
+        memcpy(&hi, (const char *)&x + 32, 32);
+        return _mm256_add_ps(lo, hi);
+    };
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(halves(a), halves(b)), _mm256_hadd_ps(halves(c), halves(d)));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));   // a b c d
+    v16f v = {};
+    v[0] = sums[0], v[4] = sums[1], v[8] = sums[2], v[12] = sums[3];
+    return v;
+#else
     const v16u low = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
     const v16u high = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
     const v16f ab = __builtin_shuffle(a, b, low) + __builtin_shuffle(a, b, high);
@@ -188,14 +219,25 @@ inline v16f hsum4(v16f a, v16f b, v16f c, v16f d) {
     v += __builtin_shuffle(v, (v16u){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
     v += __builtin_shuffle(v, (v16u){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
     return v;
+#endif
 }
 
 inline float hsum(v16f v) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    __m256 lo, hi;
+    memcpy(&lo, &v, 32);
+    memcpy(&hi, (const char *)&v + 32, 32);
+    const __m256 s = _mm256_add_ps(lo, hi);
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+#else
     v += __builtin_shuffle(v, (v16u){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
     v += __builtin_shuffle(v, (v16u){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
     v += __builtin_shuffle(v, (v16u){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
     v += __builtin_shuffle(v, (v16u){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
     return v[0];
+#endif
 }
 
 #ifdef __AVX512BF16__
@@ -341,7 +383,7 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
             running_sum[g] = running_sum[g] * correction + hsum(sums);
             running_max[g] = new_max;
             if (correction != 1.0f)
-                for (int c = 0; c < NC; ++c) acc[g][c] *= correction;
+                for (int c = 0; c < NC; ++c) acc[g][c] *= splat(correction);
         }
 #ifdef __AVX512BF16__
         if constexpr (std::is_same_v<T, bf16> && NC % 2 == 0) {
@@ -355,8 +397,10 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
         for (int g = 0; g < group; ++g) {
             v16f ag[NC];
             for (int c = 0; c < NC; ++c) ag[c] = acc[g][c];
-            for (int t = 0; t < n; ++t)
-                for (int c = 0; c < NC; ++c) ag[c] += scores[g][t] * rows[t][c];
+            for (int t = 0; t < n; ++t) {
+                const v16f p = splat(scores[g][t]);
+                for (int c = 0; c < NC; ++c) ag[c] += p * rows[t][c];
+            }
             for (int c = 0; c < NC; ++c) acc[g][c] = ag[c];
         }
     }
@@ -425,6 +469,15 @@ void paged_decode_attention(const T *q, const int64_t *q_strides, const T *k_cac
 constexpr int PREFILL_ROWS = 64;   // rows of a work item: tokens x the KV head's query heads
 constexpr int PREFILL_KEYS = 32;   // keys per online-softmax step
 static_assert(PREFILL_ROWS >= MAX_GROUP, "a work item holds at least one token's query heads");
+#ifdef __AVX512F__
+constexpr int PREFILL_TILE_ROWS = PREFILL_ROWS;
+#else
+// without AVX-512 a 16-lane vector is two of the 16 AVX2 registers: the 4 x RV accumulators of more
+// than one row vector spill to the stack on every product (a 512-token prefill 5x gather + SDPA's
+// time with 64 rows on a 2-core AVX2 EPYC)
+constexpr int PREFILL_TILE_ROWS = 16;
+#endif
+static_assert(PREFILL_TILE_ROWS >= MAX_GROUP, "a work item holds at least one token's query heads");
 
 // keeps a loaded vector in its register: GCC otherwise loads it again from L1 for each of the four
 // products that use it, and the loads, not the products, become the limit (without AVX-512 a
@@ -528,7 +581,7 @@ void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRo
                         in_register(qv[v]);
                     }
                     for (int i = 0; i < 4; ++i) {
-                        const float kf = to_float(k_rows[t + i][j]);
+                        const v16f kf = splat(to_float(k_rows[t + i][j]));
                         for (int v = 0; v < RV; ++v) s[i][v] += qv[v] * kf;
                     }
                 }
@@ -607,7 +660,7 @@ void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRo
                     in_register(p[v]);
                 }
                 for (int i = 0; i < width; ++i) {
-                    const float x = to_float(v_rows[t][d + i]);
+                    const v16f x = splat(to_float(v_rows[t][d + i]));
                     for (int v = 0; v < RV; ++v) o[i][v] += p[v] * x;
                 }
             }
@@ -642,7 +695,7 @@ void paged_prefill_attention(const T *q, const int64_t *q_strides, const T *k_ca
                              int64_t block_table_stride, int num_seqs, int num_heads, int num_kv_heads, int dim,
                              int block_size, float scale, int num_threads) {
     const int group = num_heads / num_kv_heads;
-    const int tile_tokens = PREFILL_ROWS / group;
+    const int tile_tokens = PREFILL_TILE_ROWS / group;
     struct Tile { int seq, first, tokens, end; };
     std::vector<Tile> tiles;
     for (int seq = 0; seq < num_seqs; ++seq) {

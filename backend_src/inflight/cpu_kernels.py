@@ -46,6 +46,9 @@ class CpuKernels:
         max_dim, max_group = ctypes.c_int(), ctypes.c_int()
         lib.inflight_kernel_limits(ctypes.byref(max_dim), ctypes.byref(max_group))
         self.max_dim, self.max_group = max_dim.value, max_group.value
+        # the prefill kernel's tiles are sized for AVX-512's 32 registers: with AVX2 alone a 512-token
+        # prefill took 2-3x gather + SDPA's time (make bench-cpu-attention), so prefill chunks take that
+        self.tiled_prefill = "avx512f" in cpu_flags()
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         attention = [p, p, p, p, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, f32, i32]
         signatures = {"paged_decode_attention": attention, "paged_prefill_attention": attention,
