@@ -118,22 +118,45 @@ def test_step_outputs_add_up_to_the_final_output_and_aborts_free_everything(engi
             for i, p in enumerate(ps)]
     streamed = {r.request_id: [] for r in reqs}
     reasons = {}
-    engine.step()
-    engine.abort("s0")           # running
-    engine.abort("s5")           # possibly still waiting
+    first = True
     while engine.has_unfinished():
         out = engine.step()
         for request_id, token, _, _ in out:
             streamed[request_id].append(token)
         reasons.update(out.finished)
+        if first:                    # every prompt fits the first step: each has its first token
+            assert len(out) == len(reqs)
+            engine.abort("s0")
+            engine.abort("s5")
+            first = False
     assert reasons["s0"] == reasons["s5"] == "abort"
     for r in reqs[1:5]:
         assert reasons[r.request_id] == "length"
-        assert r.output_token_ids[-len(streamed[r.request_id]):] == streamed[r.request_id]
-        assert len(r.output_token_ids) == 20
+        assert r.output_token_ids == streamed[r.request_id] and len(r.output_token_ids) == 20
     engine.check_invariants()
     assert engine.stats()["kv_blocks_used"] == 0
     assert not engine.abort("s1"), "aborting a finished request is a no-op"
+
+
+def test_a_step_that_fails_admitting_leaves_every_request_abortable(tiny_checkpoint, monkeypatch):
+    """A fault while admitting (the step raises): every request can still be aborted and the
+    pool comes back whole (the serving loop aborts them all after a failed step)."""
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float32", num_kv_blocks=64))
+    for i, p in enumerate(prompts(3, seed=5)):
+        engine.add_request(f"f{i}", p, SamplingParams(max_tokens=4))
+    table = engine.scheduler.table
+
+    def fault(req):
+        raise RuntimeError("fault while admitting")
+
+    monkeypatch.setattr(table, "add", fault)
+    with pytest.raises(RuntimeError, match="fault while admitting"):
+        engine.step()
+    monkeypatch.undo()
+    assert all(engine.abort(request_id) for request_id in list(engine.requests))
+    assert set(engine.step().finished.values()) == {"abort"}
+    assert not engine.has_unfinished() and engine.stats()["kv_blocks_used"] == 0
+    engine.check_invariants()
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -165,6 +188,8 @@ def test_requests_that_can_never_run_are_rejected_at_once(engine):
         engine.add_request("prio", [5], priority="urgent")
     with pytest.raises(ValueError, match="'cache_salt' is not valid UTF-8"):      # JSON's "\ud800" is a str
         engine.add_request("salt", [5], cache_salt="\ud800")
+    with pytest.raises(ValueError, match="'cache_salt' must be a non-empty string"):    # it would share the unsalted
+        engine.add_request("salt", [5], cache_salt="")
     engine.add_request("dup", [5], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("dup", [5])

@@ -166,7 +166,7 @@ def test_launch_heuristics():
     wide_mixed = config(num_tokens=50, head_dim=256)
     assert (wide_mixed.block_m, wide_mixed.num_warps) == (32, 8)
     assert config(num_splits=5).num_splits == 5
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="tile_n must be a power of two >= 16, got 24"):
         config(tile_n=24)
 
 
@@ -244,9 +244,13 @@ def test_block_offsets_beyond_int32():
     key = torch.randn(len(slots), kv_heads, head_dim, dtype=torch.float16, device="cuda")
     value = torch.randn_like(key)
     slots[5] = -1                               # a skipped token: its slot must keep the old row
-    k_cache[blocks[0], 5] = key[5]
-    v_cache[blocks[0], 5] = value[5]
+    old_k, old_v = torch.full_like(key[5], 7.0), torch.full_like(value[5], -7.0)
+    k_cache[blocks[0], 5] = old_k
+    v_cache[blocks[0], 5] = old_v
     write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache[blocks[0], 5], old_k) and torch.equal(v_cache[blocks[0], 5], old_v)
+    k_cache[blocks[0], 5] = key[5]              # the attention below reads every slot's row
+    v_cache[blocks[0], 5] = value[5]
     torch.testing.assert_close(k_cache[blocks.long()].flatten(0, 1), key, atol=0, rtol=0)
     torch.testing.assert_close(v_cache[blocks.long()].flatten(0, 1), value, atol=0, rtol=0)
 

@@ -106,6 +106,26 @@ def test_top_k_keeps_ties_and_top_p_keeps_what_the_nucleus_needs():
     assert probs(halves) == pytest.approx([0.5, 0.25, 0.25])
 
 
+def test_extreme_knob_values_mean_what_they_say(tiny_checkpoint):
+    """Valid values past what the batch table's float32 / int32 rows hold: a top_k of 2**63 is
+    no top-k (it used to wrap, or raise on the engine thread and fail every request), a top_p
+    that rounds to 0 keeps the likeliest token (it used to mask every one: NaN, token 0), a
+    temperature that overflows float32 is uniform sampling, not NaN against min_tokens' bans."""
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float32", num_kv_blocks=64))
+    prompt = [[5, 6, 7, 8]]
+
+    def tokens(**knobs):
+        return engine.generate(prompt, SamplingParams(max_tokens=12, seed=3, ignore_eos=True, **knobs))[0].token_ids
+
+    free = tokens(top_k=-1)
+    assert free != tokens(top_k=1), "the seed samples more than the likeliest token"
+    assert tokens(top_k=2**63) == free and tokens(top_k=2**32 + 1) == free
+    assert tokens(top_p=1e-50) == tokens(temperature=0)
+    hot = tokens(temperature=1e39, min_tokens=12)
+    assert len(set(hot)) > 1, "a NaN row samples token 0 every time"
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
 def test_min_tokens_bans_eos_under_ignore_eos_and_bad_words_ignore_the_prompt(tiny_checkpoint, tmp_path):
     """As vLLM: min_tokens bans every stop token, EOS also when ignore_eos keeps it from stopping;
     a bad word's leading tokens are matched in the output only, not in the prompt's tail. A

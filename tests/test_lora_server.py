@@ -91,6 +91,8 @@ def test_per_adapter_metrics_count_requests_and_tokens(server):
     assert wait_for_metric(server, "inflight_lora_requests_total", requests + 2, **labels) == requests + 2
     assert server.metric("inflight_lora_generation_tokens_total", **labels) == tokens + 10
     assert server.metric("inflight_lora_prompt_tokens_total", **labels) > 0
+    refused = http_generate(server.http_url, "llm", {"text_input": "The", "max_tokens": 2, "lora_name": "nope"})
+    assert "unknown 'lora_name' 'nope'" in refused.get("error", "")
     assert 'lora_name="nope"' not in server.metrics_text()        # refused names add no series
 
 

@@ -5,6 +5,7 @@ and tool calls, and every error status with its message."""
 import asyncio
 import json
 import os
+import re
 import time
 
 import httpx
@@ -620,7 +621,7 @@ def test_vllm_extra_constraint_fields(client):
     choice = client.completions.create(**kwargs, extra_body={"guided_choice": ["yes", "no"]})
     assert choice.choices[0].text in ("yes", "no")
     regex = client.completions.create(**kwargs, stream=True, extra_body={"guided_regex": "[0-9]{3}-[A-Z]{2}"})
-    assert len("".join(c.choices[0].text for c in regex)) == 6
+    assert re.fullmatch("[0-9]{3}-[A-Z]{2}", "".join(c.choices[0].text for c in regex))
     chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64,
                                           extra_body={"structured_outputs": {"json": COLOR}})
     jsonschema.validate(json.loads(chat.choices[0].message.content), COLOR)
@@ -740,8 +741,6 @@ BAD = [
      "'max_tokens' may be 0 only with 'echo'", "max_tokens"),
     ("completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "'stream_options'", "stream_options"),
-    ("completions", {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 0}, 400, "'max_tokens'",
-     "max_tokens"),
     ("chat/completions", {"model": MODEL, "messages": []}, 400, "'messages'", "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "'top_logprobs' needs 'logprobs'", "top_logprobs"),

@@ -70,8 +70,20 @@ BAD = [
     ({"text_input": text()}, {"seed": 2**64}, "'seed' must be an integer in [-2**63, 2**64)"),
     ({"text_input": text()}, {"stop": 5}, "'stop' must be a string or a list"),
     ({"text_input": text()}, {"temprature": 0.5}, "unknown sampling parameter(s) ['temprature']"),
-    ({"text_input": text()}, {"priority": "urgent"}, "'priority' must be one of"),
+    ({"text_input": text()}, {"priority": "urgent"}, "'priority' must be 'high', 'normal', 'low' or an integer"),
+    ({"text_input": text()}, {"priority": 1.5}, "'priority' must be 'high', 'normal', 'low' or an integer"),
+    ({"text_input": text(), "sampling_parameters": text("[" * 100000 + "]" * 100000)}, {},
+     "'sampling_parameters' is nested too deeply"),
 ]
+
+
+@pytest.mark.parametrize("given, expected", [("high", "high"), ("LOW", "low"), (0, "normal"), ("0", "normal"),
+                                             (-1, "high"), ("-20", "high"), (1, "low"), (7, "low")])
+def test_priority_takes_the_classes_or_vllms_integers(given, expected):
+    """vLLM's integer priority (lower runs sooner, 0 its default) onto the three classes."""
+    as_input = parse_request({"text_input": text(), "priority": text(str(given))}, {})
+    as_knob = parse_request({"text_input": text(), "sampling_parameters": text(json.dumps({"priority": given}))}, {})
+    assert as_input.priority == as_knob.priority == expected
 
 
 @pytest.mark.parametrize("inputs, parameters, message", BAD)

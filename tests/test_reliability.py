@@ -81,7 +81,7 @@ HTTP_LLM = [
     ({"text_input": "hi", "sampling_parameters": "{nope"}, "'sampling_parameters' is not valid JSON"),
     ({"text_input": "hi", "sampling_parameters": "[1, 2]"}, "'sampling_parameters' must be a JSON object"),
     ({"text_input": "hi", "sampling_parameters": "null"}, "'sampling_parameters' must be a JSON object"),
-    ({"text_input": "hi", "priority": "urgent"}, "'priority' must be one of"),
+    ({"text_input": "hi", "priority": "urgent"}, "'priority' must be 'high', 'normal', 'low' or an integer"),
     ({"text_input": "hi", "stop": 5}, "'stop' must be a string or a list of strings"),
     ({"text_input": "hi", "stop_token_ids": "x"}, "'stop_token_ids' must be a list of integers"),
     ({"text_input": "hi", "ignore_eos": "maybe"}, "'ignore_eos' must be a boolean"),
@@ -110,8 +110,12 @@ GRPC = [
     ("llm", [t("text_input", text("hi"), "BYTES"),
              t("sampling_parameters", text('{"max_tokens": "NaN"}'), "BYTES")], "'max_tokens' must be an integer"),
     ("llm", [t("input_ids", np.array([1.5], dtype=np.float32), "FP32")], "input_ids"),
-    ("llm", [t("text_input", text("hi"), "BYTES"), t("priority", text("urgent"), "BYTES")], "'priority' must be one of"),
+    ("llm", [t("text_input", text("hi"), "BYTES"), t("priority", text("urgent"), "BYTES")], "'priority' must be 'high', 'normal', 'low' or an integer"),
     ("llm", [t("input_ids", np.zeros(0, dtype=np.int32), "INT32")], "'input_ids' is empty"),
+    ("llm", [t("text_input", text("hi"), "BYTES"), t("sampling_parameters", text("[" * 100000 + "]" * 100000), "BYTES")],
+     "'sampling_parameters' is nested too deeply"),
+    ("llm", [t("text_input", text("hi"), "BYTES"), t("cache_salt", text(""), "BYTES")],
+     "'cache_salt' must be a non-empty string"),
     ("ensemble", [t("text_input", text("hi"), "BYTES"), t("max_tokens", np.array([3.0], dtype=np.float32), "FP32")],
      "max_tokens"),
     ("ensemble", [t("text_input", text("hi"), "BYTES"), t("temperature", np.array([np.nan], dtype=np.float32), "FP32")],
@@ -139,7 +143,10 @@ def test_there_are_at_least_forty_bad_input_cases():
 
 # ---- client faults ------------------------------------------------------------------------------------
 def test_a_client_that_stops_reading_does_not_leak_blocks(server):
-    body = json.dumps({"text_input": "The import system", "max_tokens": 300, "ignore_eos": True, "stream": True})
+    """A client that never reads and then closes: the server notices, aborts the request (it is
+    counted cancelled, not left to run to its 900 tokens) and frees its blocks."""
+    cancelled_before = server.metric("inflight_requests_total", finish_reason="cancelled")
+    body = json.dumps({"text_input": "The import system", "max_tokens": 900, "ignore_eos": True, "stream": True})
     host, port = server.http_url.split(":")
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(f"POST /v2/models/llm/generate_stream HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -147,6 +154,8 @@ def test_a_client_that_stops_reading_does_not_leak_blocks(server):
         time.sleep(1.0)                              # never reads a byte
     others = run_streams(server, [stream("Boolean operations", 12) for _ in range(3)])
     assert all(o.error is None and len(o.token_ids) == 12 for o in others)
+    assert wait_for_metric(server, "inflight_requests_total", cancelled_before + 1, timeout_s=60,
+                           finish_reason="cancelled") == cancelled_before + 1
     assert wait_for_metric(server, "inflight_kv_blocks_used", 0, timeout_s=60) == 0
     assert wait_for_metric(server, "inflight_requests_running", 0) == 0
 

@@ -243,6 +243,24 @@ def test_thrash_guard_bounds_preemption_of_a_long_prompt():
     assert_pool_whole(s)
 
 
+def test_admission_keeps_a_block_of_headroom_per_running_request():
+    """The thrash guard itself: a prompt that would fit the free pool, but not with one block of
+    headroom per running request, waits (no preemption); it gets in once that room exists."""
+    from inflight.request import Status
+    s = make_scheduler(num_blocks=16, block_size=4, budget=64, max_seqs=8)
+    decoders = [add(s, 2, max_tokens=3) for _ in range(3)]     # their next two tokens stay in block 1
+    step(s)
+    free = s.kv.num_free_blocks
+    prompt = add(s, 4 * (free - 2), max_tokens=1)               # free - 2 blocks: fits, but not + 3 of headroom
+    step(s)
+    assert prompt.status == Status.WAITING and s.num_preemptions == 0
+    assert s.kv.num_free_blocks == free, "nothing was allocated for it"
+    run_until_idle(s)
+    assert prompt.finish_reason == "length" and all(d.finish_reason == "length" for d in decoders)
+    assert s.num_preemptions == 0
+    assert_pool_whole(s)
+
+
 def test_static_batching_keeps_finished_seats_as_padding_and_admits_no_joins():
     s = make_scheduler(policy="static", max_seqs=4, static_batch_size=3, budget=8, num_blocks=128)
     short, mid, long_ = add(s, 5, max_tokens=2), add(s, 9, max_tokens=4), add(s, 3, max_tokens=6)

@@ -225,3 +225,48 @@ def test_logprobs_stop_strings_priority_and_cache_salt_over_http(server, tokeniz
                                                                                   "stop": [stop]})})
     assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
     assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_cli_streams_the_text_and_ctrl_c_cancels_the_request(server, protocol):
+    """inflight-client as a user runs it: the streamed text is the server's; Ctrl-C mid-stream is
+    one line and exit status 130 (not a traceback), and the server aborts the request."""
+    import signal
+    import subprocess
+    import sys
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    cli = [sys.executable, "-m", "inflight_client.cli", "--protocol", protocol, "--url", url]
+    done = subprocess.run([*cli, "--max-tokens", "24", PROMPTS[0]], capture_output=True, text=True, timeout=60)
+    expected = run_streams(server, [llm_stream(PROMPTS[0])])[0].text
+    assert done.returncode == 0 and done.stdout == expected + "\n"
+    assert "[24 responses, first after" in done.stderr and "finish_reason=length" in done.stderr
+    whole = subprocess.run([*cli, "--max-tokens", "24", "--no-stream", PROMPTS[0]], capture_output=True, text=True,
+                           timeout=60)
+    assert whole.stdout == expected + "\n" and "[1 responses," in whole.stderr
+    cancelled_before = server.metric("inflight_requests_total", finish_reason="cancelled")
+    child = subprocess.Popen([*cli, "--max-tokens", "900", PROMPTS[1]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    child.stdout.read(1)                 # it is streaming
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=30)
+    assert child.returncode == 130 and "Traceback" not in err and "[interrupted: request cancelled]" in err
+    assert wait_for_metric(server, "inflight_requests_total", cancelled_before + 1, finish_reason="cancelled") \
+        == cancelled_before + 1
+    assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
+
+
+def test_the_client_library_keeps_each_of_n_outputs(server):
+    """n > 1: every response carries the n outputs' deltas; the client keeps one text each (it used
+    to join them into one string, or fail on HTTP's list)."""
+    sampling = {"max_tokens": 8, "n": 3, "seed": 5, "temperature": 1.0}
+    grpc_out = run_streams(server, [{"model": "llm", "inputs": grpc_inputs(
+        PROMPTS[2], True, sampling, exclude_input_in_output=True, return_finish_reason=True)}])[0]
+    http_out = http_stream(server.http_url, "llm", {"text_input": PROMPTS[2], "stream": True,
+                                                    "exclude_input_in_output": True, "return_finish_reason": True,
+                                                    **sampling})
+    whole = http_generate(server.http_url, "llm", {"text_input": PROMPTS[2], "exclude_input_in_output": True,
+                                                   **sampling})
+    assert len(whole["text_output"]) == 3 and len(set(whole["text_output"])) > 1
+    for out in (grpc_out, http_out):
+        assert out.error is None and out.texts == whole["text_output"]
+        assert out.text == out.texts[0] and out.finish_reasons == ["length"] * 3

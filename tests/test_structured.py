@@ -220,9 +220,12 @@ def test_grammar_cache_is_lru_by_canonical_text(monkeypatch):
     assert cache.compile(parse_spec('{"json": "{ \\"type\\": \\"object\\", \\"properties\\": {\\"a\\": {\\"type\\": \\"integer\\"}}}"}')) is first
     assert cache.num_compiled == 1
     cache.compile(parse_spec({"regex": "[a-z]+"}))
-    cache.compile(parse_spec({"choice": ["x", "y"]}))           # evicts the least recently used: the schema
-    assert cache.compile(parse_spec({"regex": "[a-z]+"})) is not None and cache.num_compiled == 3
-    cache.compile(parse_spec({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}))
+    assert cache.compile(parse_spec({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}})) is first
+    cache.compile(parse_spec({"choice": ["x", "y"]}))     # evicts the least recently used: the regex, not the
+    assert cache.num_compiled == 3                        # schema, which is older but was used since
+    assert cache.compile(parse_spec({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}})) is first
+    assert cache.num_compiled == 3
+    cache.compile(parse_spec({"regex": "[a-z]+"}))
     assert cache.num_compiled == 4
 
 

@@ -11,6 +11,9 @@ import numpy as np
 
 from .request import Request
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+INT32_MAX = int(np.iinfo(np.int32).max)
+
 
 class BatchTable:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, eos_token_ids: tuple[int, ...] = ()):
@@ -69,8 +72,10 @@ class BatchTable:
         self.stop_ids[row] = -1
         self.stop_ids[row, :len(stops)] = stops
         self.num_blocks[row] = 0
-        self.temperature[row] = params.temperature
-        self.top_k[row] = params.top_k
+        # float32 / int32 rows: a larger temperature would be inf (NaN against a banned token's
+        # -inf) and a larger top_k would wrap; both saturate to what they mean (uniform; all tokens)
+        self.temperature[row] = min(params.temperature, FLOAT32_MAX)
+        self.top_k[row] = min(params.top_k, INT32_MAX)
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs

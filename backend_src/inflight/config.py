@@ -28,12 +28,19 @@ def _is_number(value) -> bool:
 
 
 def parse_priority(value: str | int) -> int:
-    """'high' | 'normal' | 'low' (or 0 | 1 | 2) -> 0 | 1 | 2; lower runs first."""
-    if isinstance(value, str) and value.lower() in PRIORITIES:
-        return PRIORITIES[value.lower()]
-    if _is_int(value) and value in PRIORITIES.values():
-        return value
-    raise ValueError(f"'priority' must be one of 'high', 'normal', 'low', got {value!r}")
+    """'high' | 'normal' | 'low', or vLLM's integer (lower runs sooner; 0, its default, is normal,
+    below 0 high, above 0 low; also as a string) -> the class 0 | 1 | 2; lower runs first."""
+    if isinstance(value, str):
+        if value.strip().lower() in PRIORITIES:
+            return PRIORITIES[value.strip().lower()]
+        try:
+            value = int(value.strip())
+        except ValueError:
+            pass
+    if _is_int(value):
+        return 1 + (value > 0) - (value < 0)
+    raise ValueError(f"'priority' must be 'high', 'normal', 'low' or an integer (vLLM's: lower runs sooner, "
+                     f"0 normal), got {value!r}")
 
 
 @dataclass(slots=True)

@@ -133,6 +133,8 @@ class LLMEngine:
     @staticmethod
     def _salt_key(cache_salt: str | None) -> bytes:
         """The salt's part of the prefix-cache key: a digest of fixed length."""
+        if cache_salt == "":         # it would share the unsalted requests' blocks; vLLM refuses it too
+            raise ValueError("'cache_salt' must be a non-empty string")
         try:
             salt = (cache_salt or "").encode("utf-8")
         except UnicodeEncodeError:

@@ -111,7 +111,9 @@ class Sampler:
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             # top-p keeps the tokens whose more likely ones hold less than p (the first always)
             top_p_t = torch.from_numpy(top_p).to(device, sorted_probs.dtype)[:, None]
-            sorted_logits = sorted_logits.masked_fill((mass_before >= top_p_t) & (top_p_t < 1), -torch.inf)
+            dropped = (mass_before >= top_p_t) & (top_p_t < 1)
+            dropped[:, 0] = False           # also where top_p rounds to 0 in float32
+            sorted_logits = sorted_logits.masked_fill(dropped, -torch.inf)
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
         return logits.softmax(dim=-1)
 

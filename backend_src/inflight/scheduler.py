@@ -246,8 +246,8 @@ class Scheduler:
             count = min(remaining, budget)
             if count < remaining and not self.config.enable_chunked_prefill:
                 break
-            self.waiting[req.priority].popleft()
             row = self._start_running(req, hit, num_computed)
+            self.waiting[req.priority].popleft()        # once it runs: a failure leaves it abortable
             need = -(-(num_computed + count) // self.block_size) - len(hit)
             self.table.append_blocks([row], [need], self.kv.allocate(need))
             new_rows.append(row)

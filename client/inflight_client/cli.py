@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 
-from .streams import Completion, grpc_inputs, grpc_stream, http_generate, http_stream
+from .streams import Completion, as_list, grpc_inputs, grpc_stream, http_generate, http_stream
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-stream", action="store_true", help="one response with the whole text")
     parser.add_argument("--cancel-after", type=int, help="cancel the request after this many responses")
     args = parser.parse_args(argv)
+    if args.url is not None and "://" in args.url:
+        parser.error(f"--url takes host:port, without a scheme (got {args.url!r})")
 
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     for key in ("top_p", "top_k", "seed", "priority"):
@@ -43,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url or _DEFAULT_URL[args.protocol]
     try:
         out = _complete(args, url, sampling, stream, show)
+    except KeyboardInterrupt:        # leaving the stream has cancelled the request on the server
+        print("\n[interrupted: request cancelled]", file=sys.stderr)
+        return 130
     except (OSError, grpc_errors()) as exc:        # no server there: one line, not a traceback
         print(f"error: cannot reach the server at {url} ({args.protocol}): "
               f"{getattr(exc, 'details', lambda: None)() or exc}", file=sys.stderr)
@@ -71,10 +77,13 @@ def _complete(args, url: str, sampling: dict, stream: bool, show) -> Completion:
     if stream:
         return http_stream(url, args.model, _http_payload(args.model, args.prompt, sampling, True),
                            cancel_after=args.cancel_after, on_chunk=show)
+    out = Completion(start=time.monotonic())
     reply = http_generate(url, args.model, _http_payload(args.model, args.prompt, sampling, False))
-    out = Completion(text=reply.get("text_output", ""), error=reply.get("error"), finish_reason=reply.get("finish_reason"))
-    show(out.text)
-    return out
+    out.error = reply.get("error")
+    if out.error is None:
+        reasons = reply.get("finish_reason")
+        show(out.add(as_list(reply.get("text_output", "")), None if reasons is None else as_list(reasons)))
+    return out.close()
 
 
 def _http_payload(model: str, prompt: str, sampling: dict, stream: bool) -> dict:

@@ -15,6 +15,8 @@ import numpy as np
 
 @dataclass
 class Completion:
+    """A request's responses. With `n` > 1 every response carries the n outputs' deltas: `texts`
+    and `finish_reasons` hold one per output, and `text`, `chunks` and `finish_reason` the first's."""
     text: str = ""
     chunks: list[str] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)   # time.monotonic() of each response
@@ -24,10 +26,37 @@ class Completion:
     num_output_tokens: int | None = None                     # the sum of the responses' counts
     error: str | None = None
     cancelled: bool = False
+    texts: list[str] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+    deltas: list[list[str]] = field(default_factory=list, repr=False)     # each output's, response by response
 
     @property
     def ttft(self) -> float | None:
         return self.chunk_times[0] - self.start if self.chunk_times else None
+
+    def add(self, texts: list[str], finish_reasons: list[str] | None = None) -> str:
+        """One response's outputs (their text deltas; finish reasons where sent); returns the
+        first output's delta."""
+        while len(self.deltas) < len(texts):
+            self.deltas.append([])
+            self.finish_reasons.append(None)
+        for parts, delta in zip(self.deltas, texts):
+            parts.append(delta)
+        for i, reason in enumerate(finish_reasons or ()):
+            self.finish_reasons[i] = reason
+        self.finish_reason = self.finish_reasons[0] if self.finish_reasons else None
+        self.chunks.append(texts[0] if texts else "")
+        self.chunk_times.append(time.monotonic())
+        return self.chunks[-1]
+
+    def close(self) -> "Completion":
+        self.texts = ["".join(parts) for parts in self.deltas]
+        self.text = self.texts[0] if self.texts else ""
+        return self
+
+
+def as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
 
 
 def grpc_inputs(prompt: str | list[int], stream: bool = True, sampling: dict | None = None,
@@ -124,15 +153,13 @@ async def grpc_stream(client, model: str, inputs, parameters: dict | None = None
                 out.error = error
                 continue
             if "text_output" in outputs:
-                chunk = b"".join(outputs["text_output"].reshape(-1)).decode("utf-8")
-                out.chunks.append(chunk)
-                out.chunk_times.append(time.monotonic())
+                reasons = outputs.get("finish_reason")
+                chunk = out.add([t.decode("utf-8") for t in outputs["text_output"].reshape(-1)],
+                                None if reasons is None else [r.decode() for r in reasons.reshape(-1)])
                 if on_chunk is not None:
                     on_chunk(chunk)
                 if "token_ids" in outputs:
                     out.token_ids.extend(outputs["token_ids"].reshape(-1).tolist())
-                if "finish_reason" in outputs:
-                    out.finish_reason = outputs["finish_reason"].reshape(-1)[0].decode()
                 if "num_output_tokens" in outputs:
                     out.num_output_tokens = (out.num_output_tokens or 0) + int(outputs["num_output_tokens"].sum())
             if cancel_after is not None and len(out.chunks) >= cancel_after and not final:
@@ -140,8 +167,7 @@ async def grpc_stream(client, model: str, inputs, parameters: dict | None = None
                 break
     finally:
         await responses.aclose()
-    out.text = "".join(out.chunks)
-    return out
+    return out.close()
 
 
 def http_generate(url: str, model: str, payload: dict, timeout: float = 300) -> dict:
@@ -174,10 +200,8 @@ def http_stream(url: str, model: str, payload: dict, cancel_after: int | None = 
             if "error" in event:
                 out.error = event["error"]
                 break
-            chunk = event.get("text_output", "")
-            out.chunks.append(chunk)
-            out.chunk_times.append(time.monotonic())
-            out.finish_reason = event.get("finish_reason", out.finish_reason)
+            reasons = event.get("finish_reason")
+            chunk = out.add(as_list(event.get("text_output", "")), None if reasons is None else as_list(reasons))
             if on_chunk is not None:
                 on_chunk(chunk)
             if cancel_after is not None and len(out.chunks) >= cancel_after:
@@ -187,5 +211,4 @@ def http_stream(url: str, model: str, payload: dict, cancel_after: int | None = 
             out.error = f"HTTP {response.status} {response.reason}"
     finally:
         conn.close()
-    out.text = "".join(out.chunks)
-    return out
+    return out.close()

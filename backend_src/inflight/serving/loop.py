@@ -117,9 +117,9 @@ class EngineLoop:
                 continue
             alone, spaced = ids(stem), ids(" " + stem)
             banned.append(alone)
-            if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            if alone and len(spaced) == len(alone) and spaced[0] != alone[0]:
                 banned.append(spaced)
-        return tuple(banned)
+        return tuple(word for word in banned if word)     # text a tokenizer drops cannot be generated
 
     def _make_sample(self, request_id: str, params: SamplingParams, index: int, request: GenerateRequest,
                      prompt_ids: list[int]) -> Sample:
@@ -224,9 +224,12 @@ class EngineLoop:
     def _abort_all(self, reason: str, fatal: bool = True) -> None:
         """End every request in the engine (their blocks go back) and fail them with `reason`."""
         self.failure = reason
-        try:
-            for request_id in list(self.engine.requests):
+        for request_id in list(self.engine.requests):
+            try:                         # each on its own: one the fault left half-admitted stops no other
                 self.engine.abort(request_id)
+            except Exception:
+                log.exception("inflight engine could not abort %s", request_id)
+        try:
             self.engine.step()           # reports the aborts and releases everything
         except Exception:
             log.exception("inflight engine could not release its requests")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import PRIORITIES, SamplingParams
+from ..config import PRIORITIES, SamplingParams, parse_priority
 from ..structured import parse_spec
 
 
@@ -42,7 +42,8 @@ KNOBS = {
     "min_p": "float", "logit_bias": "bias",
 }
 # per-request settings that may also come through the same channels
-SETTINGS = {"priority": "str", "cache_salt": "str", "n": "int", "include_stop_str_in_output": "bool"}
+SETTINGS = {"priority": "priority", "cache_salt": "str", "n": "int", "include_stop_str_in_output": "bool"}
+PRIORITY_NAMES = {value: name for name, value in PRIORITIES.items()}
 # request parameters Triton or its clients set on their own; never sampling knobs
 IGNORED_PARAMETERS = {"triton_enable_empty_final_response", "sequence_id", "sequence_start", "sequence_end",
                       "priority_level", "timeout", "headers", "binary_data_output"}
@@ -138,6 +139,11 @@ def _coerce(name: str, kind: str, value):
         if not isinstance(value, str):
             fail("a string")
         return value
+    if kind == "priority":          # its class's name, which the engine reads as given
+        try:
+            return PRIORITY_NAMES[parse_priority(value)]
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
     if kind == "strings":
         if isinstance(value, str):
             return (value,)
@@ -172,6 +178,8 @@ def _knobs(sampling_parameters: str | None, parameters: dict) -> dict:
             values = json.loads(sampling_parameters) if sampling_parameters.strip() else {}
         except json.JSONDecodeError as exc:
             raise RequestError(f"'sampling_parameters' is not valid JSON: {exc.msg}") from None
+        except RecursionError:
+            raise RequestError("'sampling_parameters' is nested too deeply") from None
         if not isinstance(values, dict):
             raise RequestError(f"'sampling_parameters' must be a JSON object, got {type(values).__name__}")
         merged.update(values)
@@ -212,9 +220,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
     if "priority" in inputs:
         if priority is not None:
             raise RequestError("'priority' is given both as an input and as a parameter")
-        priority = _string_input("priority", inputs["priority"])
-    if priority is not None and priority.lower() not in PRIORITIES:
-        raise RequestError(f"'priority' must be one of 'high', 'normal', 'low', got {priority!r}")
+        priority = _coerce("priority", "priority", _string_input("priority", inputs["priority"]))
     cache_salt = knobs.pop("cache_salt", None)
     if "cache_salt" in inputs:
         cache_salt = _string_input("cache_salt", inputs["cache_salt"])
@@ -236,7 +242,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
     _resolve_exclude_input(flags)
     if n > 1 and flags.get("return_token_ids"):
         raise RequestError("'return_token_ids' needs 'n' = 1")
-    return GenerateRequest(prompt_text, prompt_ids, params, (priority or "normal").lower(), cache_salt,
+    return GenerateRequest(prompt_text, prompt_ids, params, priority or "normal", cache_salt,
                            bad_words=bad_words, n=n, include_stop_str_in_output=include_stop, **flags)
 
 

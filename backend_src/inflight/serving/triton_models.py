@@ -149,7 +149,7 @@ def request_parameters(request) -> dict:
     raw = request.parameters()
     try:
         values = json.loads(raw) if raw else {}
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         raise RequestError("request parameters are not valid JSON") from None
     return values if isinstance(values, dict) else {}
 

@@ -78,8 +78,8 @@ class SamplingFields(Body):
     truncate_prompt_tokens: int | None = None    # vLLM's: keep the prompt's last N tokens (-1: the context length)
     bad_words: list[str] | None = None           # vLLM's: words never generated
     user: str | None = None                      # accepted, unused
-    priority: Literal["high", "normal", "low"] | None = None
-    cache_salt: str | None = None
+    priority: Literal["high", "normal", "low"] | int | None = None     # an integer as vLLM's: lower runs sooner
+    cache_salt: str | None = Field(None, min_length=1)
     # constraints (structured.py turns them into `llm`'s "structured_outputs")
     response_format: ResponseFormat | None = None
     structured_outputs: dict | None = None
