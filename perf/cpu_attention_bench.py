@@ -210,8 +210,10 @@ def prefill_options(n: int, dtype: torch.dtype = torch.bfloat16):
                "K/V expanded, causal": lambda: expanded(q, k, v),
                "paged: gather + SDPA (torch)": lambda: paged(attention.grouped_paged_attention),
                "paged: decode kernel row by row": row_by_row,
-               "paged: compiled kernel (cpu)": lambda: paged(lambda *a: attention.compiled_paged_attention(
-                   cpu_kernels.load(), *a))}
+               # the tile kernel itself: the cpu backend runs it where the CPU has AVX-512, else gather + SDPA
+               "paged: compiled kernel (cpu)": lambda: paged(lambda q, k, v, out, meta, scale: (
+                   cpu_kernels.load().paged_prefill_attention(q, k, v, out, meta.cu_seqlens_q, meta.seq_lens,
+                                                              meta.block_table, scale), out)[1])}
     if dtype == torch.float32:
         del options["folded + mask, upcast to fp32"], options["causal GQA, upcast to fp32"]
     return options

@@ -39,6 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "backend_src"), REPO]
 
 from inflight import EngineConfig, LLMEngine, SamplingParams, cpu_kernels  # noqa: E402
+from inflight.cpu_features import cpu_auto_dtype  # noqa: E402
 from inflight.kv_cache import KVCacheManager  # noqa: E402
 from inflight.packed_linear import PackedLinear  # noqa: E402
 from inflight.request import Request  # noqa: E402
@@ -461,10 +462,12 @@ def main() -> None:
         summary.update(continuous_over_static=c / st, continuous_over_dynamic=c / d)
         print(f"\n   continuous/static = {c / st:.2f}x   continuous/dynamic = {c / d:.2f}x")
 
+    # the dtype this CPU serves in (bf16 only where it is native: elsewhere it is emulated)
+    step_dtype = str(cpu_auto_dtype()).removeprefix("torch.")
     if "host" in sections:
-        print("\n4. a decode step's host time (outside the matmuls and attention kernels), bf16, "
+        print(f"\n4. a decode step's host time (outside the matmuls and attention kernels), {step_dtype}, "
               "medians of 20 steps", flush=True)
-        host = summary["host_overhead"] = [host_overhead(model_dir, "bfloat16", n) for n in (64, 256)]
+        host = summary["host_overhead"] = [host_overhead(model_dir, step_dtype, n) for n in (64, 256)]
         for h in host:
             p = h["phases_us"]
             print(f"   {h['num_seqs']:3d} sequences: step {h['step_ms']:6.1f} ms = compute {h['compute_ms']:6.1f} ms + host "
@@ -476,13 +479,13 @@ def main() -> None:
                   f"linears {c['linears']:.0f} + attention {c['paged_decode_attention'] + c['paged_prefill_attention']:.0f}"
                   f" + " + " + ".join(f"{name} {c[name]:.0f}" for name in SMALL_OPS)
                   + f" + the Python, views and allocations between them {c['rest']:.0f} µs")
-        penalties = summary["penalties"] = [penalty_cost(model_dir, "bfloat16", n) for n in (64, 256)]
+        penalties = summary["penalties"] = [penalty_cost(model_dir, step_dtype, n) for n in (64, 256)]
         for p in penalties:
             print(f"   {p['num_seqs']:3d} sequences: sampling {p['sample_us']:6.0f} µs, with repetition, frequency "
                   f"and presence penalties on every sequence {p['sample_penalized_us']:6.0f} µs (steps alternating)")
     if args.profile:
-        top = summary["profile"] = profile_decode_step(model_dir)
-        print("\n   a bf16 decode step at 64 sequences, top ops by self CPU time (torch.profiler):")
+        top = summary["profile"] = profile_decode_step(model_dir, step_dtype)
+        print(f"\n   a {step_dtype} decode step at 64 sequences, top ops by self CPU time (torch.profiler):")
         for t in top:
             print(f"   {t['op']:50s} {t['share'] * 100:5.1f}%  {t['ms_per_step']:7.2f} ms/step  "
                   f"{t['calls_per_step']:6.0f} calls/step")

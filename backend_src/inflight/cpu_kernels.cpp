@@ -9,7 +9,12 @@
 // depend on the thread count or the schedule.
 //
 // paged_prefill_attention: the sequences with several query tokens (prefill chunks), a tile of
-// tokens at a time, so that each K/V row read serves the whole tile (see prefill_tile).
+// tokens at a time, so that each K/V row read serves the whole tile (see prefill_tile). Sized for
+// AVX-512's 32 registers; without AVX-512 the engine sends prefill chunks to gather + SDPA.
+//
+// The code is written for 16-lane vectors (GCC vector extensions), which are AVX-512 registers
+// with -march=native on such CPUs and register pairs on AVX2 ones; where GCC handles the pairs
+// badly, the hot loops have AVX2 versions (splat, hsum4, score_four_avx2, accumulate_avx2).
 //
 // Also the layer's small ops, one call each where torch takes several (rms_norm, rotary,
 // silu_and_mul, write_kv) and the sampler's argmax, rounding as the torch expressions do, and
