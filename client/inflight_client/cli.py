@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import sys
 import time
 
@@ -39,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
             sampling[key] = getattr(args, key)
     stream = not args.no_stream
 
+    shown = []
+
     def show(chunk: str) -> None:
+        shown.append(chunk)
         sys.stdout.write(chunk)
         sys.stdout.flush()
 
@@ -49,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:        # leaving the stream has cancelled the request on the server
         print("\n[interrupted: request cancelled]", file=sys.stderr)
         return 130
-    except (OSError, grpc_errors()) as exc:        # no server there: one line, not a traceback
+    except (OSError, http.client.HTTPException, grpc_errors()) as exc:     # one line, not a traceback
+        if shown or isinstance(exc, http.client.HTTPException):      # it answered, then broke off
+            print(f"\nerror: the server at {url} ended the response early ({type(exc).__name__})", file=sys.stderr)
+            return 1
         print(f"error: cannot reach the server at {url} ({args.protocol}): "
               f"{getattr(exc, 'details', lambda: None)() or exc}", file=sys.stderr)
         return 1
