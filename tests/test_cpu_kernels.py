@@ -77,9 +77,11 @@ def test_long_prefill_chunks_match_the_reference(kernels, dtype, group, head_dim
     torch.testing.assert_close(run(kernels, step).double(), reference(step), atol=ATOL[dtype], rtol=0)
 
 
-def test_results_are_bitwise_the_same_with_any_thread_count(kernels, prefill_route):
-    step = make_step([(1, n) for n in (700, 3, 129, 40, 1, 260)] + [(5, 30), (150, 300)], 8, 2, 64, 16,
-                     torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_results_are_bitwise_the_same_with_any_thread_count(kernels, prefill_route, dtype):
+    """The work is split by thread count: one thread takes each sequence's KV heads together, two
+    take the six decodes' KV heads one by one."""
+    step = make_step([(1, n) for n in (700, 3, 129, 40, 1, 260)] + [(5, 30), (150, 300)], 8, 2, 64, 16, dtype)
     saved = torch.get_num_threads()
     outs = []
     try:
