@@ -245,7 +245,8 @@ def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, refere
     template.write_text("{{ bos_token }}{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
                         "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} "
                         "{% for c in m.get('tool_calls', []) %}{{ c['function']['arguments'] | tojson }} {% endfor %}"
-                        "{% endfor %}{% if brief %}(brief) {% endif %}")
+                        "{% endfor %}{% if brief %}(brief) {% endif %}"
+                        "{% if reasoning_effort %}[{{ reasoning_effort }} {{ enable_thinking }}]{% endif %}")
     messages = [{"role": "user", "content": "Lists"}]
     ids = tokenizer("<s><user> Lists ", add_special_tokens=False)["input_ids"]
     with_tools = tokenizer("<s>[get_weather][add]<user> Lists ", add_special_tokens=False)["input_ids"]
@@ -267,6 +268,13 @@ def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, refere
                    {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
         called = other_client.chat.completions.create(model=MODEL, messages=history, max_tokens=1,
                                                       extra_body={"return_token_ids": True})
+        root = other.base_url.removesuffix("/v1")
+        # a template that knows no 'developer' role gets it as 'system', as vLLM hands it over;
+        # reasoning_effort is a template variable, with enable_thinking = (effort != "none")
+        developer = httpx.post(f"{root}/tokenize", json={"messages": [{"role": "developer", "content": "Be brief"},
+                                                                      *messages]}).json()["tokens"]
+        efforts = [httpx.post(f"{root}/tokenize", json={"messages": messages, "reasoning_effort": effort}).json()
+                   ["tokens"] for effort in ("low", "none")]
         broken = {**call, "function": {"name": "add", "arguments": "{a: 1"}}
         with pytest.raises(openai.BadRequestError, match=r"'messages\[1\].tool_calls\[0\].function.arguments' is "
                                                          "not valid JSON"):
@@ -281,6 +289,9 @@ def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, refere
     assert tooled.choices[0].message.tool_calls is None
     assert (nulled.choices[0].message.content, nulled.choices[0].message.tool_calls) == (
         tooled.choices[0].message.content, None)
+    assert developer == tokenizer("<s><system> Be brief <user> Lists ", add_special_tokens=False)["input_ids"]
+    assert efforts == [tokenizer(f"<s><user> Lists [{effort}]", add_special_tokens=False)["input_ids"]
+                       for effort in ("low True", "none False")]
 
 
 def test_n_seeds_and_stop_strings(client, reference_engine, tokenizer):
@@ -484,6 +495,51 @@ def test_truncate_prompt_tokens_and_bad_words_as_vllm(client, reference_engine, 
     assert banned.model_extra["token_ids"] == reference_engine.generate(
         [ids], SamplingParams(max_tokens=8, temperature=0, bad_words_ids=forms))[0].token_ids
     assert not set(sum(forms, [])) & set(banned.model_extra["token_ids"])
+
+
+def test_max_tokens_is_fitted_to_the_context_as_vllm(api, client, tokenizer):
+    """A prompt near the context length runs with max_tokens cut to the room left (the default's
+    16, or a larger one asked for), and stops with "length"; one with no room is refused with
+    OpenAI's code (the BAD cases check the message)."""
+    with open(os.path.join(DEFAULT_MODEL, "config.json")) as f:
+        context = json.load(f)["max_position_embeddings"]
+    near = [1] + [100] * (context - 6)                  # room for 5 tokens
+    default = client.completions.create(model=MODEL, prompt=near, temperature=0, extra_body={"ignore_eos": True})
+    assert (default.usage.completion_tokens, default.choices[0].finish_reason) == (5, "length")
+    chunks = list(client.completions.create(model=MODEL, prompt=near, max_tokens=500, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chunks[-1].usage.completion_tokens == 5
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    def messages(words: int) -> list[dict]:
+        return [{"role": "user", "content": "Lists " * words}]
+    base, step = len(chat_ids(tokenizer, messages(0))), len(chat_ids(tokenizer, messages(101))) - len(
+        chat_ids(tokenizer, messages(100)))
+    room = context - len(chat_ids(tokenizer, messages((context - 4 - base) // step)))
+    assert 0 < room <= 4 + step
+    chat = client.chat.completions.create(model=MODEL, messages=messages((context - 4 - base) // step),
+                                          max_completion_tokens=1000, extra_body={"ignore_eos": True})
+    assert (chat.usage.completion_tokens, chat.choices[0].finish_reason) == (room, "length")
+    full = httpx.post(f"{api.base_url}/completions", json={"model": MODEL, "prompt": [1] + [100] * (context - 1)})
+    assert full.status_code == 400 and full.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_openai_fields_for_other_services_are_accepted_and_the_model_may_be_left_out(api, client):
+    """Clients that send every field of OpenAI's chat request (null where unset) get a reply, as
+    from vLLM; fields for what a text model cannot do are refused only when set (BAD). A request
+    without a model gets the served base model."""
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, service_tier="auto",
+        prompt_cache_key="k", safety_identifier="u", verbosity="low", modalities=["text"], store=False,
+        metadata={"a": "b"}, logprobs=False, top_logprobs=0,
+        extra_body={"audio": None, "prediction": None, "web_search_options": None, "functions": None,
+                    "function_call": None})
+    assert reply.choices[0].logprobs is None and reply.usage.completion_tokens == 2
+    for path, body in (("completions", {"prompt": "x"}), ("chat/completions", {"messages": [{"role": "user",
+                                                                                          "content": "x"}]})):
+        unnamed = httpx.post(f"{api.base_url}/{path}", json={**body, "max_tokens": 1}, timeout=60)
+        assert unnamed.status_code == 200 and unnamed.json()["model"] == MODEL
+        assert httpx.post(f"{api.base_url}/{path}", json={**body, "model": None, "max_tokens": 1}).status_code == 200
 
 
 def test_echo_alone_streamed_as_vllm(client, tokenizer):
@@ -718,7 +774,14 @@ BAD = [
     ("chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "'gpt-4'", "model"),
     ("completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "'temperature'", "temperature"),
     ("completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "'top_p' must be in (0, 1]", "top_p"),
-    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "exceeds max_model_len", "max_tokens"),
+    ("completions", {"model": MODEL, "prompt": [1] + [100] * 1024}, 400,
+     "This model's maximum context length is 1024 tokens. However, your prompt contains 1025 input tokens", "prompt"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Lists " * 1100}]}, 400,
+     "This model's maximum context length is 1024 tokens", "messages"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "audio": {"voice": "alloy", "format": "wav"}}, 400,
+     "'audio' is not supported", "audio"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "functions": [{"name": "f"}]}, 400,
+     "'functions' is not supported (give 'tools')", "functions"),
     ("completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "'n'", "n"),
     ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "'logprobs'", "logprobs"),
     ("completions", {"model": MODEL, "prompt": "x", "temprature": 0}, 400, "'temprature': unknown parameter",

@@ -66,6 +66,10 @@ class ChatTemplate:
             with open(template_path, encoding="utf-8") as f:
                 self.template = f.read()
 
+    def _knows_developer(self) -> bool:
+        source = self.template or getattr(self.tokenizer, "chat_template", None)
+        return isinstance(source, str) and ("'developer'" in source or '"developer"' in source)
+
     def prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None, fields: TemplateFields,
                    add_special_tokens: bool = False) -> list[int]:
         """`tools` (OpenAI's {"type": "function", "function": {...}} entries) and `documents` go
@@ -74,12 +78,14 @@ class ChatTemplate:
         if self.template is None and not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "the model has no chat template (tokenizer_config.json 'chat_template'); "
                            "start the server with --chat-template FILE", "messages")
-        variables = fields.chat_template_kwargs or {}
-        taken = sorted(self.reserved & set(variables))
+        variables = fields.template_variables()
+        taken = sorted(self.reserved & set(fields.chat_template_kwargs or {}))
         if taken:
             raise APIError(400, f"'chat_template_kwargs' may not set {taken[0]!r}, a parameter of the template's "
                            "rendering (the request has a field for the ones that matter)", "chat_template_kwargs")
         conversation = [template_message(message, i) for i, message in enumerate(messages)]
+        if not self._knows_developer():         # OpenAI's newer name for the system role, as vLLM maps it
+            conversation = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
         try:
             prompt = self.tokenizer.apply_chat_template(
                 conversation, chat_template=self.template, tools=tools, documents=fields.documents, tokenize=False,

@@ -34,13 +34,14 @@ async def create_completion(body: CompletionRequest, ctx: Context):
         prompts = [ctx.truncate(p if isinstance(p, list) else ctx.tokenizer(p)["input_ids"], body.truncate_prompt_tokens)
                    for p in prompts]
     echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]
-    if body.return_token_ids or (body.echo and body.logprobs is not None):
+    if ctx.models.max_model_len is not None or body.return_token_ids or (body.echo and body.logprobs is not None):
         prompts = [p if isinstance(p, list) else ctx.tokenizer(p)["input_ids"] for p in prompts]
     if body.echo and body.logprobs is not None:
         echoed = functools.partial(_echoed, ctx.tokenizer, prompts)
-    calls = [ctx.triton.generate(prompt, sampling, body.stream) for prompt in prompts]
+    calls = [ctx.triton.generate(prompt, ctx.fit(sampling, prompt if isinstance(prompt, list) else None, "prompt"),
+                                 body.stream) for prompt in prompts]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": body.model}
+            "model": body.model or ctx.models.name}
     try:
         if body.stream:
             responses = await generation.stream(calls)

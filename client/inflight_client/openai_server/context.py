@@ -27,10 +27,27 @@ class Context:
         return self.tokenizer.decode(prompt, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def truncate(self, ids: list[int], keep: int) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length)."""
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length
+        less one, the room for one output token)."""
         if keep == -1:
             if self.models.max_model_len is None:
                 raise APIError(400, "'truncate_prompt_tokens' -1 needs the context length, which this server does "
                                "not know (start it with --max-model-len)", "truncate_prompt_tokens")
-            keep = self.models.max_model_len
+            keep = self.models.max_model_len - 1
         return ids[-keep:]
+
+    def fit(self, sampling: dict, prompt_ids: list[int] | None, field: str) -> dict:
+        """`sampling` with max_tokens cut to the room the context leaves after the prompt, as vLLM's
+        server cuts it (a long prompt with the default or a large max_tokens still runs, and stops
+        with finish_reason "length"). A prompt that leaves no room is refused in the words clients
+        look for ("maximum context length", code context_length_exceeded). Without the context
+        length (or the prompt's ids), `llm` checks the sum and names the fields."""
+        limit = self.models.max_model_len
+        if limit is None or prompt_ids is None:
+            return sampling
+        if len(prompt_ids) >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt "
+                           f"contains {len(prompt_ids)} input tokens, which leaves no room for output. Please "
+                           "reduce the length of the input prompt.", field, "context_length_exceeded")
+        room = limit - len(prompt_ids)
+        return sampling if sampling["max_tokens"] <= room else {**sampling, "max_tokens": room}

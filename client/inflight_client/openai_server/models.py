@@ -18,8 +18,11 @@ class ServedModels:
         self.max_model_len = max_model_len      # in each model card, as vLLM lists it
         self.created = int(time.time())
 
-    def check(self, model: str) -> str | None:
-        """The adapter `model` names (None: the base model); 404 unless this server serves it."""
+    def check(self, model: str | None) -> str | None:
+        """The adapter `model` names (None: the base model, also when the request names none, as
+        vLLM takes it); 404 unless this server serves it."""
+        if model is None:
+            return None
         if model in self.lora_names:
             return model
         if model != self.name:

@@ -5,13 +5,13 @@
 constraints `structured_outputs`, `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`),
 its chat-template fields (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`,
 `documents`, `add_special_tokens`) and inflight's `priority`. Unknown fields are refused by name; fields OpenAI defines but this server
-cannot honour are refused with a message saying so. Value ranges the engine checks (top_p,
-max_tokens vs the context, ...) are left to `llm`, whose messages name the field, so each rule lives
-in one place.
+cannot honour are refused, when not null, with a message saying so. Value ranges the engine checks
+(top_p, penalties, ...) are left to `llm`, whose messages name the field, so each rule lives in one
+place; max_tokens is fitted to the context here (context.py), as vLLM's server fits it.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -54,7 +54,7 @@ class StreamOptions(Body):
 
 class SamplingFields(Body):
     """Fields shared by completions and chat completions."""
-    model: str
+    model: str | None = None                     # none: the served base model (vLLM's default)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = None
     top_k: int | None = None
@@ -184,6 +184,16 @@ class TemplateFields(Body):
     continue_final_message: bool = False         # the final (assistant) message left open, to be continued
     chat_template_kwargs: dict | None = None     # more variables for the template (e.g. enable_thinking)
     documents: list[dict] | None = None          # for templates that render them (RAG)
+    # OpenAI's, for reasoning models: a template variable, and enable_thinking (unless
+    # chat_template_kwargs sets it) = effort != "none", as vLLM hands them to the template
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    def template_variables(self) -> dict:
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables.setdefault("reasoning_effort", self.reasoning_effort)
+            variables.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return variables
 
     @model_validator(mode="after")
     def _check_template_fields(self):
@@ -209,6 +219,19 @@ class ChatCompletionRequest(SamplingFields, TemplateFields):
     parallel_tool_calls: bool | None = None      # false: "required" gives exactly one call
     metadata: dict | None = None                 # accepted, unused
     store: bool | None = None                    # accepted, unused
+    # OpenAI's fields about its own service: accepted, unused, as vLLM accepts them
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None          # prefix caching here needs no key
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    # OpenAI's fields for what a text model served here cannot do: null only (clients that send
+    # every field send them as null)
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None                        # the deprecated form of 'tools'
+    function_call: Any = None                    # the deprecated form of 'tool_choice'
 
     @model_validator(mode="before")
     @classmethod
@@ -221,7 +244,11 @@ class ChatCompletionRequest(SamplingFields, TemplateFields):
 
     @model_validator(mode="after")
     def _check_chat(self):
-        if self.top_logprobs is not None and not self.logprobs:
+        for name, instead in (("audio", ""), ("prediction", ""), ("web_search_options", ""),
+                              ("functions", " (give 'tools')"), ("function_call", " (give 'tool_choice')")):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"'{name}' is not supported{instead}", name)
+        if self.top_logprobs and not self.logprobs:       # 0 alone asks for nothing, as vLLM reads it
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
@@ -255,7 +282,8 @@ class TokenizeRequest(TemplateFields):
     def _check_form(self):
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
-        chat_only = {"tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents"}
+        chat_only = {"tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents",
+                     "reasoning_effort"}
         given = sorted(chat_only & self.model_fields_set)
         if self.prompt is not None and given:
             raise APIError(400, f"'{given[0]}' goes with 'messages', not 'prompt'", given[0])

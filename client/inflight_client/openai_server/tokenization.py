@@ -11,8 +11,7 @@ from .schemas import DetokenizeRequest, TokenizeRequest
 
 
 def tokenize(body: TokenizeRequest, ctx: Context) -> JSONResponse:
-    if body.model is not None:
-        ctx.models.check(body.model)
+    ctx.models.check(body.model)
     if body.messages is not None:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         ids = ctx.chat.prompt_ids(body.messages, tools, body, bool(body.add_special_tokens))
@@ -25,8 +24,7 @@ def tokenize(body: TokenizeRequest, ctx: Context) -> JSONResponse:
 
 
 def detokenize(body: DetokenizeRequest, ctx: Context) -> JSONResponse:
-    if body.model is not None:
-        ctx.models.check(body.model)
+    ctx.models.check(body.model)
     vocab = len(ctx.tokenizer)
     outside = [(i, t) for i, t in enumerate(body.tokens) if not 0 <= t < vocab]
     if outside:
