@@ -79,12 +79,16 @@ def test_min_p_keeps_only_tokens_that_likely(tokenizer):
     ("frequency_penalty", 2.5, "'frequency_penalty' must be a number in [-2, 2]"),
     ("presence_penalty", float("nan"), "'presence_penalty' must be a number in [-2, 2]"),
     ("min_p", 1.5, "'min_p' must be in [0, 1]"),
-    ("logit_bias", {5: 101}, "'logit_bias' must map token ids to numbers in [-100, 100]"),
+    ("logit_bias", {5: float("inf")}, "'logit_bias' must map token ids to numbers"),
     ("logit_bias", {-1: 1}, "'logit_bias' must map token ids"),
 ])
 def test_out_of_range_settings_name_the_field(knob, value, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(**{knob: value})
+
+
+def test_a_logit_bias_past_openais_range_is_clamped_as_vllm_clamps_it():
+    assert SamplingParams(logit_bias={5: 101, 6: -1e9, 7: 3}).logit_bias == ((5, 100.0), (6, -100.0), (7, 3.0))
 
 
 def test_top_k_keeps_ties_and_top_p_keeps_what_the_nucleus_needs():

@@ -139,8 +139,9 @@ class SamplingParams:
             self.logit_bias = tuple(self.logit_bias.items())
         _check(isinstance(self.logit_bias, tuple) and all(
             isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and e[0] >= 0 and _is_number(e[1])
-            and -100 <= e[1] <= 100 for e in self.logit_bias), "logit_bias",
-               "must map token ids to numbers in [-100, 100]")
+            for e in self.logit_bias), "logit_bias", "must map token ids to numbers")
+        # OpenAI's range; vLLM's SamplingParams clamps to it rather than refuse
+        self.logit_bias = tuple((token, min(100.0, max(-100.0, float(bias)))) for token, bias in self.logit_bias)
         # torch's generators take 64 bits, signed (vLLM's API) or not (TensorRT-LLM's random_seed)
         _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
                f"must be an integer in [-2**63, 2**64), got {self.seed!r}")

@@ -31,8 +31,7 @@ async def create_completion(body: CompletionRequest, ctx: Context):
     prompts = body.prompts()
     echoed = None               # with echo and logprobs: (prompt i, its prompt_logprobs) -> positions
     if body.truncate_prompt_tokens is not None:
-        prompts = [ctx.truncate(p if isinstance(p, list) else ctx.tokenizer(p)["input_ids"], body.truncate_prompt_tokens)
-                   for p in prompts]
+        prompts = [ctx.truncate(p, body.truncate_prompt_tokens) for p in prompts]
     echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]
     if ctx.models.max_model_len is not None or body.return_token_ids or (body.echo and body.logprobs is not None):
         prompts = [p if isinstance(p, list) else ctx.tokenizer(p)["input_ids"] for p in prompts]
@@ -69,7 +68,7 @@ def _choice(index: int, out: generation.Output, body: CompletionRequest, prompt:
         if echoed is not None:
             logprobs = completion_logprobs(body.shown(echoed(index // body.n, out.prompt_logprobs) + positions))
         else:
-            logprobs = completion_logprobs(body.shown(positions), len(echo))
+            logprobs = completion_logprobs(body.shown(positions))
     choice = {"index": index, "text": echo + "".join(out.text) if generated else echo, "logprobs": logprobs,
               "finish_reason": out.finish_reason if generated else "length"}
     if body.prompt_logprobs is not None:
@@ -86,7 +85,7 @@ async def _chunks(head: dict, body: CompletionRequest, responses, prompts: list,
     generating = body.max_tokens != 0
     include_usage, continuous = body.stream_usage()
     usage = generation.Usage()
-    offsets = [0] * (len(echoes) * n)          # each choice's text so far, for text_offset
+    offsets = [0] * (len(echoes) * n)          # each choice's tokens' text so far, for text_offset
     counts = [0] * (len(echoes) * n)           # each choice's tokens so far
     seen, begun, ended = set(), set(), set()    # prompts with a response, choices with a chunk, with their end
     try:
@@ -109,12 +108,11 @@ async def _chunks(head: dict, body: CompletionRequest, responses, prompts: list,
                     continue        # nothing new for this output in this step
                 begun.add(index)
                 logprobs = None
-                if body.logprobs is not None and first and echoed is not None:
-                    logprobs = completion_logprobs(body.shown(echoed(prompt_index, response.prompt_logprobs)
-                                                              + positions), offsets[index])
-                elif body.logprobs is not None:
-                    logprobs = completion_logprobs(body.shown(positions), offsets[index] + len(text) - len(generated))
-                offsets[index] += len(text)
+                if body.logprobs is not None:
+                    # text_offset counts the tokens' texts, as in the whole reply (and vLLM's stream)
+                    prompt_positions = echoed(prompt_index, response.prompt_logprobs) if first and echoed else []
+                    logprobs = completion_logprobs(body.shown(prompt_positions + positions), offsets[index])
+                    offsets[index] += sum(map(len, logprobs["tokens"]))
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
                 if body.return_token_ids:
                     choice["prompt_token_ids"] = prompts[prompt_index] if first else None

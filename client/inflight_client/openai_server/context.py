@@ -20,21 +20,29 @@ class Context:
     disable_any_whitespace: bool = False         # added to every output constraint (structured.py)
 
     def prompt_text(self, prompt: str | list[int]) -> str:
-        """A prompt as text (for echo): a token prompt decoded as `llm` decodes its outputs
-        (inflight.detokenizer.decode; not imported, as the engine package would load torch)."""
+        """A prompt as text (for echo): a token prompt decoded with its special tokens, as vLLM
+        echoes it (so a BOS is in the text as in the echoed log-probabilities' tokens)."""
         if isinstance(prompt, str):
             return prompt
-        return self.tokenizer.decode(prompt, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(prompt, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def truncate(self, ids: list[int], keep: int) -> list[int]:
+    def truncate(self, prompt: str | list[int], keep: int) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length
-        less one, the room for one output token)."""
+        less one, the room for one output token). A text prompt is cut as the tokenizer truncates
+        from the left, which vLLM asks of it: the special tokens it adds (a BOS) stay."""
         if keep == -1:
             if self.models.max_model_len is None:
                 raise APIError(400, "'truncate_prompt_tokens' -1 needs the context length, which this server does "
                                "not know (start it with --max-model-len)", "truncate_prompt_tokens")
             keep = self.models.max_model_len - 1
-        return ids[-keep:]
+        if isinstance(prompt, list) or len(ids := self.tokenizer(prompt)["input_ids"]) <= keep:
+            return prompt[-keep:] if isinstance(prompt, list) else ids
+        bare = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        start = next((i for i in range(len(ids) - len(bare) + 1) if ids[i:i + len(bare)] == bare), None)
+        room = keep - (len(ids) - len(bare))
+        if start is None or room <= 0:
+            return ids[-keep:]
+        return ids[:start] + bare[-room:] + ids[start + len(bare):]
 
     def fit(self, sampling: dict, prompt_ids: list[int] | None, field: str) -> dict:
         """`sampling` with max_tokens cut to the room the context leaves after the prompt, as vLLM's

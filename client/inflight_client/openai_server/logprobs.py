@@ -28,7 +28,7 @@ def as_token_ids(positions: list[dict]) -> list[dict]:
 def completion_logprobs(positions: list[dict], text_offset: int = 0) -> dict:
     """/v1/completions: tokens, token_logprobs, top_logprobs (the sampled token and the top N,
     by text; null for an echoed prompt's first token, as vLLM), text_offset (from `text_offset`,
-    the length of the text before these tokens)."""
+    the length of the earlier tokens' texts, counted as vLLM counts them)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for position in positions:
         sampled = next(iter(position.values()))
