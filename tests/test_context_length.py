@@ -6,8 +6,8 @@ import os
 import pytest
 
 from inflight import EngineConfig, LLMEngine
+from inflight.context_length import checkpoint_max_len
 from inflight.testing import make_random_checkpoint
-from inflight_client.openai_server.cli import checkpoint_max_len
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64, max_position_embeddings=256)
 CASES = {

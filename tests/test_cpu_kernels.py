@@ -109,10 +109,16 @@ def test_the_library_is_built_once_into_the_cache_directory(tmp_path, monkeypatc
 @pytest.mark.parametrize("cause, env, message", [
     ("no compiler", {"PATH": "", "CXX": ""}, "no C++ compiler (g++) found"),
     ("build failure", {"CXX": "false"}, "building the compiled CPU kernels failed"),
+    # g++'s quotes in a UTF-8 locale, read by a stub in the C locale; here a byte no locale decodes
+    ("undecodable compiler output", {"CXX": "{compiler}"}, "building the compiled CPU kernels failed"),
     ("switched off", {"INFLIGHT_CPU_KERNELS": "0"}, "INFLIGHT_CPU_KERNELS=0"),
 ])
 def test_without_the_kernels_attention_falls_back_to_torch_with_one_log_line(cause, env, message, tmp_path,
                                                                               monkeypatch, caplog):
+    compiler = tmp_path / "cxx"
+    compiler.write_text("#!/bin/sh\nprintf '\\342\\200\\230x\\342\\200\\231 \\377\\n' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    env = {key: value.format(compiler=compiler) for key, value in env.items()}
     monkeypatch.setenv("INFLIGHT_CACHE_DIR", str(tmp_path))      # an empty cache: it must build
     for key, value in env.items():
         if value:

@@ -3,6 +3,7 @@ tritonserver: completions and chat, streamed and not, token-array prompts, n > 1
 seeds, logprobs, usage, 50 concurrent streams, a dropped stream's KV blocks, structured outputs
 and tool calls, and every error status with its message."""
 import asyncio
+import importlib.metadata
 import json
 import os
 import re
@@ -71,7 +72,10 @@ def test_models_and_health(api, client):
     assert client.models.retrieve(ADAPTER).model_dump() == listed[1].model_dump()
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("no-such-model")
-    assert httpx.get(api.base_url.removesuffix("/v1") + "/health").status_code == 200
+    root = api.base_url.removesuffix("/v1")
+    assert httpx.get(root + "/health").status_code == 200
+    assert httpx.get(root + "/ping").status_code == httpx.post(root + "/ping").status_code == 200      # as vLLM's
+    assert httpx.get(root + "/version").json() == {"version": importlib.metadata.version("inflight")}
 
 
 def test_completions_streamed_and_not_equal_the_engine(client, reference_engine, tokenizer):
@@ -390,7 +394,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, refere
                                           temperature=0)
         choice = whole.choices[0]
         lp = choice.logprobs
-        assert choice.text == PROMPTS[1] + tokenizer.decode(ref.token_ids)
+        # a token prompt is echoed with its special tokens, as vLLM echoes it (and as its tokens read)
+        assert choice.text == ("<s>" if prompt is ids else "") + PROMPTS[1] + tokenizer.decode(ref.token_ids)
         assert lp.tokens == tokens and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert lp.token_logprobs[1:-1] == pytest.approx(prompt_values, abs=1e-9)
         assert lp.token_logprobs[-1] == pytest.approx(ref.logprobs[0][ref.token_ids[0]].logprob, abs=1e-9)
@@ -399,11 +404,14 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, refere
         assert [tokens[i] == max(lp.top_logprobs[i], key=lp.top_logprobs[i].get)
                 for i in range(1, len(ids))] == greedy
     only = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=0, max_tokens=0, temperature=0)
-    assert only.choices[0].text == PROMPTS[1] and only.choices[0].logprobs.tokens == tokens[:-1]
+    assert only.choices[0].text == "<s>" + PROMPTS[1] and only.choices[0].logprobs.tokens == tokens[:-1]
     assert only.choices[0].logprobs.token_logprobs[1:] == pytest.approx(prompt_values, abs=1e-9)
     streamed = [c.choices[0] for c in client.completions.create(
         model=MODEL, prompt=PROMPTS[1], echo=True, logprobs=1, max_tokens=4, temperature=0, stream=True)]
     assert sum((c.logprobs.tokens for c in streamed), [])[:len(ids)] == tokens[:-1]
+    streamed_tokens = sum((c.logprobs.tokens for c in streamed), [])
+    assert sum((c.logprobs.text_offset for c in streamed), []) == [sum(map(len, streamed_tokens[:i]))
+                                                                   for i in range(len(streamed_tokens))]
     assert sum((c.logprobs.token_logprobs for c in streamed), [])[1:len(ids)] == pytest.approx(prompt_values,
                                                                                               abs=1e-9)
     vllm_field = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2, temperature=0, n=2,
@@ -469,13 +477,18 @@ def test_return_token_ids_as_vllm(client, reference_engine, tokenizer):
 
 
 def test_truncate_prompt_tokens_and_bad_words_as_vllm(client, reference_engine, tokenizer):
-    """truncate_prompt_tokens keeps a prompt's last N tokens (-1: the context length; a text prompt
-    is tokenized here for it), in completions and chat; bad_words never appear."""
+    """truncate_prompt_tokens keeps a prompt's last N tokens (-1: the context length less one; a
+    text prompt keeps its BOS, as the tokenizer's truncation from the left that vLLM asks for keeps
+    it), in completions and chat; bad_words never appear."""
     ids = tokenizer(PROMPTS[1])["input_ids"]
     cut = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, echo=True,
                                     extra_body={"truncate_prompt_tokens": 3, "return_token_ids": True}).choices[0]
-    assert cut.model_extra["prompt_token_ids"] == ids[-3:]
-    assert cut.text == decode(tokenizer, ids[-3:]) + reference(reference_engine, tokenizer, [ids[-3:]], 8)[0]
+    kept = [tokenizer.bos_token_id] + ids[-2:]
+    assert cut.model_extra["prompt_token_ids"] == kept and ids[0] == tokenizer.bos_token_id
+    assert cut.text == "<s>" + decode(tokenizer, kept) + reference(reference_engine, tokenizer, [kept], 8)[0]
+    cut_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True,
+                                        extra_body={"truncate_prompt_tokens": 3, "return_token_ids": True})
+    assert cut_ids.choices[0].model_extra["prompt_token_ids"] == ids[-3:], "a token prompt: its last 3"
     whole = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
     assert whole.usage.prompt_tokens == len(ids), "-1: the context length, which the prompt is within"
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=1,
@@ -778,6 +791,9 @@ BAD = [
      "This model's maximum context length is 1024 tokens. However, your prompt contains 1025 input tokens", "prompt"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Lists " * 1100}]}, 400,
      "This model's maximum context length is 1024 tokens", "messages"),
+    ("completions", {"model": MODEL, "prompt": "A \ud800"}, 400, "'prompt' holds a lone UTF-16 surrogate", "prompt"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]}, 400,
+     "'messages' holds a lone UTF-16 surrogate", "messages"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "audio": {"voice": "alloy", "format": "wav"}}, 400,
      "'audio' is not supported", "audio"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "functions": [{"name": "f"}]}, 400,
@@ -859,7 +875,9 @@ BAD = [
 @pytest.mark.parametrize("path, body, status, message, param", BAD, ids=[b[3] for b in BAD])
 def test_errors_have_the_openai_shape_status_and_a_message_naming_the_parameter(api, path, body, status, message,
                                                                                  param):
-    reply = httpx.post(f"{api.base_url}/{path}", json=body, timeout=60)
+    # JSON escapes, as clients write them (a lone surrogate has no UTF-8 form to send otherwise)
+    reply = httpx.post(f"{api.base_url}/{path}", content=json.dumps(body), timeout=60,
+                       headers={"content-type": "application/json"})
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert message in error["message"] and error["param"] == param

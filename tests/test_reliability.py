@@ -4,6 +4,7 @@ import http.client
 import json
 import signal
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -59,6 +60,9 @@ def text(value):
     return np.array([value if isinstance(value, bytes) else value.encode()], dtype=object)
 
 
+DEEP_SCHEMA = {"type": "array"}
+for _ in range(600):
+    DEEP_SCHEMA = {"type": "array", "items": DEEP_SCHEMA}
 HTTP_LLM = [
     ({"max_tokens": 4}, "'text_input' or 'input_ids'"),
     ({"text_input": "", "max_tokens": 4}, "'text_input' is empty"),
@@ -87,6 +91,10 @@ HTTP_LLM = [
     ({"text_input": "hi", "ignore_eos": "maybe"}, "'ignore_eos' must be a boolean"),
     ({"text_input": "hi", "sampling_parameters": '{"bad_words": [""]}'}, "'bad_words' must hold non-empty strings"),
     ({"text_input": "hi", "bad_words": ["x"]}, "parameter 'bad_words' has invalid type"),   # lists: JSON only
+    ({"text_input": "hi", "sampling_parameters": '{"bad_words": ["\\ud800"]}'},
+     "'bad_words' holds a lone UTF-16 surrogate"),
+    ({"text_input": "hi", "sampling_parameters": json.dumps({"structured_outputs": {"json": DEEP_SCHEMA}})},
+     "'structured_outputs.json' is nested too deeply"),
     ({"input_ids": [1, 99999], "max_tokens": 4}, "token id 99999 at position 1 is outside the vocabulary"),
     ({"input_ids": [-3], "max_tokens": 4}, "token id -3 at position 0 is outside the vocabulary"),
     # type errors in the generate JSON are caught by Triton itself, in its own words
@@ -100,6 +108,7 @@ HTTP_ENSEMBLE = [
     ({"text_input": "hi", "top_p": 5.0}, "'top_p'"),
     ({"text_input": "hi", "return_log_probs": True}, "'return_log_probs' is not available through the ensemble"),
     ({"max_tokens": 3}, "text_input"),
+    ({"text_input": "x" * 40000}, "'text_input' is 40000 bytes; the limit is 32768"),      # before tokenizing
 ]
 GRPC = [
     ("llm", [t("text_input", np.array([5], dtype=np.int32), "INT32")],
@@ -139,6 +148,26 @@ def test_malformed_requests_get_an_error_naming_the_problem(server, protocol, mo
 
 def test_there_are_at_least_forty_bad_input_cases():
     assert len(CASES) >= 40
+
+
+def test_refusals_from_several_clients_at_once_leave_the_server_up(server):
+    """Requests refused while Triton reads them and requests the engine refuses, at once: both
+    are counted in one metric, which the Python backend cannot update from two threads at once
+    (it corrupted its shared memory and crashed tritonserver within a second)."""
+    bad = [{"text_input": "The", "temperature": -1}, {"text_input": "The", "max_tokens": 100000}]
+    before = server.metric("inflight_requests_total", finish_reason="error")
+    errors = []
+
+    def send(payload):
+        errors.extend(http_generate(server.http_url, "llm", payload).get("error", "") for _ in range(40))
+    threads = [threading.Thread(target=send, args=(bad[i % 2],)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(errors) == 240 and all(errors)
+    assert ok(server)
+    assert wait_for_metric(server, "inflight_requests_total", before + 240, finish_reason="error") == before + 240
 
 
 # ---- client faults ------------------------------------------------------------------------------------
@@ -182,6 +211,9 @@ def test_bounded_queue_refuses_or_expires_requests_and_spares_the_running_one(st
     assert sum("queue full: 2 requests are already waiting (max_queue_size)" in e for e in errors) == 2, errors
     assert sum("timed out in queue after 1 s (max_queue_wait_s)" in e for e in errors) == 2, errors
     assert wait_for_metric(s, "inflight_requests_waiting", 0) == 0 and ok(s)
+    # each output waits as a request: more of them than the queue holds could never be queued
+    many = http_generate(s.http_url, "llm", {"text_input": "hi", "max_tokens": 2, "sampling_parameters": '{"n": 3}'})
+    assert "'n' (3) is more than max_queue_size (2)" in many["error"]
 
 
 def test_kv_exhaustion_completes_through_preemption_with_exact_outputs(start_server, tokenizer):

@@ -2,6 +2,10 @@
 engine bounds max_model_len by it, and the OpenAI server reports it without loading the engine."""
 from __future__ import annotations
 
+import json
+import os
+from types import SimpleNamespace
+
 # rope types whose max_position_embeddings already is the extended length (vLLM's list)
 _EXTENDED_ALREADY = ("llama3", "longrope", "su")
 
@@ -32,3 +36,16 @@ def context_length(config) -> int:
             getattr(config, "max_window_layers", 0) < config.num_hidden_layers
         window = window if sliding else None
     return min(positions, window or positions)
+
+
+def checkpoint_max_len(directory: str) -> int | None:
+    """The context length the engine gives a checkpoint, from its config.json; None without one
+    that names max_position_embeddings."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    if not isinstance(config.get("max_position_embeddings"), int):
+        return None
+    return context_length(SimpleNamespace(**config))

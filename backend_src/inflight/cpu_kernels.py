@@ -216,7 +216,8 @@ def _build_and_load() -> CpuKernels | None:
 def _build(compiler: str) -> str:
     with open(SOURCE, "rb") as f:
         source = f.read()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, errors="replace",
+                             timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
                                      " ".join(sorted(cpu_flags())).encode()])).hexdigest()[:16]
     directory = cache_dir()
@@ -227,7 +228,10 @@ def _build(compiler: str) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *FLAGS, "-o", tmp, SOURCE], capture_output=True, text=True, timeout=300)
+        # errors="replace": the compiler writes its quotes in the locale of the environment (UTF-8),
+        # which need not be the Python stub's (C: ASCII)
+        result = subprocess.run([compiler, *FLAGS, "-o", tmp, SOURCE], capture_output=True, text=True,
+                                errors="replace", timeout=300)
         if result.returncode != 0:
             raise OSError(f"{os.path.basename(compiler)} exited with {result.returncode}: "
                           f"{result.stderr.strip()[-500:]}")

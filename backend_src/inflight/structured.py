@@ -91,6 +91,8 @@ def _from_json_text(value, name: str):
         return json.loads(value)
     except json.JSONDecodeError as exc:
         raise ValueError(f"'{name}' is not valid JSON: {exc.msg}") from None
+    except RecursionError:
+        raise ValueError(f"'{name}' is nested too deeply") from None
 
 
 def _canonical_text(kind: str, value, name: str) -> str:
@@ -98,7 +100,10 @@ def _canonical_text(kind: str, value, name: str) -> str:
         value = _from_json_text(value, name)
         if not isinstance(value, dict):
             raise ValueError(f"'{name}' must be a JSON schema object, got {type(value).__name__}")
-        problem = unenforced(value)
+        try:
+            problem = unenforced(value)
+        except RecursionError:
+            raise ValueError(f"'{name}' is nested too deeply") from None
         if problem is not None:      # vLLM refuses these for xgrammar too (it falls back to another library)
             raise ValueError(f"'{name}' {problem}, which xgrammar would not enforce: the output could break "
                              "the schema")

@@ -21,12 +21,11 @@ from ..detokenizer import IncrementalDetokenizer, StopStrings, decode, token_tex
 from ..engine import LLMEngine, QueueFullError
 from .job import Job, ResponseSink, Sample
 from .outputs import response_outputs
-from .protocol import GenerateRequest, RequestError
+from .protocol import GenerateRequest, RequestError, check_text_size
 
 log = logging.getLogger("inflight")
 
 
-MAX_BYTES_PER_TOKEN = 32     # a prompt of more bytes than max_model_len x this is refused untokenized
 
 
 class EngineLoop:
@@ -72,23 +71,33 @@ class EngineLoop:
                 raise RequestError(self.failure)
             job = self._make_job(request, sink)
         except RequestError as exc:
-            if self.metrics is not None:
-                self.metrics.refused()
-            sink.send(None, final=True, error=str(exc))
+            self.refuse(sink, str(exc))
+            return
+        except Exception as exc:      # a bug reading this request: its error, not a traceback, not the server's
+            log.exception("inflight: a request could not be read")
+            self.refuse(sink, f"the request could not be read: {type(exc).__name__}: {exc}")
             return
         self.outbox.put(("register", job))        # before the engine can produce its first token
         self.inbox.put(("add", job))
 
+    def refuse(self, sink: ResponseSink, message: str) -> None:
+        """A request refused before it reached the engine. Counted on the response thread, which
+        makes every other metric update: the Python backend's metrics are not safe to update from
+        two threads at once (concurrent increments corrupted its shared memory and crashed
+        tritonserver)."""
+        self.outbox.put(("refused", None))
+        sink.send(None, final=True, error=message)
+
     def _make_job(self, request: GenerateRequest, sink: ResponseSink) -> Job:
+        queue_limit = self.engine.config.max_queue_size
+        if queue_limit is not None and request.n > queue_limit:
+            # each output waits as a request of its own: this one could never be queued ("queue full")
+            raise RequestError(f"'n' ({request.n}) is more than max_queue_size ({queue_limit}): each output "
+                               "waits in the queue as a request")
         if request.prompt_ids is not None:
             prompt_ids = request.prompt_ids
         else:
-            # bound the tokenizer's work before it starts: no prompt this long can fit anyway
-            limit = self.engine.max_model_len * MAX_BYTES_PER_TOKEN
-            size = len(request.prompt_text.encode("utf-8"))
-            if size > limit:
-                raise RequestError(f"'text_input' is {size} bytes; the limit is {limit} "
-                                   f"(max_model_len {self.engine.max_model_len} x {MAX_BYTES_PER_TOKEN})")
+            check_text_size(request.prompt_text, self.engine.max_model_len)
             prompt_ids = self.tokenizer(request.prompt_text)["input_ids"]
         params = request.params
         if request.bad_words:
@@ -291,6 +300,9 @@ class EngineLoop:
                 self.on_failure(payload)
         elif kind == "metrics":
             self.metrics.publish(payload)
+        elif kind == "refused":
+            if self.metrics is not None:
+                self.metrics.refused()
         elif kind == "stop":
             for job in self._jobs.values():
                 self._fail(job, self.failure or "the model is being unloaded")

@@ -171,6 +171,31 @@ def _coerce(name: str, kind: str, value):
     raise AssertionError(kind)
 
 
+MAX_BYTES_PER_TOKEN = 32     # a prompt of more bytes than max_model_len x this is refused untokenized
+
+
+def check_text_size(text: str, max_model_len: int) -> None:
+    """Bound the tokenizer's work before it starts: no prompt this long can fit anyway."""
+    limit = max_model_len * MAX_BYTES_PER_TOKEN
+    size = len(text.encode("utf-8"))
+    if size > limit:
+        raise RequestError(f"'text_input' is {size} bytes; the limit is {limit} "
+                           f"(max_model_len {max_model_len} x {MAX_BYTES_PER_TOKEN})")
+
+
+def _refuse_lone_surrogates(values: dict) -> None:
+    """JSON may escape half of a UTF-16 surrogate pair alone ("\\ud800"), which Python keeps as a
+    string no tokenizer or grammar can encode."""
+    for key, value in values.items():
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except RecursionError:
+            continue                  # too deep to check here; refused as such where it is read
+        except UnicodeEncodeError:
+            raise RequestError(f"'{key}' holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff without "
+                               "its pair), which is not text") from None
+
+
 def _knobs(sampling_parameters: str | None, parameters: dict) -> dict:
     merged: dict = {}
     if sampling_parameters is not None:
@@ -182,6 +207,8 @@ def _knobs(sampling_parameters: str | None, parameters: dict) -> dict:
             raise RequestError("'sampling_parameters' is nested too deeply") from None
         if not isinstance(values, dict):
             raise RequestError(f"'sampling_parameters' must be a JSON object, got {type(values).__name__}")
+        if "\\ud" in sampling_parameters.lower():        # JSON's escape of a UTF-16 surrogate
+            _refuse_lone_surrogates(values)
         merged.update(values)
     for key, value in parameters.items():
         if key in IGNORED_PARAMETERS:

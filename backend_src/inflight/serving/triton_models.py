@@ -21,7 +21,8 @@ import numpy as np
 from ..config import EngineConfig
 from ..detokenizer import decode_delta
 from .metrics import EngineMetrics
-from .protocol import BOOL_INPUTS, RequestError, parse_request
+from ..context_length import checkpoint_max_len
+from .protocol import BOOL_INPUTS, RequestError, check_text_size, parse_request
 from .startup import (check_checkpoint, check_tokenizer, engine_config, engine_errors, one_line_errors,
                       StartupError, read_settings, tokenizer_error)
 
@@ -243,8 +244,11 @@ class LLMModel:
             try:
                 parsed = parse_request(read_inputs(self.pb, request, LLM_INPUTS), request_parameters(request))
             except RequestError as exc:
-                self.metrics.refused()
-                sink.send(None, final=True, error=str(exc))
+                self.loop.refuse(sink, str(exc))
+                continue
+            except Exception as exc:  # a bug reading this request: its error, not a traceback
+                log.exception("inflight: a request could not be read")
+                self.loop.refuse(sink, f"the request could not be read: {type(exc).__name__}: {exc}")
                 continue
             self.loop.submit(parsed, sink)
         return None
@@ -274,7 +278,10 @@ class TokenizerModel:
 
     @one_line_errors
     def initialize(self, args) -> None:
-        self.tokenizer = load_tokenizer(llm_settings(args["model_repository"]), without_torch=True)
+        settings = llm_settings(args["model_repository"])
+        self.tokenizer = load_tokenizer(settings, without_torch=True)
+        # llm's bound on a text prompt, before tokenizing it (the engine's max_model_len is within both)
+        self.max_model_len = settings.engine.max_model_len or checkpoint_max_len(settings.model_dir)
 
 
 class PreprocessingModel(TokenizerModel):
@@ -309,6 +316,8 @@ class PreprocessingModel(TokenizerModel):
             raise RequestError("input 'text_input' is not valid UTF-8") from None
         if not prompt:
             raise RequestError("input 'text_input' is empty")
+        if self.max_model_len is not None:
+            check_text_size(prompt, self.max_model_len)
         sampling: dict = {}
         for name, (knob, kind) in TRTLLM_KNOBS.items():
             if name in inputs:

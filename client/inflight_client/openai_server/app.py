@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib.metadata
 import json
 import logging
 import re
@@ -63,18 +64,35 @@ def _validation_error(error: ValidationError) -> APIError:
 
 
 async def _body(request: Request, schema: type[BaseModel]):
+    body = await request.body()
     try:
-        raw = json.loads(await request.body())
+        raw = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
     if not isinstance(raw, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if b"\\ud" in body.lower():         # JSON's escape of half a UTF-16 surrogate pair, maybe alone
+        for field, value in raw.items():
+            if not _is_text(value):
+                raise APIError(400, f"'{field}' holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff "
+                               "without its pair), which is not text", field)
     try:
         return schema.model_validate(raw)
     except ValidationError as exc:
         raise _validation_error(exc) from None
+
+
+def _is_text(value) -> bool:
+    """Whether every string in a JSON value encodes as UTF-8 (a lone surrogate does not)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    except RecursionError:
+        pass
+    return True
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -138,11 +156,17 @@ def create_app(settings: Settings) -> FastAPI:
         log.exception("inflight-openai: unexpected error")
         return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}").body(), status_code=500)
 
+    # /ping (GET or POST) as vLLM's server answers it, for load balancers that probe that path
+    @app.api_route("/ping", methods=["GET", "POST"])
     @app.get("/health")
     async def health():
         if not await ctx.triton.ready():
             raise APIError(503, f"Triton at {ctx.triton.url} or its model '{ctx.triton.model}' is not ready")
         return JSONResponse({})
+
+    @app.get("/version")
+    async def version():
+        return JSONResponse({"version": importlib.metadata.version("inflight")})
 
     @app.get("/v1/models")
     async def models():

@@ -7,11 +7,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from types import SimpleNamespace
 
-from inflight.context_length import context_length
+from inflight.context_length import checkpoint_max_len
 
 from .app import Settings, create_app
 
@@ -58,19 +56,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                         args.default_max_tokens, tuple(args.lora_modules), args.disable_any_whitespace,
                         args.max_model_len or checkpoint_max_len(directory))
     return settings, args
-
-
-def checkpoint_max_len(directory: str) -> int | None:
-    """The context length the engine gives a checkpoint (the engine's own rule, which imports no
-    torch); None without a config.json that names max_position_embeddings."""
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    if not isinstance(config.get("max_position_embeddings"), int):
-        return None
-    return context_length(SimpleNamespace(**config))
 
 
 def main(argv: list[str] | None = None) -> None:
