@@ -26,8 +26,6 @@ from .protocol import GenerateRequest, RequestError, check_text_size
 log = logging.getLogger("inflight")
 
 
-
-
 class EngineLoop:
     def __init__(self, engine: LLMEngine, tokenizer, metrics=None, cancel_poll_s: float = 0.2,
                  on_failure: Callable[[str], None] | None = None):

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..config import EngineConfig
+from ..context_length import checkpoint_max_len
 from ..detokenizer import decode_delta
 from .metrics import EngineMetrics
-from ..context_length import checkpoint_max_len
 from .protocol import BOOL_INPUTS, RequestError, check_text_size, parse_request
 from .startup import (check_checkpoint, check_tokenizer, engine_config, engine_errors, one_line_errors,
                       StartupError, read_settings, tokenizer_error)

@@ -35,8 +35,11 @@ class Context:
                 raise APIError(400, "'truncate_prompt_tokens' -1 needs the context length, which this server does "
                                "not know (start it with --max-model-len)", "truncate_prompt_tokens")
             keep = self.models.max_model_len - 1
-        if isinstance(prompt, list) or len(ids := self.tokenizer(prompt)["input_ids"]) <= keep:
-            return prompt[-keep:] if isinstance(prompt, list) else ids
+        if isinstance(prompt, list):
+            return prompt[-keep:]
+        ids = self.tokenizer(prompt)["input_ids"]
+        if len(ids) <= keep:
+            return ids
         bare = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         start = next((i for i in range(len(ids) - len(bare) + 1) if ids[i:i + len(bare)] == bare), None)
         room = keep - (len(ids) - len(bare))
