@@ -244,8 +244,11 @@ def test_the_cli_streams_the_text_and_ctrl_c_cancels_the_request(server, protoco
                            timeout=60)
     assert whole.stdout == expected + "\n" and "[1 responses," in whole.stderr
     cancelled_before = server.metric("inflight_requests_total", finish_reason="cancelled")
+    # Ctrl-C's default action restored in the child: a suite started as a background job (`cmd &`)
+    # inherits SIGINT ignored, and Python then never installs its KeyboardInterrupt handler
     child = subprocess.Popen([*cli, "--max-tokens", "900", PROMPTS[1]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     child.stdout.read(1)                 # it is streaming
     child.send_signal(signal.SIGINT)
     out, err = child.communicate(timeout=30)
