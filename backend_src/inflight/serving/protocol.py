@@ -183,17 +183,20 @@ def check_text_size(text: str, max_model_len: int) -> None:
                            f"(max_model_len {max_model_len} x {MAX_BYTES_PER_TOKEN})")
 
 
-def _refuse_lone_surrogates(values: dict) -> None:
-    """JSON may escape half of a UTF-16 surrogate pair alone ("\\ud800"), which Python keeps as a
-    string no tokenizer or grammar can encode."""
+LONE_SURROGATE = "holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff without its pair), which is not text"
+
+
+def lone_surrogate_field(values: dict) -> str | None:
+    """The first key whose value holds a lone UTF-16 surrogate: JSON may escape half of a pair
+    alone ("\\ud800"), which Python keeps as a string no tokenizer or grammar can encode."""
     for key, value in values.items():
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except RecursionError:
             continue                  # too deep to check here; refused as such where it is read
         except UnicodeEncodeError:
-            raise RequestError(f"'{key}' holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff without "
-                               "its pair), which is not text") from None
+            return key
+    return None
 
 
 def _knobs(sampling_parameters: str | None, parameters: dict) -> dict:
@@ -207,8 +210,8 @@ def _knobs(sampling_parameters: str | None, parameters: dict) -> dict:
             raise RequestError("'sampling_parameters' is nested too deeply") from None
         if not isinstance(values, dict):
             raise RequestError(f"'sampling_parameters' must be a JSON object, got {type(values).__name__}")
-        if "\\ud" in sampling_parameters.lower():        # JSON's escape of a UTF-16 surrogate
-            _refuse_lone_surrogates(values)
+        if "\\ud" in sampling_parameters.lower() and (field := lone_surrogate_field(values)):   # JSON's escape
+            raise RequestError(f"'{field}' {LONE_SURROGATE}")
         merged.update(values)
     for key, value in parameters.items():
         if key in IGNORED_PARAMETERS:

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
+from inflight.serving.protocol import LONE_SURROGATE, lone_surrogate_field
+
 from .chat_completions import create_chat_completion
 from .chat_template import ChatTemplate
 from .completions import create_completion
@@ -73,26 +75,12 @@ async def _body(request: Request, schema: type[BaseModel]):
         raise APIError(400, "the request body is nested too deeply") from None
     if not isinstance(raw, dict):
         raise APIError(400, "the request body must be a JSON object")
-    if b"\\ud" in body.lower():         # JSON's escape of half a UTF-16 surrogate pair, maybe alone
-        for field, value in raw.items():
-            if not _is_text(value):
-                raise APIError(400, f"'{field}' holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff "
-                               "without its pair), which is not text", field)
+    if b"\\ud" in body.lower() and (field := lone_surrogate_field(raw)):     # JSON's escape of a surrogate
+        raise APIError(400, f"'{field}' {LONE_SURROGATE}", field)
     try:
         return schema.model_validate(raw)
     except ValidationError as exc:
         raise _validation_error(exc) from None
-
-
-def _is_text(value) -> bool:
-    """Whether every string in a JSON value encodes as UTF-8 (a lone surrogate does not)."""
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    except RecursionError:
-        pass
-    return True
 
 
 async def _until_disconnected(request: Request) -> None:
