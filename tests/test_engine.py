@@ -241,6 +241,24 @@ def test_queue_limits_refuse_or_expire_requests(tiny_checkpoint):
     assert eng.stats()["kv_blocks_used"] == 0
 
 
+def test_the_queue_timeout_spares_the_waiting_outputs_of_a_started_n_request(tiny_checkpoint):
+    eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(max_num_seqs=1, max_queue_wait_s=0.05,
+                                                                  num_kv_blocks=64))
+    started, waiting = [], []
+    for i in range(2):
+        eng.add_request(f"s.{i}", [5, 6], SamplingParams(max_tokens=8, ignore_eos=True), group=started)
+    eng.step()                       # s.0 takes the only seat; s.1 waits behind it
+    for i in range(2):
+        eng.add_request(f"w.{i}", [5, 6], SamplingParams(max_tokens=8, ignore_eos=True), group=waiting)
+    import time
+    time.sleep(0.1)
+    finished = {}
+    while eng.has_unfinished():
+        finished |= eng.step().finished
+    assert finished == {"s.0": "length", "s.1": "length", "w.0": "error", "w.1": "error"}
+    assert eng.stats()["kv_blocks_used"] == 0
+
+
 def test_static_and_dynamic_generate_padding_and_report_it(tiny_checkpoint):
     for policy in ("static", "dynamic"):
         eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(policy=policy, num_kv_blocks=256, max_num_seqs=4))

@@ -214,6 +214,12 @@ def test_bounded_queue_refuses_or_expires_requests_and_spares_the_running_one(st
     # each output waits as a request: more of them than the queue holds could never be queued
     many = http_generate(s.http_url, "llm", {"text_input": "hi", "max_tokens": 2, "sampling_parameters": '{"n": 3}'})
     assert "'n' (3) is more than max_queue_size (2)" in many["error"]
+    # the second output waits for the only seat for longer than the limit, but as part of a
+    # request already running: it waits on, and both outputs complete
+    both = http_generate(s.http_url, "llm", {"text_input": "The assert statement", "max_tokens": 600,
+                                             "sampling_parameters": '{"n": 2, "ignore_eos": true}',
+                                             "return_num_output_tokens": True})
+    assert "error" not in both and both["num_output_tokens"] == [600, 600], both
 
 
 def test_kv_exhaustion_completes_through_preemption_with_exact_outputs(start_server, tokenizer):

@@ -85,11 +85,13 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     priority: str | int = "normal", cache_salt: str | None = None,
-                    arrival_time: float | None = None, grammar=None) -> Request:
+                    arrival_time: float | None = None, grammar=None, group: list[Request] | None = None) -> Request:
         """Queue a request; raises ValueError (naming the field) for anything that could never run,
         QueueFullError when the waiting queue is full. Returns the request's (read-only) state.
         With structured outputs, `grammar` is its grammar compiled ahead (self.structured.compile,
-        on another thread); without it the grammar is compiled here."""
+        on another thread); without it the grammar is compiled here. The outputs of one n > 1
+        request pass the same `group` list, which each joins: the queue timeout treats them as one
+        request."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("'params' must be a SamplingParams")
@@ -124,7 +126,9 @@ class LLMEngine:
                       generator=generator,
                       # fixed-length parts (the adapter's present or not): no salt can pose as an adapter
                       cache_key=hashlib.blake2b(self.model_key + salt + lora_key, digest_size=16).digest(),
-                      matcher=matcher, lora_slot=lora_slot)
+                      matcher=matcher, lora_slot=lora_slot, group=group)
+        if group is not None:
+            group.append(req)
         self.num_constrained += matcher is not None
         self.requests[request_id] = req
         self.scheduler.add(req)

@@ -42,6 +42,13 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     matcher: object | None = None     # structured outputs: the grammar matcher (structured.py)
     lora_slot: int = -1               # the adapter's slot in the runner's LoRA weights; -1: base model
+    group: list[Request] | None = None    # the outputs of one n > 1 request, this one among them
+
+    @property
+    def started(self) -> bool:
+        """Admitted once, or one of its group was: an n > 1 request has begun as a whole."""
+        members = self.group or (self,)
+        return any(r.first_scheduled_time is not None for r in members)
 
     @property
     def prompt_token_ids(self) -> list[int]:

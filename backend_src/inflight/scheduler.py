@@ -401,10 +401,11 @@ class Scheduler:
         self._finish(req, reason)
 
     def expire_waiting(self, max_wait_s: float) -> list[Request]:
-        """Requests never admitted that waited longer than max_wait_s (queue timeout)."""
+        """Requests not started that waited longer than max_wait_s (queue timeout). An output of
+        an n > 1 request still waiting for a seat while another streams is part of a running
+        request: it waits on."""
         now = time.monotonic()
-        expired = [r for r in self._waiting_in_order()
-                   if r.first_scheduled_time is None and now - r.arrival_time > max_wait_s]
+        expired = [r for r in self._waiting_in_order() if not r.started and now - r.arrival_time > max_wait_s]
         for req in expired:
             self.abort(req, "error")
         return expired

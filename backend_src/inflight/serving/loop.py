@@ -203,11 +203,12 @@ class EngineLoop:
                 self.outbox.put(("error", (job, self.failure)))
                 return
             added = []
+            group = [] if len(job.samples) > 1 else None
             try:
                 for sample in job.samples:
                     self.engine.add_request(sample.request_id, job.prompt_ids, sample.params, job.request.priority,
                                             job.request.cache_salt, arrival_time=job.arrival,
-                                            grammar=job.grammar)
+                                            grammar=job.grammar, group=group)
                     added.append(sample)
             except (ValueError, QueueFullError) as exc:
                 for sample in added:
