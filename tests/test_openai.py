@@ -512,8 +512,9 @@ def test_truncate_prompt_tokens_and_bad_words_as_vllm(client, reference_engine, 
 
 def test_max_tokens_is_fitted_to_the_context_as_vllm(api, client, tokenizer):
     """A prompt near the context length runs with max_tokens cut to the room left (the default's
-    16, or a larger one asked for), and stops with "length"; one with no room is refused with
-    OpenAI's code (the BAD cases check the message)."""
+    16, or a larger one asked for), and stops with "length"; a chat that gives none runs to the end
+    of the context, as vLLM's; a prompt with no room is refused with OpenAI's code (the BAD cases
+    check the message)."""
     with open(os.path.join(DEFAULT_MODEL, "config.json")) as f:
         context = json.load(f)["max_position_embeddings"]
     near = [1] + [100] * (context - 6)                  # room for 5 tokens
@@ -532,6 +533,11 @@ def test_max_tokens_is_fitted_to_the_context_as_vllm(api, client, tokenizer):
     assert 0 < room <= 4 + step
     chat = client.chat.completions.create(model=MODEL, messages=messages((context - 4 - base) // step),
                                           max_completion_tokens=1000, extra_body={"ignore_eos": True})
+    assert (chat.usage.completion_tokens, chat.choices[0].finish_reason) == (room, "length")
+    room = context - len(chat_ids(tokenizer, messages((context - 40 - base) // step)))
+    assert 40 <= room <= 40 + step
+    chat = client.chat.completions.create(model=MODEL, messages=messages((context - 40 - base) // step),
+                                          extra_body={"ignore_eos": True})
     assert (chat.usage.completion_tokens, chat.choices[0].finish_reason) == (room, "length")
     full = httpx.post(f"{api.base_url}/completions", json={"model": MODEL, "prompt": [1] + [100] * (context - 1)})
     assert full.status_code == 400 and full.json()["error"]["code"] == "context_length_exceeded"
@@ -957,3 +963,10 @@ def test_vllms_name_path_form_of_lora_modules_is_refused_with_the_reason(capsys)
     assert "'sql-lora=/adapters/sql' is vLLM's name=path form; give the names alone" in capsys.readouterr().err
     settings, _ = parse_args(["--model-dir", DEFAULT_MODEL, "--lora-modules", "sql-lora"])
     assert "sql-lora" in settings.lora_names
+
+
+def test_a_default_max_tokens_below_one_is_refused(capsys):
+    from inflight_client.openai_server.cli import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--model-dir", DEFAULT_MODEL, "--default-max-tokens", "0"])
+    assert "--default-max-tokens must be at least 1, got 0" in capsys.readouterr().err

@@ -39,7 +39,7 @@ class Settings:
     served_model_name: str
     triton_model: str = "llm"
     chat_template: str | None = None
-    default_max_tokens: int = 16
+    default_max_tokens: int | None = None     # None: 16 for completions, the context for chats
     lora_names: tuple[str, ...] = ()        # the LoRA adapters `llm` serves, each a model id
     disable_any_whitespace: bool = False
     max_model_len: int | None = None

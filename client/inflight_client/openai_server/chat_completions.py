@@ -33,7 +33,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
     prompt_ids = ctx.chat.prompt_ids(body.messages, tools, body, body.add_special_tokens)
     if body.truncate_prompt_tokens is not None:
         prompt_ids = ctx.truncate(prompt_ids, body.truncate_prompt_tokens)
-    sampling = ctx.fit(chat_sampling(body, ctx.default_max_tokens, constraint, lora_name), prompt_ids, "messages")
+    sampling = ctx.fit(chat_sampling(body, ctx.chat_max_tokens, constraint, lora_name), prompt_ids, "messages")
     calls = [ctx.triton.generate(prompt_ids, sampling, body.stream)]
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": body.model or ctx.models.name}

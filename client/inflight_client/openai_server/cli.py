@@ -27,8 +27,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME",
                         help="the LoRA adapters `llm` serves (its multi_lora.json names), each listed as a model id")
     parser.add_argument("--chat-template", help="a Jinja chat template file, instead of the tokenizer's own")
-    parser.add_argument("--default-max-tokens", type=int, default=16,
-                        help="max_tokens when a request gives none (as Triton's OpenAI frontend)")
+    parser.add_argument("--default-max-tokens", type=int,
+                        help="max_tokens when a request gives none (default: as vLLM's server and OpenAI's API, 16 "
+                             "for a completion, and a chat runs to the end of the context)")
     parser.add_argument("--disable-any-whitespace", action="store_true",
                         help="constrained JSON (response_format, tool calls, guided_json) without whitespace between "
                              "its tokens, as vLLM's structured-outputs option of that name: a small model may "
@@ -48,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     name = args.served_model_name or os.path.basename(os.path.normpath(directory))
     if name in args.lora_modules:
         parser.error(f"--lora-modules: {name!r} is also the served model name")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        parser.error(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
     for module in args.lora_modules:
         if "=" in module or module.lstrip().startswith("{"):
             parser.error(f"--lora-modules: {module!r} is vLLM's name=path form; give the names alone: `llm` "

@@ -27,7 +27,7 @@ from .structured import blame, request_constraints, single
 async def create_completion(body: CompletionRequest, ctx: Context):
     lora_name = ctx.models.check(body.model)
     constraint = single(request_constraints(body), ctx.disable_any_whitespace)
-    sampling = completion_sampling(body, ctx.default_max_tokens, constraint, lora_name)
+    sampling = completion_sampling(body, ctx.completion_max_tokens, constraint, lora_name)
     prompts = body.prompts()
     echoed = None               # with echo and logprobs: (prompt i, its prompt_logprobs) -> positions
     if body.truncate_prompt_tokens is not None:

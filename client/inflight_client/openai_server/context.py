@@ -16,8 +16,22 @@ class Context:
     tokenizer: object
     chat: ChatTemplate
     models: ServedModels
-    default_max_tokens: int
+    default_max_tokens: int | None               # --default-max-tokens; None: vLLM's defaults, below
     disable_any_whitespace: bool = False         # added to every output constraint (structured.py)
+
+    @property
+    def completion_max_tokens(self) -> int:
+        """max_tokens for a completion that gives none: 16, OpenAI's default and vLLM's."""
+        return 16 if self.default_max_tokens is None else self.default_max_tokens
+
+    @property
+    def chat_max_tokens(self) -> int:
+        """For a chat that gives none: the whole context, which fit() cuts to the room the prompt
+        leaves (a reply runs to its end, as from vLLM's server and OpenAI's API); 16 where the
+        context length is unknown."""
+        if self.default_max_tokens is not None:
+            return self.default_max_tokens
+        return self.models.max_model_len or 16
 
     def prompt_text(self, prompt: str | list[int]) -> str:
         """A prompt as text (for echo): a token prompt decoded with its special tokens, as vLLM
