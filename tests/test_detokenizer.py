@@ -224,6 +224,30 @@ def test_a_stop_token_ends_the_text_without_its_own_and_releases_what_was_held(t
         assert piece.new_ids == ids + (newline if include else []) and piece.num_tokens == len(ids) + 1
 
 
+def test_stop_reason_is_the_stop_string_or_token_and_none_for_eos_and_length(tokenizer):
+    """vLLM's stop_reason: the matched stop string; a stop token's id, also the EOS when ignore_eos
+    made it a plain stop token; None for an end on EOS and for a length limit."""
+    from inflight import SamplingParams
+    from inflight.serving.job import Sample
+    eos = tokenizer.eos_token_id
+    ids = tokenizer("one two", add_special_tokens=False)["input_ids"]
+
+    def reason(params: SamplingParams, last: int, finish: str, stop: list[str] = ()) -> str | int | None:
+        sample = Sample("r", params, IncrementalDetokenizer(tokenizer), StopStrings(stop) if stop else None,
+                        eos_token_id=eos)
+        for token in ids[:-1]:
+            sample.add(token, None, None)
+        sample.add(last, None, finish)
+        assert sample.finish_reason == ("stop" if stop else finish)
+        return sample.stop_reason
+
+    assert reason(SamplingParams(), eos, "stop") is None
+    assert reason(SamplingParams(ignore_eos=True, stop_token_ids=(eos,)), eos, "stop") == eos
+    assert reason(SamplingParams(stop_token_ids=(ids[-1],)), ids[-1], "stop") == ids[-1]
+    assert reason(SamplingParams(), ids[-1], "length") is None
+    assert reason(SamplingParams(stop=("two", "wo")), ids[-1], None, stop=["two", "wo"]) == "two"
+
+
 def test_a_stop_string_must_end_in_text_searched():
     """Text before min_tokens is not searched, also not by a shorter stop string in the tail held
     for a longer one (vLLM's look-back reaches len(stop) - 1 characters before the new text)."""

@@ -318,9 +318,40 @@ def test_n_seeds_and_stop_strings(client, reference_engine, tokenizer):
     stop = full[10:13]
     cut = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=[stop])
     assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
-    kept = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=stop,
-                                     stream=True, extra_body={"include_stop_str_in_output": True})
+    kept = list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=30, temperature=0, stop=stop,
+                                          stream=True, extra_body={"include_stop_str_in_output": True}))
     assert "".join(c.choices[0].text for c in kept) == full[:full.index(stop) + len(stop)]
+    # vLLM's stop_reason: the stop string, or the stop token's id; null for a length limit
+    assert cut.choices[0].model_extra["stop_reason"] == stop
+    assert [c.choices[0].model_extra.get("stop_reason") for c in kept if c.choices[0].finish_reason] == [stop]
+    assert chat.choices[0].model_extra["stop_reason"] is None
+    ask = [{"role": "user", "content": PROMPTS[2]}]
+    ids = reference_engine.generate([chat_ids(tokenizer, ask)], SamplingParams(max_tokens=8, temperature=0,
+                                                                               ignore_eos=True))[0].token_ids
+    token = next(t for i, t in enumerate(ids) if i >= 2 and t not in ids[:i])
+    for stream in (False, True):
+        reply = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=30, temperature=0, stream=stream,
+                                               extra_body={"stop_token_ids": [token], "ignore_eos": True})
+        ends = [c.choices[0] for c in reply if c.choices and c.choices[0].finish_reason] if stream else reply.choices
+        assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in ends] == [("stop", token)]
+
+
+def test_return_stop_reason_goes_only_to_a_model_that_takes_it(server):
+    """Triton refuses an input a model does not declare (the vLLM backend has no
+    return_stop_reason): the server reads the model's metadata once and asks for the stop reason
+    only where it is declared (inflight's `llm`; not the `ensemble`, standing in for such a model)."""
+    from inflight_client.openai_server.triton import TritonLLM
+
+    async def asks(model: str) -> tuple[bool, bool]:
+        triton = TritonLLM(server.http_url, model)
+        await triton.start()
+        try:
+            await triton._check_inputs()
+            return triton.has_stop_reason, "return_stop_reason" in triton.payload("x", {}, False)
+        finally:
+            await triton.close()
+    assert asyncio.run(asks("llm")) == (True, True)
+    assert asyncio.run(asks("ensemble")) == (False, False)
 
 
 def test_with_n_each_streamed_choice_ends_once(client):

@@ -157,9 +157,12 @@ def test_stop_strings_with_and_without_include_stop_str_in_output(server, tokeni
         sampling = {"max_tokens": 30, "temperature": 0, "stop": [stop], "include_stop_str_in_output": include}
         for stream in (True, False):
             responses = llm(server, grpc_inputs(PROMPT, stream, sampling, exclude_input_in_output=True,
-                                                return_finish_reason=True))
+                                                return_finish_reason=True, return_stop_reason=True))
             assert "".join(strings(o["text_output"])[0] for o, _ in responses) == expected
             assert strings(responses[-1][0]["finish_reason"]) == ["stop"]
+            # inflight's stop_reason (vLLM's OpenAI field): the string, as JSON; null before the end
+            assert [strings(o["stop_reason"]) for o, _ in responses] == \
+                [["null"]] * (len(responses) - 1) + [[json.dumps(stop)]]
 
 
 def sampled_ids(responses) -> list[int]:
@@ -175,7 +178,8 @@ def test_stop_tokens_min_tokens_and_bad_words_as_vllm(server, tokenizer, referen
     ref = reference_engine.generate([prompt_ids], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
     ids = ref.token_ids
     base = {"max_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": 0}
-    flags = dict(exclude_input_in_output=True, return_finish_reason=True, return_logprobs=True)
+    flags = dict(exclude_input_in_output=True, return_finish_reason=True, return_logprobs=True,
+                 return_stop_reason=True)
     i = next(i for i in range(2, 24) if ids[i] not in ids[:i] and decode(tokenizer, [ids[i]]))
     for include, text in ((False, decode(tokenizer, ids[:i])), (True, decode(tokenizer, ids[:i + 1]))):
         for stream in (True, False):
@@ -183,6 +187,7 @@ def test_stop_tokens_min_tokens_and_bad_words_as_vllm(server, tokenizer, referen
                                                                  "include_stop_str_in_output": include}, **flags))
             assert "".join(strings(o["text_output"])[0] for o, _ in responses) == text
             assert sampled_ids(responses) == ids[:i + 1] and strings(responses[-1][0]["finish_reason"]) == ["stop"]
+            assert strings(responses[-1][0]["stop_reason"]) == [str(ids[i])], "the stop token's id"
     full = decode(tokenizer, ids)
     stop = decode(tokenizer, [ids[1]]).strip() or decode(tokenizer, [ids[1]])
     early = llm(server, grpc_inputs(PROMPT, False, {**base, "stop": [stop]}, **flags))

@@ -127,7 +127,11 @@ class StopStrings:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""
         self.unsearched = 0         # leading characters of `pending` fed with search=False
-        self.stopped = False
+        self.matched: str | None = None     # the stop string that ended the text
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
 
     def feed(self, text: str, final: bool = False, search: bool = True) -> str:
         if self.stopped:
@@ -136,10 +140,10 @@ class StopStrings:
         hits = []
         if search:
             found = ((pending.find(s, max(self.unsearched - len(s) + 1, 0)), s) for s in self.stop)
-            hits = [(i, len(s)) for i, s in found if i >= 0]
+            hits = [(i, len(s), s) for i, s in found if i >= 0]
         if hits:
-            self.pending, self.stopped = "", True
-            start, length = min(hits)
+            start, length, self.matched = min(hits)
+            self.pending = ""
             return pending[:start + length if self.include else start]
         cut = len(pending) if final else max(len(pending) - self.hold, 0)
         self.pending = pending[cut:]

@@ -40,10 +40,12 @@ class Sample:
     detokenizer: IncrementalDetokenizer
     stops: StopStrings | None
     include_stop_text: bool = False         # vLLM's include_stop_str_in_output: also a stop token's text
+    eos_token_id: int | None = None         # the tokenizer's: an end on it has no stop_reason
     output_ids: list[int] = field(default_factory=list)
     stop_token_hidden: bool = False         # the output ended on a stop token left out of its text and ids
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None    # vLLM's: the stop string, or the stop token (not EOS), that ended it
     ready: bool = False                     # got tokens (or its end) since the last response
     last_token_time: float | None = None    # when its latest token was delivered (the metrics' token gaps)
     _text: list[str] = field(default_factory=list)          # not sent yet
@@ -85,9 +87,11 @@ class Sample:
         # character is incomplete (empty text): a client timing responses sees the engine's pace
         self.ready = True
         if self.stops is not None and self.stops.stopped:
-            self.finish_reason = "stop"
+            self.finish_reason, self.stop_reason = "stop", self.stops.matched
             return finish is None
         self.finish_reason = finish
+        if finish == "stop" and (token != self.eos_token_id or self.params.ignore_eos):
+            self.stop_reason = token            # one of stop_token_ids, or a model's other EOS (vLLM's rule)
         return False
 
     @property

@@ -138,7 +138,7 @@ class EngineLoop:
             params = _replace(params, prompt_logprobs=None)     # the outputs share one prompt: scored once
         stops = StopStrings(params.stop, request.include_stop_str_in_output) if params.stop else None
         return Sample(request_id, params, IncrementalDetokenizer(self.tokenizer, prompt_ids), stops,
-                      request.include_stop_str_in_output)
+                      request.include_stop_str_in_output, self.tokenizer.eos_token_id)
 
     def _compile(self, params: SamplingParams):
         """A new schema compiles here, on Triton's thread, while the engine thread keeps stepping

@@ -6,7 +6,9 @@ token id -> {"logprob", "rank", "decoded_token"} (sampled token first), or `null
 request's sampling parameters did not ask for log-probabilities. `prompt_logprobs` (inflight's;
 the vLLM backend has no such output) is vLLM's list in the same JSON: `null` for the first prompt
 token, then per prompt token that token first and the top N; in the first response only (`null`
-in later ones and when `sampling_parameters` has no "prompt_logprobs").
+in later ones and when `sampling_parameters` has no "prompt_logprobs"). `stop_reason` (inflight's
+too) is per output the JSON of vLLM's stop_reason: the stop string or stop token id that ended
+it, `null` for EOS, a length limit, or while it runs.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def response_outputs(job: Job, pieces: list[Piece], token_text: Callable[[int], 
     outputs = {"text_output": _strings(texts)}
     if request.return_finish_reason:
         outputs["finish_reason"] = _strings([str(sample.finish_reason) for sample in job.samples])
+    if request.return_stop_reason:
+        outputs["stop_reason"] = _strings([json.dumps(sample.stop_reason) for sample in job.samples])
     if request.return_cumulative_logprob:
         outputs["cumulative_logprob"] = np.array([sample.cumulative_logprob for sample in job.samples], dtype=np.float32)
     if request.return_logprobs:

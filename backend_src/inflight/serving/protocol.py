@@ -26,7 +26,7 @@ class RequestError(ValueError):
 
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
                "return_num_output_tokens", "return_logprobs", "return_token_ids", "return_cumulative_logprob",
-               "return_prompt_logprobs")
+               "return_prompt_logprobs", "return_stop_reason")
 MAX_N = 128         # outputs per request (the OpenAI API's limit)
 
 # sampling knob -> the kind of value it takes
@@ -65,6 +65,7 @@ class GenerateRequest:
     return_token_ids: bool = False
     return_cumulative_logprob: bool = False
     return_prompt_logprobs: bool = False
+    return_stop_reason: bool = False          # inflight's: vLLM's stop_reason (its OpenAI server's field)
     bad_words: tuple[str, ...] = ()
     n: int = 1                                # outputs, each its own engine request (seed + i)
     include_stop_str_in_output: bool = False

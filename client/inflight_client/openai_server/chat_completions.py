@@ -57,7 +57,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
             message["content"] = echo + (message["content"] or "")
         choice = {"index": index, "message": message,
                   "logprobs": chat_logprobs(body.shown(out.logprobs), top_n) if body.logprobs else None,
-                  "finish_reason": reason}
+                  "finish_reason": reason, "stop_reason": out.stop_reason}
         if body.return_token_ids:
             choice["token_ids"] = sampled_ids(out.logprobs)
         choices.append(choice)
@@ -96,6 +96,8 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
     def chunk(response: LLMResponse, index: int, delta: dict, logprobs=None, reason=None,
               positions: list | None = None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        if reason is not None:                  # vLLM's stop_reason, in the chunk that ends the choice
+            choice["stop_reason"] = response.stop_reasons[index]
         out = {**head, "choices": [choice]}
         if body.return_token_ids and positions is None:        # the role chunk
             out["prompt_token_ids"] = prompt_ids

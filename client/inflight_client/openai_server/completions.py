@@ -70,7 +70,8 @@ def _choice(index: int, out: generation.Output, body: CompletionRequest, prompt:
         else:
             logprobs = completion_logprobs(body.shown(positions))
     choice = {"index": index, "text": echo + "".join(out.text) if generated else echo, "logprobs": logprobs,
-              "finish_reason": out.finish_reason if generated else "length"}
+              "finish_reason": out.finish_reason if generated else "length",
+              "stop_reason": out.stop_reason if generated else None}
     if body.prompt_logprobs is not None:
         choice["prompt_logprobs"] = out.prompt_logprobs
     if body.return_token_ids:
@@ -114,6 +115,8 @@ async def _chunks(head: dict, body: CompletionRequest, responses, prompts: list,
                     logprobs = completion_logprobs(body.shown(prompt_positions + positions), offsets[index])
                     offsets[index] += sum(map(len, logprobs["tokens"]))
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+                if reason is not None:          # vLLM's stop_reason, in the chunk that ends the choice
+                    choice["stop_reason"] = response.stop_reasons[j] if generating else None
                 if body.return_token_ids:
                     choice["prompt_token_ids"] = prompts[prompt_index] if first else None
                     choice["token_ids"] = sampled_ids(positions)

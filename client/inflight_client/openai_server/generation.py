@@ -16,6 +16,7 @@ class Output:
     text: list[str] = field(default_factory=list)
     logprobs: list[dict] | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None                 # vLLM's: the stop string or token that ended it
     prompt_logprobs: list[dict | None] | None = None     # its prompt's, when asked
 
 
@@ -62,7 +63,8 @@ async def gather(calls: list[AsyncIterator[LLMResponse]], n: int) -> tuple[list[
                 out.text.append(response.texts[j])
                 if response.logprobs[j] is not None:
                     out.logprobs = (out.logprobs or []) + response.logprobs[j]
-                out.finish_reason = response.finish_reasons[j] or out.finish_reason
+                if response.finish_reasons[j] is not None:
+                    out.finish_reason, out.stop_reason = response.finish_reasons[j], response.stop_reasons[j]
     return outputs, usage
 
 

@@ -23,6 +23,7 @@ class LLMResponse:
     """One `llm` response; one list element per output (`n`)."""
     texts: list[str]                      # new text (a stream) or all of it
     finish_reasons: list[str | None]      # None while an output runs
+    stop_reasons: list[str | int | None]  # vLLM's: the stop string or token that ended an output
     num_output_tokens: list[int]          # tokens covered by this response
     logprobs: list[list[dict] | None]     # per token {token id: {logprob, rank, decoded_token}}
     num_input_tokens: int
@@ -38,8 +39,9 @@ def parse_event(event: dict) -> LLMResponse:
     texts = _elements(event["text_output"])
     reasons = [None if r == "None" else r for r in _elements(event["finish_reason"])]
     logprobs = [json.loads(s) for s in _elements(event["logprobs"])] if "logprobs" in event else [None] * len(texts)
+    stops = [json.loads(s) for s in _elements(event["stop_reason"])] if "stop_reason" in event else [None] * len(texts)
     prompt_logprobs = json.loads(event["prompt_logprobs"]) if "prompt_logprobs" in event else None
-    return LLMResponse(texts, reasons, _elements(event["num_output_tokens"]), logprobs,
+    return LLMResponse(texts, reasons, stops, _elements(event["num_output_tokens"]), logprobs,
                        int(event["num_input_tokens"]), prompt_logprobs)
 
 
@@ -64,6 +66,7 @@ class TritonLLM:
         self.url = url                    # Triton's HTTP address, host:port
         self.model = model
         self.session: aiohttp.ClientSession | None = None
+        self.has_stop_reason: bool | None = None    # whether the model takes return_stop_reason (inflight's)
 
     async def start(self) -> None:
         """Open the pool (inside the event loop that will use it): no limit on connections, one
@@ -85,23 +88,34 @@ class TritonLLM:
         except (aiohttp.ClientError, TimeoutError):      # unreachable: not ready either way
             return False
 
-    @staticmethod
-    def payload(prompt: str | list[int], sampling: dict, stream: bool) -> dict:
+    async def _check_inputs(self) -> None:
+        """Read once from the model's metadata whether it is inflight's `llm`, which can name the
+        stop that ended an output (the vLLM backend refuses inputs it does not know)."""
+        async with self.session.get(f"/v2/models/{self.model}") as response:
+            if response.status == 200:
+                names = {tensor["name"] for tensor in (await response.json()).get("inputs", [])}
+                self.has_stop_reason = "return_stop_reason" in names
+
+    def payload(self, prompt: str | list[int], sampling: dict, stream: bool) -> dict:
         """The inputs Triton's OpenAI frontend sends the vLLM backend (plus `input_ids` for
-        token prompts, and `return_prompt_logprobs` when asked, inflight's): the prompt is never
-        repeated (echo is this server's job)."""
+        token prompts, `return_prompt_logprobs` when asked, and `return_stop_reason`, inflight's):
+        the prompt is never repeated (echo is this server's job)."""
         payload = {("text_input" if isinstance(prompt, str) else "input_ids"): prompt, "stream": stream,
                    "sampling_parameters": json.dumps(sampling), "exclude_input_in_output": True,
                    "return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
                    "return_logprobs": "logprobs" in sampling}
         if "prompt_logprobs" in sampling:
             payload["return_prompt_logprobs"] = True
+        if self.has_stop_reason:
+            payload["return_stop_reason"] = True
         return payload
 
     async def generate(self, prompt: str | list[int], sampling: dict, stream: bool) -> AsyncIterator[LLMResponse]:
         """The request's responses; raises APIError for an error response or a failed call.
         Closing the iterator early cancels the request."""
         try:
+            if self.has_stop_reason is None:
+                await self._check_inputs()
             async with self.session.post(f"/v2/models/{self.model}/generate_stream",
                                          json=self.payload(prompt, sampling, stream)) as response:
                 if response.status != 200 and response.content_type != "text/event-stream":
