@@ -95,7 +95,7 @@ async def run(send, items, concurrency: int) -> list[RequestRecord]:
 
 # the outputs TritonLLM asks llm for (no logprobs here), so that both transports read the same responses
 TRANSPORT_FLAGS = {"exclude_input_in_output": True, "return_finish_reason": True, "return_num_input_tokens": True,
-                   "return_num_output_tokens": True}
+                   "return_num_output_tokens": True, "return_stop_reason": True}
 
 
 async def grpc_transport(url: str, items, sampling, concurrency: int) -> int:
@@ -114,7 +114,9 @@ async def grpc_transport(url: str, items, sampling, concurrency: int) -> int:
             async for outputs, _, error in grpc_responses(client, "llm", inputs):
                 assert error is None, error
                 if outputs:
+                    stops = texts(outputs["stop_reason"]) if "stop_reason" in outputs else ["null"]
                     response = LLMResponse(texts(outputs["text_output"]), texts(outputs["finish_reason"]),
+                                           [json.loads(s) for s in stops],
                                            outputs["num_output_tokens"].reshape(-1).tolist(), [None],
                                            int(outputs["num_input_tokens"].reshape(-1)[0]))
                     tokens += sum(response.num_output_tokens)

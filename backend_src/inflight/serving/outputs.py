@@ -8,7 +8,8 @@ the vLLM backend has no such output) is vLLM's list in the same JSON: `null` for
 token, then per prompt token that token first and the top N; in the first response only (`null`
 in later ones and when `sampling_parameters` has no "prompt_logprobs"). `stop_reason` (inflight's
 too) is per output the JSON of vLLM's stop_reason: the stop string or stop token id that ended
-it, `null` for EOS, a length limit, or while it runs.
+it, `null` for EOS or a length limit; only from the response where an output ends (`null` for
+those still running), so that a stream's other responses carry nothing more per token.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def response_outputs(job: Job, pieces: list[Piece], token_text: Callable[[int], 
     outputs = {"text_output": _strings(texts)}
     if request.return_finish_reason:
         outputs["finish_reason"] = _strings([str(sample.finish_reason) for sample in job.samples])
-    if request.return_stop_reason:
+    if request.return_stop_reason and any(sample.finished for sample in job.samples):
         outputs["stop_reason"] = _strings([json.dumps(sample.stop_reason) for sample in job.samples])
     if request.return_cumulative_logprob:
         outputs["cumulative_logprob"] = np.array([sample.cumulative_logprob for sample in job.samples], dtype=np.float32)
