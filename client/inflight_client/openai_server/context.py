@@ -9,6 +9,8 @@ from .errors import APIError
 from .models import ServedModels
 from .triton import TritonLLM
 
+OPENAI_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for a completion, and vLLM's
+
 
 @dataclass(slots=True)
 class Context:
@@ -21,17 +23,17 @@ class Context:
 
     @property
     def completion_max_tokens(self) -> int:
-        """max_tokens for a completion that gives none: 16, OpenAI's default and vLLM's."""
-        return 16 if self.default_max_tokens is None else self.default_max_tokens
+        """max_tokens for a completion that gives none."""
+        return OPENAI_DEFAULT_MAX_TOKENS if self.default_max_tokens is None else self.default_max_tokens
 
     @property
     def chat_max_tokens(self) -> int:
         """For a chat that gives none: the whole context, which fit() cuts to the room the prompt
-        leaves (a reply runs to its end, as from vLLM's server and OpenAI's API); 16 where the
-        context length is unknown."""
+        leaves (a reply runs to its end, as from vLLM's server and OpenAI's API); a completion's
+        default where the context length is unknown."""
         if self.default_max_tokens is not None:
             return self.default_max_tokens
-        return self.models.max_model_len or 16
+        return self.models.max_model_len or OPENAI_DEFAULT_MAX_TOKENS
 
     def prompt_text(self, prompt: str | list[int]) -> str:
         """A prompt as text (for echo): a token prompt decoded with its special tokens, as vLLM
