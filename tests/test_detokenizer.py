@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inflight.detokenizer import Delta, IncrementalDetokenizer, StopStrings, decode, decode_delta, token_text
+from inflight.detokenizer import (Delta, DecodeOptions, IncrementalDetokenizer, StopStrings, decode, decode_delta,
+                                  token_text)
 
 from .conftest import DEFAULT_MODEL
 
@@ -127,11 +128,49 @@ def test_random_bytes_never_hold_more_than_one_incomplete_character(tokenizer, d
         delta = det.add([token], final=i == len(ids) - 1)
         if delta is not None:
             deltas.append(delta)
-        held = [t for t in det.token_ids[det.read_offset:] if t not in det.special_ids]
+        held = [t for t in det.token_ids[det.read_offset:] if t not in det.skipped_ids]
         assert len(held) <= 3, "held more than one character's bytes"
     assert "".join(d.text for d in deltas) == decode(tokenizer, ids)
     for d in deltas:
         assert decode_delta(tokenizer, d.context_ids, d.new_ids) == d.text
+    assert [t for d in deltas for t in d.new_ids] == ids
+
+
+KEEP_SPECIAL = DecodeOptions(skip_special_tokens=False)
+
+
+def test_special_tokens_are_text_when_not_skipped(tokenizer):
+    """vLLM's skip_special_tokens = false: the special tokens a model generates are in the text,
+    each released as it comes (it decodes to text: nothing to hold), and the deltas add up to
+    transformers' decode(skip_special_tokens=False); by default they are left out, as before."""
+    words = tokenizer(" one two", add_special_tokens=False)["input_ids"]
+    ids = [tokenizer.bos_token_id, words[0], tokenizer.pad_token_id, *words[1:], tokenizer.eos_token_id]
+    full = tokenizer.decode(ids, skip_special_tokens=False)
+    assert full == "<s> one<pad> two</s>"
+    for chunk in (1, 2):
+        det = IncrementalDetokenizer(tokenizer, tokenizer("Say")["input_ids"], KEEP_SPECIAL)
+        deltas = [det.add(ids[i:i + chunk], final=i + chunk >= len(ids)) for i in range(0, len(ids), chunk)]
+        assert None not in deltas and "".join(d.text for d in deltas) == full
+        assert all(decode_delta(tokenizer, d.context_ids, d.new_ids, KEEP_SPECIAL) == d.text for d in deltas)
+    assert "".join(d.text for d in stream(tokenizer, ids)) == decode(tokenizer, ids) == " one two"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_without_skipping_any_token_sequence_streams_exactly(tokenizer, data):
+    """Special tokens among bytes that never become a character: they split the bytes (the full
+    decode does too), and only the one character still incomplete is held."""
+    specials = st.sampled_from(tokenizer.all_special_ids)
+    ids = data.draw(st.lists(st.one_of(specials, st.sampled_from(byte_token_ids(tokenizer)),
+                                       st.integers(0, len(tokenizer) - 1)), min_size=1, max_size=40))
+    det = IncrementalDetokenizer(tokenizer, options=KEEP_SPECIAL)
+    deltas = []
+    for i, token in enumerate(ids):
+        deltas.append(det.add([token], final=i == len(ids) - 1))
+        assert len(det.token_ids) - det.read_offset <= 3, "held more than one character's bytes"
+    deltas = [d for d in deltas if d is not None]
+    assert "".join(d.text for d in deltas) == tokenizer.decode(ids, skip_special_tokens=False)
+    assert all(decode_delta(tokenizer, d.context_ids, d.new_ids, KEEP_SPECIAL) == d.text for d in deltas)
     assert [t for d in deltas for t in d.new_ids] == ids
 
 
@@ -222,6 +261,28 @@ def test_a_stop_token_ends_the_text_without_its_own_and_releases_what_was_held(t
         piece = sample.take()
         assert piece.text == "one\n two" + ("\n" if include else "") and sample.finish_reason == "stop"
         assert piece.new_ids == ids + (newline if include else []) and piece.num_tokens == len(ids) + 1
+
+
+def test_without_skipping_the_ending_stop_token_is_still_left_out_as_vllm_leaves_it(tokenizer):
+    """skip_special_tokens = false: the EOS that ends the output decodes to text, but, as in vLLM's
+    detokenizer, it is not part of the output unless include_stop_str_in_output; stop strings
+    match the text of special tokens."""
+    from inflight import SamplingParams
+    from inflight.serving.job import Sample
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    ids = tokenizer(" one two", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(skip_special_tokens=False)
+    for include in (False, True):
+        sample = Sample("r", params, IncrementalDetokenizer(tokenizer, options=KEEP_SPECIAL), None, include, eos)
+        for token in (ids[0], pad, *ids[1:]):
+            sample.add(token, None, None)
+        sample.add(eos, None, "stop")
+        piece = sample.take()
+        assert piece.text == " one<pad> two" + ("</s>" if include else "")
+        assert sample.text_ids == piece.new_ids == [ids[0], pad, *ids[1:], *([eos] if include else [])]
+    sample = Sample("r", params, IncrementalDetokenizer(tokenizer, options=KEEP_SPECIAL), StopStrings(["<pad>"]))
+    assert not sample.add(ids[0], None, None) and sample.add(pad, None, None), "the engine must abort it"
+    assert sample.take().text == " one" and sample.stop_reason == "<pad>"
 
 
 def test_stop_reason_is_the_stop_string_or_token_and_none_for_eos_and_length(tokenizer):

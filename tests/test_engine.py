@@ -184,6 +184,8 @@ def test_requests_that_can_never_run_are_rejected_at_once(engine):
         engine.add_request("stop-oov", [5], SamplingParams(min_tokens=2, stop_token_ids=[engine.vocab_size]))
     with pytest.raises(ValueError, match="'bad_words_ids': token id .* is outside the vocabulary"):
         engine.add_request("bad-oov", [5], SamplingParams(bad_words_ids=[[5, engine.vocab_size + 7]]))
+    with pytest.raises(ValueError, match="'allowed_token_ids': token id .* is outside the vocabulary"):
+        engine.add_request("allowed-oov", [5], SamplingParams(allowed_token_ids=[5, engine.vocab_size]))
     with pytest.raises(ValueError, match="'priority'"):
         engine.add_request("prio", [5], priority="urgent")
     with pytest.raises(ValueError, match="'cache_salt' is not valid UTF-8"):      # JSON's "\ud800" is a str

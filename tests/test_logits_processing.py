@@ -21,14 +21,18 @@ PENALTIES = [{}, {"repetition_penalty": 1.8}, {"repetition_penalty": 0.7}, {"fre
 
 
 @pytest.fixture(scope="module")
-def cases_and_expected(tokenizer):
-    """(prompt, settings) pairs and transformers' greedy output for each."""
+def hf_model():
     from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float64).eval()
+
+
+@pytest.fixture(scope="module")
+def cases_and_expected(tokenizer, hf_model):
+    """(prompt, settings) pairs and transformers' greedy output for each."""
     prompts, _ = text_workload(tokenizer, seed=7)
     cases = [(prompts[i][:60], PENALTIES[i % len(PENALTIES)]) for i in range(2 * len(PENALTIES))]
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float64).eval()
     with torch.no_grad():
-        return cases, [hf_greedy(model, prompt, 64, penalties) for prompt, penalties in cases]
+        return cases, [hf_greedy(hf_model, prompt, 64, penalties) for prompt, penalties in cases]
 
 
 @pytest.mark.parametrize("budget, blocks, seqs", [(16, None, 256), (2048, None, 256), (64, 24, 256), (2048, None, 3)],
@@ -52,6 +56,38 @@ def test_penalized_greedy_equals_transformers(cases_and_expected, budget, blocks
     assert {"repetition_penalty": 1.8} in changed and any(set(p) <= {"frequency_penalty", "presence_penalty"}
                                                            for p in changed), changed
     assert all(t == 397 for t in got[-1].token_ids), "a bias of 100 makes the token certain"
+
+
+def test_allowed_token_ids_restrict_every_token_to_the_set(reference_engine, tokenizer, hf_model):
+    """vLLM's allowed_token_ids: a greedy output is the argmax of the logits restricted to the set
+    (transformers' prefix_allowed_tokens_fn), a sampled one stays in it, unrestricted neighbours in
+    the batch are unchanged; log-probabilities are the model's own, as for logit_bias. EOS ends an
+    output only when allowed; where min_tokens bans every allowed token, the row samples freely."""
+    prompts, _ = text_workload(tokenizer, seed=5)
+    batch = [p[:30] for p in prompts[:3]]
+    eos = tokenizer.eos_token_id
+    plain = [o.token_ids for o in reference_engine.generate(batch, SamplingParams(max_tokens=16, temperature=0))]
+    allowed = [t for t in range(300, 420) if t not in plain[0] + plain[1]]
+    limited = SamplingParams(max_tokens=16, temperature=0, allowed_token_ids=allowed, logprobs=1)
+    outs = reference_engine.generate(batch, [limited, limited, SamplingParams(max_tokens=16, temperature=0)])
+    with torch.no_grad():
+        expected = [hf_greedy(hf_model, p, 16, {"allowed_token_ids": allowed}) for p in batch[:2]]
+    assert [o.token_ids for o in outs[:2]] == expected and outs[2].token_ids == plain[2]
+    assert all(t in allowed for o in outs[:2] for t in o.token_ids)
+    assert any(entry[t].rank > 1 for o in outs[:2] for t, entry in zip(o.token_ids, o.logprobs)), \
+        "ranked in the model's own distribution, where the likeliest token may not be allowed"
+    sampled = reference_engine.generate(batch, SamplingParams(max_tokens=16, temperature=1.5, seed=3,
+                                                              allowed_token_ids=allowed[:5]))
+    assert all(t in allowed[:5] for o in sampled for t in o.token_ids)
+    pushed = dict(max_tokens=4, temperature=0, logit_bias={eos: 100.0})
+    assert reference_engine.generate(batch[:1], SamplingParams(**pushed, allowed_token_ids=allowed))[0].token_ids \
+        == expected[0][:4], "EOS, certain otherwise, is not allowed"
+    assert reference_engine.generate(batch[:1], SamplingParams(**pushed, allowed_token_ids=[*allowed, eos]))[0] \
+        .token_ids == [eos]
+    held = reference_engine.generate(batch[:1], SamplingParams(**pushed, min_tokens=2, allowed_token_ids=[eos]))[0]
+    free = reference_engine.generate(batch[:1], SamplingParams(**pushed, min_tokens=2))[0]
+    assert held.token_ids == free.token_ids[:2] + [eos] and eos not in free.token_ids[:2], \
+        "not token 0 (vLLM's pick from nothing) but what min_tokens alone gives"
 
 
 def test_min_p_keeps_only_tokens_that_likely(tokenizer):
@@ -81,6 +117,10 @@ def test_min_p_keeps_only_tokens_that_likely(tokenizer):
     ("min_p", 1.5, "'min_p' must be in [0, 1]"),
     ("logit_bias", {5: float("inf")}, "'logit_bias' must map token ids to numbers"),
     ("logit_bias", {-1: 1}, "'logit_bias' must map token ids"),
+    ("allowed_token_ids", [], "'allowed_token_ids' must not be empty"),
+    ("allowed_token_ids", [3, -1], "'allowed_token_ids' must be a list of non-negative integers"),
+    ("skip_special_tokens", "false", "'skip_special_tokens' must be a boolean"),
+    ("spaces_between_special_tokens", 0, "'spaces_between_special_tokens' must be a boolean"),
 ])
 def test_out_of_range_settings_name_the_field(knob, value, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -99,7 +99,8 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats
 knob_names = st.sampled_from(["max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                               "stop_token_ids", "ignore_eos", "logprobs", "bad_words", "bad_words_ids", "priority",
                               "cache_salt", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p",
-                              "logit_bias", "unknown_knob"])
+                              "logit_bias", "allowed_token_ids", "skip_special_tokens",
+                              "spaces_between_special_tokens", "unknown_knob"])
 tensors = st.one_of(
     st.builds(lambda s: np.array([s], dtype=object), st.binary(max_size=12)),
     st.builds(lambda xs: np.array(xs, dtype=np.int32), st.lists(st.integers(-5, 2**31 - 1), max_size=4)),

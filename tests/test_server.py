@@ -152,6 +152,10 @@ ERRORS = [
      "'stop_token_ids': token id 99999 is outside the vocabulary"),
     ({"text_input": "hi", "sampling_parameters": '{"bad_words_ids": [[99999]]}'},
      "'bad_words_ids': token id 99999 is outside the vocabulary"),
+    ({"text_input": "hi", "sampling_parameters": '{"allowed_token_ids": []}'}, "'allowed_token_ids' must not be empty"),
+    ({"text_input": "hi", "sampling_parameters": '{"allowed_token_ids": [5, 99999]}'},
+     "'allowed_token_ids': token id 99999 is outside the vocabulary"),
+    ({"text_input": "hi", "skip_special_tokens": "sometimes"}, "'skip_special_tokens' must be a boolean"),
 ]
 
 

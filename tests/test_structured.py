@@ -315,6 +315,28 @@ def test_a_grammar_whose_every_token_is_banned_ends_with_an_error(reference_engi
     assert engine.kv.num_used_blocks == 0 and engine.num_constrained == 0
 
 
+def test_allowed_token_ids_and_a_grammar_both_apply_and_the_grammar_decides_where_they_leave_nothing(
+        reference_engine, tokenizer):
+    """Both masks apply: a choice whose allowed tokens spell the other option gives that option.
+    Once it is complete the grammar allows only EOS, which allowed_token_ids leaves out: rather than
+    sample from nothing (vLLM's token 0, or NaN), the row samples within its grammar, and the output
+    ends. Allowed tokens that the grammar never allows leave the choice to the grammar alone."""
+    prompt = prompt_ids(tokenizer, 0)
+    choice = {"choice": ["yes", "no"]}
+    params = dict(max_tokens=8, temperature=0)
+    free = text_of(tokenizer, reference_engine.generate([prompt], SamplingParams(**params, structured_outputs=choice))[0])
+    other = "no" if free == "yes" else "yes"
+    allowed = tokenizer(other, add_special_tokens=False)["input_ids"]
+    out = reference_engine.generate([prompt], SamplingParams(**params, structured_outputs=choice,
+                                                             allowed_token_ids=allowed))[0]
+    assert text_of(tokenizer, out) == other and out.finish_reason == "stop"
+    assert out.token_ids[:-1] == allowed and out.token_ids[-1] == tokenizer.eos_token_id
+    outside = tokenizer("{", add_special_tokens=False)["input_ids"]
+    alone = reference_engine.generate([prompt], SamplingParams(**params, structured_outputs=choice,
+                                                               allowed_token_ids=outside))[0]
+    assert text_of(tokenizer, alone) == free and alone.finish_reason == "stop"
+
+
 constraint_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=6),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),

@@ -208,6 +208,36 @@ def test_stop_tokens_min_tokens_and_bad_words_as_vllm(server, tokenizer, referen
     assert word not in banned and banned != ids
 
 
+def test_allowed_token_ids_and_special_tokens_in_the_text_as_vllm(server, tokenizer, reference_engine):
+    """vLLM's allowed_token_ids (here over HTTP generate, in sampling_parameters) and
+    skip_special_tokens = false: special tokens the model generates mid-output (BOS, forced by a
+    bias and kept from repeating by a bad word) are in the text, streamed or not, as transformers
+    decodes them; by default they are left out, as before."""
+    from inflight_client.streams import http_generate
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    allowed = list(range(300, 340))
+    ref = reference_engine.generate([prompt_ids], SamplingParams(max_tokens=8, temperature=0,
+                                                                 allowed_token_ids=allowed))[0]
+    sampling = {"max_tokens": 8, "temperature": 0, "allowed_token_ids": allowed}
+    reply = http_generate(server.http_url, "llm", {"text_input": PROMPT, "exclude_input_in_output": True,
+                                                   "sampling_parameters": json.dumps(sampling)})
+    assert reply["text_output"] == decode(tokenizer, ref.token_ids) and set(ref.token_ids) <= set(allowed)
+    bos = tokenizer.bos_token_id
+    forced = {"max_tokens": 9, "temperature": 0, "ignore_eos": True, "logit_bias": {str(bos): 100},
+              "bad_words_ids": [[bos, bos]], "logprobs": 0}
+    for stream in (True, False):
+        texts = {}
+        for skip in (True, False):
+            responses = llm(server, grpc_inputs(PROMPT, stream, {**forced, "skip_special_tokens": skip,
+                                                                 "spaces_between_special_tokens": skip},
+                                                exclude_input_in_output=True, return_logprobs=True))
+            ids = sampled_ids(responses)
+            assert ids[::2] == [bos] * 5 and bos not in ids[1::2], "BOS, then a word, and again"
+            texts[skip] = "".join(strings(o["text_output"])[0] for o, _ in responses)
+            assert texts[skip] == tokenizer.decode(ids, skip_special_tokens=skip)
+        assert texts[False].count("<s>") == 5 and texts[False].replace("<s>", "") == texts[True]
+
+
 def test_n_outputs_are_elements_of_every_tensor_with_seed_plus_index(server):
     sampling = {"max_tokens": 12, "temperature": 1.0, "seed": 11, "n": 3, "ignore_eos": True}
     flags = dict(exclude_input_in_output=True, return_finish_reason=True, return_num_output_tokens=True)

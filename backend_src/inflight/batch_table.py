@@ -42,6 +42,7 @@ class BatchTable:
         self.presence_penalty = np.zeros(rows, dtype=np.float32)
         self.has_bad_words = np.zeros(rows, dtype=bool)
         self.has_logit_bias = np.zeros(rows, dtype=bool)
+        self.has_allowed_ids = np.zeros(rows, dtype=bool)      # sampling limited to allowed_token_ids
         self.constrained = np.zeros(rows, dtype=bool)          # has structured outputs (a grammar matcher)
         self.lora_slot = np.full(rows, -1, dtype=np.int32)      # LoRA adapter slot; -1: base model
         self.request_ids = np.empty(rows, dtype=object)
@@ -86,6 +87,7 @@ class BatchTable:
         self.presence_penalty[row] = params.presence_penalty
         self.has_bad_words[row] = bool(params.bad_words_ids)
         self.has_logit_bias[row] = bool(params.logit_bias)
+        self.has_allowed_ids[row] = params.allowed_token_ids is not None
         self.constrained[row] = req.matcher is not None
         self.lora_slot[row] = req.lora_slot
         self.request_ids[row] = req.request_id

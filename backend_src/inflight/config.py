@@ -121,7 +121,10 @@ class SamplingParams:
     presence_penalty: float = 0.0             # 0: off
     logit_bias: tuple[tuple[int, float], ...] = ()    # (token id, added to its logit): OpenAI's, given as a dict
     bad_words_ids: tuple[tuple[int, ...], ...] = ()   # token sequences that must not be generated
+    allowed_token_ids: tuple[int, ...] | None = None  # None: any token; else only these are sampled (vLLM's)
     stop: tuple[str, ...] = field(default=())  # stop strings: applied by the detokenizing layer
+    skip_special_tokens: bool = True           # false: special tokens are in the text (detokenizing layer too)
+    spaces_between_special_tokens: bool = True  # for the tokenizers that honour it (detokenizer.decode)
     # vLLM's {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ebnf} | {"json_object": True}
     structured_outputs: GrammarSpec | dict | str | None = None
     lora_name: str | None = None              # the adapter to run with (None: the base model)
@@ -157,9 +160,15 @@ class SamplingParams:
         self.bad_words_ids = tuple(tuple(w) for w in self.bad_words_ids)
         _check(all(w and all(_is_int(t) and t >= 0 for t in w) for w in self.bad_words_ids), "bad_words_ids",
                "must be a list of non-empty lists of non-negative integers")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = tuple(self.allowed_token_ids)
+            _check(all(_is_int(t) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
+                   "must be a list of non-negative integers")
+            _check(bool(self.allowed_token_ids), "allowed_token_ids", "must not be empty")
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be a list of non-empty strings")
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, "must be a boolean")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,

@@ -14,7 +14,8 @@ while the text ends in U+FFFD, everything up to the last cut that no later token
 released (invalid bytes as U+FFFD, as the full decode gives them), and only the tokens of the one
 character still incomplete are held: at most 3 with byte-level BPE, where a character is at most
 4 bytes and every token carries at least one (special tokens, which the decode skips, are held
-too: bytes on both sides of one still join).
+too: bytes on both sides of one still join). With vLLM's skip_special_tokens = false (DecodeOptions)
+special tokens decode to their text, and are released like any other token.
 """
 from __future__ import annotations
 
@@ -25,9 +26,26 @@ REPLACEMENT = "\ufffd"
 MAX_LOOKBACK = 8             # tokens searched back for a cut (a character spans at most 4)
 
 
-def decode(tokenizer, token_ids: Sequence[int]) -> str:
+@dataclass(frozen=True, slots=True)
+class DecodeOptions:
+    """vLLM's SamplingParams fields of the same names: how a request's output reads as text."""
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+
+DEFAULT_DECODE = DecodeOptions()
+
+
+def decode(tokenizer, token_ids: Sequence[int], options: DecodeOptions = DEFAULT_DECODE) -> str:
     """The one decode that both the full and the incremental paths use."""
-    return tokenizer.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    # spaces_between_special_tokens = false: transformers 4's Python (slow) tokenizers then join a
+    # special token to its neighbours without a space. Fast tokenizers, and transformers 5's Python
+    # ones, never add that space and ignore the flag, much as vLLM's fast incremental detokenizer
+    # ignores it. Passed only when false, so that a decode which refuses keywords it does not know
+    # (mistral-common's) keeps working with the defaults.
+    spaces = {} if options.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+    return tokenizer.decode(list(token_ids), skip_special_tokens=options.skip_special_tokens,
+                            clean_up_tokenization_spaces=False, **spaces)
 
 
 SPIECE_SPACE = "\u2581"        # SentencePiece's (Metaspace's) mark of a leading space
@@ -45,10 +63,11 @@ def token_text(tokenizer, token: int) -> str:
     return text
 
 
-def decode_delta(tokenizer, context_ids: Sequence[int], new_ids: Sequence[int]) -> str:
+def decode_delta(tokenizer, context_ids: Sequence[int], new_ids: Sequence[int],
+                 options: DecodeOptions = DEFAULT_DECODE) -> str:
     """The text that new_ids add after context_ids: what a delta's (context, new tokens) decode to."""
-    before = decode(tokenizer, context_ids)
-    return decode(tokenizer, list(context_ids) + list(new_ids))[len(before):]
+    before = decode(tokenizer, context_ids, options)
+    return decode(tokenizer, list(context_ids) + list(new_ids), options)[len(before):]
 
 
 @dataclass(slots=True)
@@ -62,16 +81,18 @@ PROMPT_CONTEXT = 4           # prompt tokens the first output token is decoded a
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), options: DecodeOptions = DEFAULT_DECODE):
         """prompt_ids: the output is decoded as it reads after the prompt's last tokens, as vLLM's
         detokenizer does — SentencePiece tokenizers (Llama-2, Mistral) drop a leading space at the
         start of a decode, so decoded alone an output would lose its first word's space. A prompt
         that ends inside a character gives no context (its bytes would join the output's), nor does
         one with ids the tokenizer cannot decode (the engine refuses those; this runs first)."""
         self.tokenizer = tokenizer
-        self.special_ids = frozenset(tokenizer.all_special_ids)   # decoded to nothing
+        self.options = options
+        # the tokens the decode skips: they decode to nothing
+        self.skipped_ids = frozenset(tokenizer.all_special_ids if options.skip_special_tokens else ())
         context = list(prompt_ids[-PROMPT_CONTEXT:])
-        if not all(0 <= t < len(tokenizer) for t in context) or decode(tokenizer, context).endswith(REPLACEMENT):
+        if not all(0 <= t < len(tokenizer) for t in context) or self._decode(context).endswith(REPLACEMENT):
             context = []
         self.prompt_tail = context      # what a decode of the whole output starts after
         self.token_ids: list[int] = list(context)
@@ -90,7 +111,7 @@ class IncrementalDetokenizer:
         new = ids[self.read_offset:]
         if not new:
             return None
-        text = decode_delta(self.tokenizer, context, new)
+        text = decode_delta(self.tokenizer, context, new, self.options)
         if not final and (not text or text.endswith(REPLACEMENT)):
             cut = self._settled_prefix(context, new)
             if cut is None:
@@ -103,15 +124,18 @@ class IncrementalDetokenizer:
         """(n, text of the first n new tokens) for the largest n whose end no later token can
         change: the new tokens decode to the first n's text followed by what the rest decode to on
         their own (so no character or invalid sequence spans the cut); None if there is none."""
-        before = decode(self.tokenizer, context)
-        full = decode(self.tokenizer, context + new)
+        before = self._decode(context)
+        full = self._decode(context + new)
         for n in range(len(new) - 1, max(0, len(new) - MAX_LOOKBACK - 1), -1):
-            if self.special_ids.issuperset(new[n:]):
+            if self.skipped_ids.issuperset(new[n:]):
                 continue            # only skipped tokens after the cut: a later byte may still join
-            part = decode(self.tokenizer, context + new[:n])
-            if full == part + decode(self.tokenizer, new[n:]):
+            part = self._decode(context + new[:n])
+            if full == part + self._decode(new[n:]):
                 return n, part[len(before):]
         return None
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        return decode(self.tokenizer, token_ids, self.options)
 
 
 class StopStrings:

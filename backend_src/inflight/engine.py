@@ -176,7 +176,8 @@ class LLMEngine:
         whole step, so it is refused here."""
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("bad_words_ids", [t for word in params.bad_words_ids for t in word]),
-                          ("logit_bias", [t for t, _ in params.logit_bias])):
+                          ("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             outside = [t for t in ids if t >= self.vocab_size]
             if outside:
                 raise ValueError(f"'{name}': token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")

@@ -1,11 +1,13 @@
 """Logits -> next tokens for a whole step, with torch ops over the batch.
 
-logit_bias, bans (min_tokens, bad words) and penalties (penalties.py) come first. Greedy rows
-(temperature under SAMPLING_EPS, as in vLLM) take the argmax. Sampled rows apply temperature,
-min-p, top-k and top-p, then draw with the exponential-race trick (argmax of p / E, E ~ Exp(1)),
-which needs exactly one noise vector per token: a seeded request draws it from its own generator,
-so its tokens do not depend on what else is in the batch. Log-probabilities (logprobs.py) are
-those of the model's own distribution.
+logit_bias, bans (min_tokens, bad words) and penalties (penalties.py) come first, then the grammar
+mask (structured outputs) and allowed_token_ids. Greedy rows (temperature under SAMPLING_EPS, as
+in vLLM) take the argmax. Sampled rows apply temperature, min-p, top-k and top-p, then draw with
+the exponential-race trick (argmax of p / E, E ~ Exp(1)), which needs exactly one noise vector per
+token: a seeded request draws it from its own generator, so its tokens do not depend on what else
+is in the batch. Log-probabilities (logprobs.py) are those of the model's own distribution, which
+none of the above changes (vLLM's default, raw_logprobs, also takes them before logit_bias and
+allowed_token_ids).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ class Sampler:
         if grammar_mask is not None:
             wants_raw = logits is raw and (table.num_logprobs[rows] >= 0).any()
             logits = grammar_mask(logits.clone() if wants_raw else logits)
+        logits = self._apply_allowed(logits, table, rows)
         temperature = table.temperature[rows]
         tokens = cpu_kernels.argmax(logits)
         sampled = np.flatnonzero(temperature >= SAMPLING_EPS)
@@ -64,6 +67,29 @@ class Sampler:
         at, tokens, biases = zip(*entries)
         logits = logits.clone()
         logits[torch.tensor(at), torch.tensor(tokens)] += torch.tensor(biases, dtype=logits.dtype).to(logits.device)
+        return logits
+
+    @staticmethod
+    def _apply_allowed(logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> torch.Tensor:
+        """vLLM's allowed_token_ids: -inf for every other token, EOS included (on a copy). Last, so
+        that it can see what the grammar and the bans left: a row where they exclude every allowed
+        token (a grammar that can only end, with EOS not allowed; min_tokens banning the one allowed
+        stop token) samples as if unrestricted, within its grammar and bans, where vLLM would sample
+        from nothing (token 0, or NaN)."""
+        limited = np.flatnonzero(table.has_allowed_ids[rows])
+        if not limited.size:
+            return logits
+        allowed = [table.requests[int(rows[i])].params.allowed_token_ids for i in limited.tolist()]
+        device = logits.device
+        at = np.repeat(np.arange(len(allowed)), [len(ids) for ids in allowed])
+        keep = torch.zeros((len(allowed), logits.shape[1]), dtype=torch.bool, device=device)
+        keep[torch.from_numpy(at).to(device), torch.tensor([t for ids in allowed for t in ids], device=device)] = True
+        index = torch.from_numpy(limited).to(device)
+        subset = logits[index]
+        keep &= subset > -torch.inf
+        keep |= ~keep.any(dim=-1, keepdim=True)
+        logits = logits.clone()
+        logits[index] = subset.masked_fill(~keep, -torch.inf)
         return logits
 
     def _apply_bans(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> torch.Tensor:

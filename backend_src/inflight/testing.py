@@ -72,17 +72,20 @@ class _OpenAIPenalties:
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, settings: dict | None = None) -> list[int]:
     """transformers' greedy output for a prompt, with the engine's repetition_penalty,
-    frequency_penalty, presence_penalty and logit_bias from `settings` (its own repetition_penalty
-    and sequence_bias, which run before the processor above, as in the engine)."""
+    frequency_penalty, presence_penalty, logit_bias and allowed_token_ids from `settings` (its own
+    repetition_penalty and sequence_bias, which run before the processor above, as in the engine,
+    and prefix_allowed_tokens_fn)."""
     from transformers import LogitsProcessorList
     settings = settings or {}
     device = next(model.parameters()).device
     penalties = _OpenAIPenalties(len(prompt), settings.get("frequency_penalty", 0.0),
                                  settings.get("presence_penalty", 0.0))
     bias = {(token,): value for token, value in settings.get("logit_bias", {}).items()} or None
+    allowed = settings.get("allowed_token_ids")
     eos = model.generation_config.eos_token_id
     out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=max_new_tokens, min_new_tokens=0,
                          do_sample=False, repetition_penalty=settings.get("repetition_penalty", 1.0),
                          logits_processor=LogitsProcessorList([penalties]), sequence_bias=bias,
+                         prefix_allowed_tokens_fn=None if allowed is None else lambda batch, ids: list(allowed),
                          eos_token_id=eos, pad_token_id=eos)
     return out[0, len(prompt):].tolist()

@@ -67,10 +67,11 @@ class Sample:
             self._logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token].logprob
         # the engine's "stop" is a stop token (EOS or stop_token_ids) sampled last: its text is not
-        # part of the output unless asked for, as in vLLM; a special token (EOS, usually) decodes
-        # to nothing anyway and stays among the token ids
+        # part of the output unless asked for, as in vLLM (also with skip_special_tokens = false);
+        # a special token the decode skips (EOS, by default) has no text to leave out and stays
+        # among the token ids
         self.stop_token_hidden = (finish == "stop" and not self.include_stop_text
-                                  and token not in self.detokenizer.special_ids)
+                                  and token not in self.detokenizer.skipped_ids)
         final = finish is not None
         delta = self.detokenizer.add([] if self.stop_token_hidden else [token], final=final)
         # None: the text ends inside a character (wait for more), or at the end nothing was left

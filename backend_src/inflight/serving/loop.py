@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from ..config import SamplingParams
-from ..detokenizer import IncrementalDetokenizer, StopStrings, decode, token_text
+from ..detokenizer import DecodeOptions, IncrementalDetokenizer, StopStrings, decode, token_text
 from ..engine import LLMEngine, QueueFullError
 from .job import Job, ResponseSink, Sample
 from .outputs import response_outputs
@@ -137,7 +137,8 @@ class EngineLoop:
         if index and params.prompt_logprobs is not None:
             params = _replace(params, prompt_logprobs=None)     # the outputs share one prompt: scored once
         stops = StopStrings(params.stop, request.include_stop_str_in_output) if params.stop else None
-        return Sample(request_id, params, IncrementalDetokenizer(self.tokenizer, prompt_ids), stops,
+        options = DecodeOptions(params.skip_special_tokens, params.spaces_between_special_tokens)
+        return Sample(request_id, params, IncrementalDetokenizer(self.tokenizer, prompt_ids, options), stops,
                       request.include_stop_str_in_output, self.tokenizer.eos_token_id)
 
     def _compile(self, params: SamplingParams):
