@@ -254,9 +254,14 @@ def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, refere
     messages = [{"role": "user", "content": "Lists"}]
     ids = tokenizer("<s><user> Lists ", add_special_tokens=False)["input_ids"]
     with_tools = tokenizer("<s>[get_weather][add]<user> Lists ", add_special_tokens=False)["input_ids"]
-    with openai_server(server.http_url, tmp_path, "--chat-template", str(template)) as other:
+    with openai_server(server.http_url, tmp_path, "--chat-template", str(template),
+                       "--trust-request-chat-template") as other:
         other_client = openai.OpenAI(base_url=other.base_url, api_key="-")
         reply = other_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+        # a request's own template, which this server trusts
+        own = other_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body={
+            "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}",
+            "return_token_ids": True})
         # tool_choice "none": the tools only reach the template
         tooled = other_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                                       tools=TOOLS, tool_choice="none")
@@ -286,6 +291,7 @@ def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, refere
                 *messages, {"role": "assistant", "content": None, "tool_calls": [broken]}])
     rendered = tokenizer('<s><user> Lists <assistant>  {"a": 1, "b": 2} <tool> 3 ', add_special_tokens=False)
     assert called.model_extra["prompt_token_ids"] == rendered["input_ids"]
+    assert own.model_extra["prompt_token_ids"] == tokenizer("<s>[Lists]", add_special_tokens=False)["input_ids"]
     assert reply.choices[0].message.content == reference(reference_engine, tokenizer, [ids], 8)[0]
     briefly = tokenizer("<s><user> Lists (brief) ", add_special_tokens=False)["input_ids"]
     assert brief.choices[0].message.content == reference(reference_engine, tokenizer, [briefly], 8)[0]
@@ -590,6 +596,98 @@ def test_openai_fields_for_other_services_are_accepted_and_the_model_may_be_left
         unnamed = httpx.post(f"{api.base_url}/{path}", json={**body, "max_tokens": 1}, timeout=60)
         assert unnamed.status_code == 200 and unnamed.json()["model"] == MODEL
         assert httpx.post(f"{api.base_url}/{path}", json={**body, "model": None, "max_tokens": 1}).status_code == 200
+
+
+# vLLM 0.32's request fields that OpenAI's API does not define, at vLLM's defaults: what a client
+# that builds its requests from vLLM's own request models sends
+VLLM_FIELDS = {"use_beam_search": False, "top_k": None, "min_p": None, "repetition_penalty": None,
+               "watermarking": None, "length_penalty": 1.0, "stop_token_ids": [], "include_stop_str_in_output": False,
+               "ignore_eos": False, "min_tokens": 0, "skip_special_tokens": True,
+               "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "truncation_side": None,
+               "allowed_token_ids": None, "prompt_logprobs": None, "logprob_token_ids": None, "bad_words": [],
+               "structured_outputs": None, "priority": 0, "session_id": None, "return_tokens_as_token_ids": None,
+               "return_token_ids": None, "routed_experts_prompt_start": 0, "return_token_offsets": False,
+               "mm_payload": "tensors", "return_mm_kwargs": None, "cache_salt": None, "kv_transfer_params": None,
+               "ec_transfer_params": None, "vllm_xargs": None, "repetition_detection": None,
+               "thinking_token_budget": None, "stream_interval": None}
+VLLM_COMPLETION_FIELDS = {**VLLM_FIELDS, "prompt_embeds": None, "add_special_tokens": True, "response_format": None}
+VLLM_CHAT_FIELDS = {**VLLM_FIELDS, "include_reasoning": True, "echo": False, "add_generation_prompt": True,
+                    "continue_final_message": False, "add_special_tokens": False, "documents": None,
+                    "chat_template": None, "chat_template_kwargs": None, "media_io_kwargs": None,
+                    "mm_processor_kwargs": None, "return_prompt_text": None}
+
+
+def test_every_vllm_field_at_its_default_changes_nothing_and_request_id_names_the_response(api, client):
+    """A request carrying every field of vLLM's request models at its default is served as
+    without them; its `request_id` names the response, and an X-Request-Id header wins over it,
+    as in vLLM."""
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=8, temperature=0)
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=8, temperature=0,
+                                     extra_body={**VLLM_COMPLETION_FIELDS, "request_id": "client-7"})
+    assert (full.choices[0].text, full.id) == (plain.choices[0].text, "cmpl-client-7")
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0)
+    full = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0,
+                                          extra_body={**VLLM_CHAT_FIELDS, "request_id": "client-8"})
+    assert (full.choices[0].message.content, full.id) == (chat.choices[0].message.content, "chatcmpl-client-8")
+    headed = httpx.post(f"{api.base_url}/completions", headers={"X-Request-Id": "trace-1"}, timeout=60,
+                        json={"model": MODEL, "prompt": "x", "max_tokens": 1, "request_id": "body-1"})
+    assert headed.json()["id"] == "cmpl-trace-1"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, stream=True,
+                                                 extra_headers={"X-Request-Id": "trace-2"}))
+    assert {c.id for c in chunks} == {"chatcmpl-trace-2"}
+    assert len({client.completions.create(model=MODEL, prompt="x", max_tokens=1).id for _ in range(2)}) == 2
+
+
+def test_vllm_tokenization_fields_and_the_rendered_prompt(client, reference_engine, tokenizer):
+    """add_special_tokens false tokenizes a completion's text prompt without its BOS;
+    truncation_side "right" keeps a prompt's first N tokens; a chat's return_prompt_text returns
+    the rendered template (a stream: in its role chunk)."""
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id
+    bare = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, echo=True,
+                                     extra_body={"add_special_tokens": False, "return_token_ids": True})
+    assert bare.choices[0].model_extra["prompt_token_ids"] == ids[1:] and bare.usage.prompt_tokens == len(ids) - 1
+    assert bare.choices[0].text == PROMPTS[1] + reference(reference_engine, tokenizer, [ids[1:]], 8)[0]
+    for prompt in (PROMPTS[1], ids):
+        first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={
+            "truncate_prompt_tokens": 3, "truncation_side": "right", "return_token_ids": True})
+        assert first.choices[0].model_extra["prompt_token_ids"] == ids[:3]
+    last_bare = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=1, extra_body={
+        "truncate_prompt_tokens": 3, "add_special_tokens": False, "return_token_ids": True})
+    assert last_bare.choices[0].model_extra["prompt_token_ids"] == ids[-3:]
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={
+        "return_prompt_text": True, "truncate_prompt_tokens": 4, "truncation_side": "right", "return_token_ids": True})
+    assert chat.model_extra["prompt_text"] == rendered
+    assert chat.model_extra["prompt_token_ids"] == chat_ids(tokenizer, messages)[:4]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True,
+                                                 extra_body={"return_prompt_text": True}))
+    assert [c.model_extra.get("prompt_text") for c in chunks] == [rendered] + [None] * (len(chunks) - 1)
+    assert "prompt_text" not in client.chat.completions.create(model=MODEL, messages=messages,
+                                                               max_tokens=1).model_extra
+
+
+def test_allowed_token_ids_and_skip_special_tokens_reach_llm(client, reference_engine, tokenizer):
+    """vLLM's decode and sampling fields pass through to `llm`: only the allowed tokens are
+    generated (greedy: the engine's answer with the same set), and with skip_special_tokens false
+    a generated special token is in the text."""
+    allowed = tokenizer(" the a of and to in is", add_special_tokens=False)["input_ids"]
+    limited = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=8, temperature=0, extra_body={
+        "allowed_token_ids": allowed, "return_token_ids": True}).choices[0]
+    assert set(limited.model_extra["token_ids"]) <= set(allowed)
+    assert limited.text == reference(reference_engine, tokenizer, [PROMPTS[4]], 8, allowed_token_ids=allowed)[0]
+    bos = {"allowed_token_ids": [tokenizer.bos_token_id], "ignore_eos": True}
+    kept = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, extra_body={
+        **bos, "skip_special_tokens": False})
+    skipped = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, extra_body=bos)
+    assert (kept.choices[0].message.content, skipped.choices[0].message.content) == (tokenizer.bos_token * 3, "")
+
+
+def test_an_unknown_path_or_method_is_an_openai_error(api):
+    for reply, status in ((httpx.get(f"{api.base_url}/nowhere"), 404), (httpx.get(f"{api.base_url}/completions"), 405)):
+        assert reply.status_code == status
+        assert reply.json()["error"]["type"] == "invalid_request_error" and reply.json()["error"]["code"] == status
 
 
 def test_echo_alone_streamed_as_vllm(client, tokenizer):
@@ -906,6 +1004,16 @@ BAD = [
      "'messages[1].tool_calls[0].function.arguments' is nested too deeply", "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "only text parts", "messages"),
+    ("completions", {"model": MODEL, "prompt": "x", "use_beam_search": True}, 400,
+     "'use_beam_search' is not supported (beam search is not served)", "use_beam_search"),
+    ("completions", {"model": MODEL, "prompt": "x", "stream_interval": 4}, 400,
+     "'stream_interval' is not supported (other than 1", "stream_interval"),
+    ("completions", {"model": MODEL, "prompt": "x", "truncation_side": "middle"}, 400, "'truncation_side'",
+     "truncation_side"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "moderation": {"policy": {}}}, 400,
+     "'moderation' is not supported", "moderation"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "chat_template": "{{ messages }}"}, 400,
+     "'chat_template': this server does not render templates sent with requests", "chat_template"),
 ]
 
 

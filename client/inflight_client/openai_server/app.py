@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import logging
 import re
+import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -43,6 +44,7 @@ class Settings:
     lora_names: tuple[str, ...] = ()        # the LoRA adapters `llm` serves, each a model id
     disable_any_whitespace: bool = False
     max_model_len: int | None = None
+    trust_request_chat_template: bool = False
 
 
 FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
@@ -83,6 +85,12 @@ async def _body(request: Request, schema: type[BaseModel]):
         raise _validation_error(exc) from None
 
 
+def _request_id(request: Request, body) -> str:
+    """vLLM's: the X-Request-Id header, else the body's request_id, else a new one (a response's
+    id is this after its kind's prefix)."""
+    return request.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
+
+
 async def _until_disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -114,7 +122,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
     ctx = Context(TritonLLM(settings.triton_url, settings.triton_model), tokenizer,
-                  ChatTemplate(tokenizer, settings.chat_template),
+                  ChatTemplate(tokenizer, settings.chat_template, settings.trust_request_chat_template),
                   ServedModels(settings.served_model_name, settings.lora_names, settings.max_model_len),
                   settings.default_max_tokens, settings.disable_any_whitespace)
 
@@ -166,12 +174,13 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _unless_disconnected(request, create_completion(await _body(request, CompletionRequest), ctx))
+        body = await _body(request, CompletionRequest)
+        return await _unless_disconnected(request, create_completion(body, ctx, _request_id(request, body)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _body(request, ChatCompletionRequest)
-        return await _unless_disconnected(request, create_chat_completion(body, ctx))
+        return await _unless_disconnected(request, create_chat_completion(body, ctx, _request_id(request, body)))
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):

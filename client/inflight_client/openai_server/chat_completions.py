@@ -7,7 +7,6 @@ stream: in each role chunk), each choice's generated ids in its choice (a stream
 from __future__ import annotations
 
 import time
-import uuid
 
 from starlette.responses import JSONResponse
 
@@ -24,25 +23,27 @@ from .tools import ToolCallText, called_function, tool_constraint, tool_message
 from .triton import LLMResponse
 
 
-async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
+async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, request_id: str):
     lora_name = ctx.models.check(body.model)
     tool = tool_constraint(body)
     constraint = single(request_constraints(body) + ([tool] if tool else []),
                         ctx.disable_any_whitespace)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    prompt_ids = ctx.chat.prompt_ids(body.messages, tools, body, body.add_special_tokens)
+    prompt = ctx.chat.render(body.messages, tools, body)
+    prompt_ids = ctx.tokenize(prompt, body.add_special_tokens)
     if body.truncate_prompt_tokens is not None:
-        prompt_ids = ctx.truncate(prompt_ids, body.truncate_prompt_tokens)
+        prompt_ids = ctx.truncate(prompt_ids, body.truncate_prompt_tokens, body.truncation_side)
     sampling = ctx.fit(chat_sampling(body, ctx.chat_max_tokens, constraint, lora_name), prompt_ids, "messages")
     calls = [ctx.triton.generate(prompt_ids, sampling, body.stream)]
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+    head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
             "model": body.model or ctx.models.name}
     top_n = body.top_logprobs or 0
+    prompt_text = prompt if body.return_prompt_text else None      # vLLM's: the rendered template
     try:
         if body.stream:
             responses = await generation.stream(calls)
             return sse_response(_chunks({**head, "object": "chat.completion.chunk"}, body, responses, top_n,
-                                        prompt_ids, _echo(body)))
+                                        prompt_ids, _echo(body), prompt_text))
         outputs, usage = await generation.gather(calls, body.n)
     except APIError as exc:
         raise blame(_as_sent(exc, body), constraint) from None
@@ -66,6 +67,8 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context):
         reply["prompt_logprobs"] = outputs[0].prompt_logprobs
     if body.return_token_ids:
         reply["prompt_token_ids"] = prompt_ids
+    if prompt_text is not None:
+        reply["prompt_text"] = prompt_text
     return JSONResponse(reply)
 
 
@@ -86,7 +89,8 @@ def _calls_tools(body: ChatCompletionRequest) -> bool:
     return body.tools is not None and body.tool_choice != "none"
 
 
-async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int, prompt_ids: list[int], echo: str):
+async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int, prompt_ids: list[int], echo: str,
+                  prompt_text: str | None):
     include_usage, continuous = body.stream_usage()
     readers = [ToolCallText(called_function(body)) for _ in range(body.n)] if _calls_tools(body) else None
     usage = generation.Usage()
@@ -99,8 +103,11 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
         if reason is not None:                  # vLLM's stop_reason, in the chunk that ends the choice
             choice["stop_reason"] = response.stop_reasons[index]
         out = {**head, "choices": [choice]}
-        if body.return_token_ids and positions is None:        # the role chunk
-            out["prompt_token_ids"] = prompt_ids
+        if "role" in delta:
+            if body.return_token_ids:
+                out["prompt_token_ids"] = prompt_ids
+            if prompt_text is not None:
+                out["prompt_text"] = prompt_text
         elif body.return_token_ids:
             choice["token_ids"] = sampled_ids(positions)
         if continuous:

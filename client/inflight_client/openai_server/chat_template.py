@@ -1,7 +1,8 @@
-"""Chat messages -> prompt token ids, with the checkpoint's own chat template
-(tokenizer_config.json, rendered by transformers' apply_chat_template) or a --chat-template file.
+"""Chat messages -> the prompt's text, with the checkpoint's own chat template
+(tokenizer_config.json, rendered by transformers' apply_chat_template), a --chat-template file, or
+(where the server trusts them) the request's own.
 
-The rendered prompt is tokenized without adding special tokens, as vLLM does: chat templates
+The callers tokenize it without adding special tokens unless asked, as vLLM does: chat templates
 write their own BOS (a second one would change the model's output)."""
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def _parsed_arguments(call, index: int, position: int):
 
 
 class ChatTemplate:
-    def __init__(self, tokenizer, template_path: str | None = None):
+    def __init__(self, tokenizer, template_path: str | None = None, trust_request_templates: bool = False):
         self.tokenizer = tokenizer
         # apply_chat_template's own parameters, which chat_template_kwargs may not set
         self.reserved = {name for name, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
@@ -65,17 +66,23 @@ class ChatTemplate:
         if template_path is not None:
             with open(template_path, encoding="utf-8") as f:
                 self.template = f.read()
+        # a request's own template renders on this server: only where its operator allows it (vLLM's rule)
+        self.trust_request_templates = trust_request_templates
 
-    def _knows_developer(self) -> bool:
-        source = self.template or getattr(self.tokenizer, "chat_template", None)
-        return isinstance(source, str) and ("'developer'" in source or '"developer"' in source)
+    def _template(self, fields: TemplateFields) -> str | None:
+        if fields.chat_template is None:
+            return self.template
+        if not self.trust_request_templates:
+            raise APIError(400, "'chat_template': this server does not render templates sent with requests; its "
+                           "operator can allow it with --trust-request-chat-template", "chat_template")
+        return fields.chat_template
 
-    def prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None, fields: TemplateFields,
-                   add_special_tokens: bool = False) -> list[int]:
-        """`tools` (OpenAI's {"type": "function", "function": {...}} entries) and `documents` go
-        to the template as transformers passes them, `chat_template_kwargs` as more variables;
-        templates that do not use them ignore them."""
-        if self.template is None and not getattr(self.tokenizer, "chat_template", None):
+    def render(self, messages: list[ChatMessage], tools: list[dict] | None, fields: TemplateFields) -> str:
+        """The prompt's text. `tools` (OpenAI's {"type": "function", "function": {...}} entries)
+        and `documents` go to the template as transformers passes them, `chat_template_kwargs` as
+        more variables; templates that do not use them ignore them."""
+        template = self._template(fields)
+        if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "the model has no chat template (tokenizer_config.json 'chat_template'); "
                            "start the server with --chat-template FILE", "messages")
         variables = fields.template_variables()
@@ -84,13 +91,17 @@ class ChatTemplate:
             raise APIError(400, f"'chat_template_kwargs' may not set {taken[0]!r}, a parameter of the template's "
                            "rendering (the request has a field for the ones that matter)", "chat_template_kwargs")
         conversation = [template_message(message, i) for i, message in enumerate(messages)]
-        if not self._knows_developer():         # OpenAI's newer name for the system role, as vLLM maps it
+        if not _knows_developer(template or getattr(self.tokenizer, "chat_template", None)):
+            # OpenAI's newer name for the system role, as vLLM maps it
             conversation = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
         try:
-            prompt = self.tokenizer.apply_chat_template(
-                conversation, chat_template=self.template, tools=tools, documents=fields.documents, tokenize=False,
+            return self.tokenizer.apply_chat_template(
+                conversation, chat_template=template, tools=tools, documents=fields.documents, tokenize=False,
                 add_generation_prompt=fields.add_generation_prompt,
                 continue_final_message=fields.continue_final_message, **variables)
         except Exception as exc:      # the template's own checks (raise_exception(...)) or a syntax error
             raise APIError(400, f"'messages': the chat template failed: {exc}", "messages") from None
-        return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def _knows_developer(template) -> bool:
+    return isinstance(template, str) and ("'developer'" in template or '"developer"' in template)

@@ -27,6 +27,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME",
                         help="the LoRA adapters `llm` serves (its multi_lora.json names), each listed as a model id")
     parser.add_argument("--chat-template", help="a Jinja chat template file, instead of the tokenizer's own")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render the chat_template a request may send (vLLM's flag; a template is code that "
+                             "runs on this server, in transformers' Jinja sandbox), instead of refusing it")
     parser.add_argument("--default-max-tokens", type=int,
                         help="max_tokens when a request gives none (default: as vLLM's server and OpenAI's API, 16 "
                              "for a completion, and a chat runs to the end of the context)")
@@ -57,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                          "loads the adapters, from the paths in its multi_lora.json")
     settings = Settings(args.triton_url, directory, name, args.triton_model, args.chat_template,
                         args.default_max_tokens, tuple(args.lora_modules), args.disable_any_whitespace,
-                        args.max_model_len or checkpoint_max_len(directory))
+                        args.max_model_len or checkpoint_max_len(directory), args.trust_request_chat_template)
     return settings, args
 
 

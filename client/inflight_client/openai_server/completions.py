@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import time
-import uuid
 
 from starlette.responses import JSONResponse
 
@@ -24,22 +23,24 @@ from .sse import event, sse_response
 from .structured import blame, request_constraints, single
 
 
-async def create_completion(body: CompletionRequest, ctx: Context):
+async def create_completion(body: CompletionRequest, ctx: Context, request_id: str):
     lora_name = ctx.models.check(body.model)
     constraint = single(request_constraints(body), ctx.disable_any_whitespace)
     sampling = completion_sampling(body, ctx.completion_max_tokens, constraint, lora_name)
     prompts = body.prompts()
     echoed = None               # with echo and logprobs: (prompt i, its prompt_logprobs) -> positions
     if body.truncate_prompt_tokens is not None:
-        prompts = [ctx.truncate(p, body.truncate_prompt_tokens) for p in prompts]
+        prompts = [ctx.truncate(p, body.truncate_prompt_tokens, body.truncation_side, body.add_special_tokens)
+                   for p in prompts]
     echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]
-    if ctx.models.max_model_len is not None or body.return_token_ids or (body.echo and body.logprobs is not None):
-        prompts = [p if isinstance(p, list) else ctx.tokenizer(p)["input_ids"] for p in prompts]
+    if ctx.models.max_model_len is not None or body.return_token_ids or (body.echo and body.logprobs is not None) \
+            or not body.add_special_tokens:         # `llm` tokenizes a text prompt with them
+        prompts = [ctx.tokenize(p, body.add_special_tokens) for p in prompts]
     if body.echo and body.logprobs is not None:
         echoed = functools.partial(_echoed, ctx.tokenizer, prompts)
     calls = [ctx.triton.generate(prompt, ctx.fit(sampling, prompt if isinstance(prompt, list) else None, "prompt"),
                                  body.stream) for prompt in prompts]
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+    head = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or ctx.models.name}
     try:
         if body.stream:

@@ -42,26 +42,31 @@ class Context:
             return prompt
         return self.tokenizer.decode(prompt, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    def truncate(self, prompt: str | list[int], keep: int) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context length
-        less one, the room for one output token). A text prompt is cut as the tokenizer truncates
-        from the left, which vLLM asks of it: the special tokens it adds (a BOS) stay."""
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        return prompt if isinstance(prompt, list) else self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def truncate(self, prompt: str | list[int], keep: int, side: str | None = None,
+                 add_special_tokens: bool = True) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens, or with `side` "right"
+        its first (-1: the context length less one, the room for one output token). A text prompt
+        is cut as the tokenizer truncates, which vLLM asks of it: the special tokens it adds (a
+        BOS) stay."""
         if keep == -1:
             if self.models.max_model_len is None:
                 raise APIError(400, "'truncate_prompt_tokens' -1 needs the context length, which this server does "
                                "not know (start it with --max-model-len)", "truncate_prompt_tokens")
             keep = self.models.max_model_len - 1
-        if isinstance(prompt, list):
-            return prompt[-keep:]
-        ids = self.tokenizer(prompt)["input_ids"]
+        right = side == "right"
+        ids = self.tokenize(prompt, add_special_tokens)
         if len(ids) <= keep:
             return ids
-        bare = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        bare = ids if isinstance(prompt, list) or not add_special_tokens else \
+            self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         start = next((i for i in range(len(ids) - len(bare) + 1) if ids[i:i + len(bare)] == bare), None)
         room = keep - (len(ids) - len(bare))
         if start is None or room <= 0:
-            return ids[-keep:]
-        return ids[:start] + bare[-room:] + ids[start + len(bare):]
+            return ids[:keep] if right else ids[-keep:]
+        return ids[:start] + (bare[:room] if right else bare[-room:]) + ids[start + len(bare):]
 
     def fit(self, sampling: dict, prompt_ids: list[int] | None, field: str) -> dict:
         """`sampling` with max_tokens cut to the room the context leaves after the prompt, as vLLM's

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error", 429: "rate_limit_error",
          500: "internal_error", 503: "service_unavailable"}
 
 # `llm` errors that are the server's state, not the request's fault (see serving/loop.py)

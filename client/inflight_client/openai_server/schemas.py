@@ -4,14 +4,19 @@
 `truncate_prompt_tokens`, `bad_words`, and the
 constraints `structured_outputs`, `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`),
 its chat-template fields (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`,
-`documents`, `add_special_tokens`) and inflight's `priority`. Unknown fields are refused by name; fields OpenAI defines but this server
-cannot honour are refused, when not null, with a message saying so. Value ranges the engine checks
+`documents`, `add_special_tokens`) and inflight's `priority`. Every other field of vLLM's request
+models is accepted too, so that a vLLM client's request is never refused for its shape: those
+`llm` reads pass through (`skip_special_tokens`, `allowed_token_ids`, ...), those that change
+nothing here are accepted as vLLM accepts them, and those this server cannot honour (UNSERVED:
+beam search, disaggregated serving, ...; and OpenAI's audio, moderation, ...) are refused, when
+not null or their default, with a message saying so. Other unknown fields are refused by name (a
+typo is not silently dropped, as vLLM would drop it). Value ranges the engine checks
 (top_p, penalties, ...) are left to `llm`, whose messages name the field, so each rule lives in one
 place; max_tokens is fitted to the context here (context.py), as vLLM's server fits it.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -25,6 +30,9 @@ class Body(BaseModel):
     """A request body or part of one: unknown fields refused by name, and JSON null taken as the
     field's default, as OpenAI's types ("boolean or null") and vLLM's (`bool | None = False`) allow."""
     model_config = ConfigDict(extra="forbid")
+    # fields accepted only at their default (or null), as clients that send every field send
+    # them: name -> why any other value is refused
+    UNSERVED: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -32,6 +40,13 @@ class Body(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None or key not in cls.model_fields}
         return data
+
+    @model_validator(mode="after")
+    def _refuse_unserved(self):
+        for name, why in self.UNSERVED.items():
+            if getattr(self, name) != type(self).model_fields[name].default:
+                raise APIError(400, f"'{name}' is not supported{why}", name)
+        return self
 
 
 class ResponseFormat(Body):
@@ -54,6 +69,15 @@ class StreamOptions(Body):
 
 class SamplingFields(Body):
     """Fields shared by completions and chat completions."""
+    UNSERVED = {"use_beam_search": " (beam search is not served)",
+                "watermarking": "",
+                "logprob_token_ids": " (ask for the top-N with 'logprobs')",
+                "kv_transfer_params": " (no disaggregated serving)",
+                "ec_transfer_params": " (no disaggregated serving)",
+                "vllm_xargs": " (no custom extensions)",
+                "repetition_detection": "",
+                "thinking_token_budget": " (no reasoning parser: the output is not split into reasoning and content)",
+                "stream_interval": " (other than 1: every engine step's tokens are streamed)"}
     model: str | None = None                     # none: the served base model (vLLM's default)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = None
@@ -77,7 +101,29 @@ class SamplingFields(Body):
     return_token_ids: bool = False               # vLLM's: prompt_token_ids and each choice's token_ids
     truncate_prompt_tokens: int | None = None    # vLLM's: keep the prompt's last N tokens (-1: the context length)
     bad_words: list[str] | None = None           # vLLM's: words never generated
+    allowed_token_ids: list[int] | None = None   # vLLM's: the only tokens that may be generated
+    skip_special_tokens: bool | None = None      # vLLM's: false keeps special tokens in the text
+    spaces_between_special_tokens: bool | None = None     # vLLM's (slow tokenizers only, as in vLLM)
+    truncation_side: Literal["left", "right"] | None = None    # vLLM's: which end truncate_prompt_tokens cuts
+    request_id: str | None = None                # vLLM's: the response id is <kind>-<request_id> (X-Request-Id wins)
     user: str | None = None                      # accepted, unused
+    # vLLM's fields that change nothing here: accepted, unused, as vLLM accepts them
+    session_id: str | None = None                # a routing key across requests
+    length_penalty: float = 1.0                  # read by beam search only
+    routed_experts_prompt_start: int = Field(0, ge=0)    # for mixture-of-experts routing data, not returned here
+    return_token_offsets: bool | None = None     # vLLM reads it on its /render endpoints only,
+    mm_payload: str | None = None                # as these two
+    return_mm_kwargs: bool | None = None
+    # vLLM's fields for what this server does not do (UNSERVED)
+    use_beam_search: bool = False
+    watermarking: bool | None = None
+    logprob_token_ids: list[int] | None = None
+    kv_transfer_params: dict | None = None
+    ec_transfer_params: dict | None = None
+    vllm_xargs: dict | None = None
+    repetition_detection: dict | None = None
+    thinking_token_budget: int = -1              # -1: unlimited, vLLM's "unset"
+    stream_interval: int = 1
     priority: Literal["high", "normal", "low"] | int | None = None     # an integer as vLLM's: lower runs sooner
     cache_salt: str | None = Field(None, min_length=1)
     # constraints (structured.py turns them into `llm`'s "structured_outputs")
@@ -114,9 +160,12 @@ class SamplingFields(Body):
 
 
 class CompletionRequest(SamplingFields):
+    UNSERVED = {**SamplingFields.UNSERVED, "prompt_embeds": " (prompts are text or token ids)"}
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True              # vLLM's: false tokenizes a text prompt without a BOS
+    prompt_embeds: Any = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
@@ -184,6 +233,7 @@ class TemplateFields(Body):
     continue_final_message: bool = False         # the final (assistant) message left open, to be continued
     chat_template_kwargs: dict | None = None     # more variables for the template (e.g. enable_thinking)
     documents: list[dict] | None = None          # for templates that render them (RAG)
+    chat_template: str | None = None             # vLLM's: this request's template (--trust-request-chat-template)
     # OpenAI's, for reasoning models: a template variable, and enable_thinking (unless
     # chat_template_kwargs sets it) = effort != "none", as vLLM hands them to the template
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
@@ -207,6 +257,9 @@ class TemplateFields(Body):
 
 
 class ChatCompletionRequest(SamplingFields, TemplateFields):
+    UNSERVED = {**SamplingFields.UNSERVED, "audio": "", "prediction": "", "web_search_options": "", "moderation": "",
+                "functions": " (give 'tools')", "function_call": " (give 'tool_choice')",
+                "mm_processor_kwargs": " (text-only models)", "media_io_kwargs": " (text-only models)"}
     messages: list[ChatMessage] = Field(min_length=1)
     add_special_tokens: bool = False             # vLLM's: on top of what the template writes
     echo: bool = False                           # vLLM's: the reply starts with a final assistant message
@@ -225,13 +278,20 @@ class ChatCompletionRequest(SamplingFields, TemplateFields):
     safety_identifier: str | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
     modalities: list[Literal["text"]] | None = None
-    # OpenAI's fields for what a text model served here cannot do: null only (clients that send
-    # every field send them as null)
+    prompt_cache_options: dict | None = None
+    prompt_cache_retention: str | None = None
+    # vLLM's
+    return_prompt_text: bool = False             # the rendered prompt in the response (a stream: its role chunks)
+    include_reasoning: bool = True               # no reasoning parser here: there is never reasoning to leave out
+    # OpenAI's and vLLM's fields for what a text model served here cannot do (UNSERVED)
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    moderation: Any = None
     functions: Any = None                        # the deprecated form of 'tools'
     function_call: Any = None                    # the deprecated form of 'tool_choice'
+    mm_processor_kwargs: dict | None = None
+    media_io_kwargs: dict | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -244,10 +304,6 @@ class ChatCompletionRequest(SamplingFields, TemplateFields):
 
     @model_validator(mode="after")
     def _check_chat(self):
-        for name, instead in (("audio", ""), ("prediction", ""), ("web_search_options", ""),
-                              ("functions", " (give 'tools')"), ("function_call", " (give 'tool_choice')")):
-            if getattr(self, name) is not None:
-                raise APIError(400, f"'{name}' is not supported{instead}", name)
         if self.top_logprobs and not self.logprobs:       # 0 alone asks for nothing, as vLLM reads it
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         if self.tool_choice not in (None, "none") and not self.tools:
@@ -283,7 +339,7 @@ class TokenizeRequest(TemplateFields):
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
         chat_only = {"tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents",
-                     "reasoning_effort"}
+                     "reasoning_effort", "chat_template"}
         given = sorted(chat_only & self.model_fields_set)
         if self.prompt is not None and given:
             raise APIError(400, f"'{given[0]}' goes with 'messages', not 'prompt'", given[0])

@@ -14,10 +14,9 @@ def tokenize(body: TokenizeRequest, ctx: Context) -> JSONResponse:
     ctx.models.check(body.model)
     if body.messages is not None:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        ids = ctx.chat.prompt_ids(body.messages, tools, body, bool(body.add_special_tokens))
+        ids = ctx.tokenize(ctx.chat.render(body.messages, tools, body), bool(body.add_special_tokens))
     else:
-        add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        ids = ctx.tokenizer(body.prompt, add_special_tokens=add_special)["input_ids"]
+        ids = ctx.tokenize(body.prompt, body.add_special_tokens is not False)
     strs = ctx.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return JSONResponse({"count": len(ids), "max_model_len": ctx.models.max_model_len, "tokens": ids,
                          "token_strs": strs})
