@@ -181,6 +181,7 @@ def test_json_null_is_a_fields_default(api, client):
         "model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0, **nulls}).json()
     assert [c["message"]["content"] for c in reply["choices"]] == [plain.choices[0].message.content]
     assert reply["choices"][0]["logprobs"] is None
+    assert reply["choices"][0]["message"]["refusal"] is None, "a field of every message in OpenAI's schema"
     prompt = httpx.post(f"{api.base_url}/completions", timeout=60, json={
         "model": MODEL, "prompt": "x", "max_tokens": 2, "echo": None, "logprobs": None, "n": None}).json()
     assert len(prompt["choices"]) == 1 and prompt["choices"][0]["logprobs"] is None

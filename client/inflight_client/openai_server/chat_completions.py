@@ -56,6 +56,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
             message, reason = tool_message(called_function(body), message["content"], reason)
         if echo:
             message["content"] = echo + (message["content"] or "")
+        message["refusal"] = None       # a field of every message in OpenAI's schema (and vLLM's replies)
         choice = {"index": index, "message": message,
                   "logprobs": chat_logprobs(body.shown(out.logprobs), top_n) if body.logprobs else None,
                   "finish_reason": reason, "stop_reason": out.stop_reason}
