@@ -669,15 +669,19 @@ def test_vllm_tokenization_fields_and_the_rendered_prompt(client, reference_engi
                                                                max_tokens=1).model_extra
 
 
-def test_allowed_token_ids_and_skip_special_tokens_reach_llm(client, reference_engine, tokenizer):
-    """vLLM's decode and sampling fields pass through to `llm`: only the allowed tokens are
-    generated (greedy: the engine's answer with the same set), and with skip_special_tokens false
-    a generated special token is in the text."""
+def test_allowed_token_ids_skip_special_tokens_and_stream_interval_reach_llm(client, reference_engine, tokenizer):
+    """vLLM's decode, sampling and streaming fields pass through to `llm`: only the allowed tokens
+    are generated (greedy: the engine's answer with the same set), stream_interval sends several
+    tokens a chunk, and with skip_special_tokens false a generated special token is in the text."""
     allowed = tokenizer(" the a of and to in is", add_special_tokens=False)["input_ids"]
     limited = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=8, temperature=0, extra_body={
         "allowed_token_ids": allowed, "return_token_ids": True}).choices[0]
     assert set(limited.model_extra["token_ids"]) <= set(allowed)
     assert limited.text == reference(reference_engine, tokenizer, [PROMPTS[4]], 8, allowed_token_ids=allowed)[0]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=8, temperature=0, stream=True,
+                                            extra_body={"allowed_token_ids": allowed, "stream_interval": 3}))
+    assert "".join(c.choices[0].text for c in chunks) == limited.text
+    assert len(chunks) == 4, "stream_interval 3: the first token, then 3, 3, and the last"
     bos = {"allowed_token_ids": [tokenizer.bos_token_id], "ignore_eos": True}
     kept = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3, extra_body={
         **bos, "skip_special_tokens": False})
@@ -1007,8 +1011,8 @@ BAD = [
      "only text parts", "messages"),
     ("completions", {"model": MODEL, "prompt": "x", "use_beam_search": True}, 400,
      "'use_beam_search' is not supported (beam search is not served)", "use_beam_search"),
-    ("completions", {"model": MODEL, "prompt": "x", "stream_interval": 4}, 400,
-     "'stream_interval' is not supported (other than 1", "stream_interval"),
+    ("completions", {"model": MODEL, "prompt": "x", "stream_interval": 0}, 400,
+     "'stream_interval': Input should be greater than or equal to 1", "stream_interval"),
     ("completions", {"model": MODEL, "prompt": "x", "truncation_side": "middle"}, 400, "'truncation_side'",
      "truncation_side"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "moderation": {"policy": {}}}, 400,

@@ -254,6 +254,48 @@ def test_n_outputs_are_elements_of_every_tensor_with_seed_plus_index(server):
         assert strings(alone["text_output"]) == [texts[i]]
 
 
+def test_stream_interval_sends_a_streams_tokens_n_at_a_time_as_vllm(server):
+    """vLLM's stream_interval: the first token goes at once, then one response per N tokens, and
+    one as the output ends; the texts and counts add up to the unstreamed output."""
+    sampling = {"max_tokens": 14, "temperature": 1.0, "seed": 3, "ignore_eos": True, "n": 2}
+    flags = dict(return_finish_reason=True, return_num_output_tokens=True)
+    [(whole, _)] = llm(server, grpc_inputs(PROMPT, False, sampling, exclude_input_in_output=True, **flags))
+    streamed = llm(server, grpc_inputs(PROMPT, True, {**sampling, "stream_interval": 4}, **flags))
+    assert [o["num_output_tokens"].tolist() for o, _ in streamed] == [[1, 1], [4, 4], [4, 4], [4, 4], [1, 1]]
+    assert ["".join(strings(o["text_output"])[i] for o, _ in streamed) for i in range(2)] == strings(
+        whole["text_output"])
+    assert strings(streamed[-1][0]["finish_reason"]) == ["length"] * 2
+    assert "'stream_interval' must be at least 1" in llm_error(server, grpc_inputs(PROMPT, True, {
+        "max_tokens": 2, "stream_interval": 0}))
+
+
+def test_the_models_stream_interval_is_the_floor_of_a_requests(tokenizer):
+    """EngineConfig.stream_interval (vLLM's --stream-interval) applies to every stream; a request
+    may ask for more tokens per response, not fewer."""
+    from inflight import EngineConfig, LLMEngine
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+
+    from .helpers import RecordingSink
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(
+        dtype="float32", max_num_seqs=4, num_kv_blocks=64, cpu_threads=1, stream_interval=3))
+    loop = EngineLoop(engine, tokenizer).start()
+    prompt = tokenizer(PROMPT)["input_ids"]
+    try:
+        sinks = {asked: RecordingSink() for asked in (1, 5)}
+        for asked, sink in sinks.items():
+            params = SamplingParams(max_tokens=11, temperature=0, ignore_eos=True)
+            loop.submit(GenerateRequest(None, prompt, params, stream=True, exclude_input_in_output=True,
+                                        stream_interval=asked), sink)
+        assert all(sink.finished.wait(60) for sink in sinks.values())
+    finally:
+        loop.shutdown()
+    # 11 tokens: 1 + 3 + 3 + 3 + 1 at the model's 3; 1 + 5 + 5 at the request's 5
+    assert [len(sinks[asked].sends) for asked in (1, 5)] == [5, 3]
+    assert sinks[1].text == sinks[5].text == decode(tokenizer, engine.generate([prompt], SamplingParams(
+        max_tokens=11, temperature=0, ignore_eos=True))[0].token_ids)
+
+
 def openai_frontend_request(prompt: str, stream: bool, sampling: dict, logprobs: bool):
     """The tensors _create_vllm_generate_request builds: sampling_parameters is the request's
     model_dump(exclude=..., exclude_none=True), so its defaults arrive too (n, penalties,

@@ -60,6 +60,8 @@ class EngineConfig:
     dynamic_length_window: int = 128          # dynamic policy: prompt-length spread within a group
     max_queue_size: int | None = None         # waiting requests; beyond it add_request fails at once
     max_queue_wait_s: float | None = None     # a request waiting longer than this fails
+    stream_interval: int = 1                  # a stream's responses each carry this many tokens (the first
+                                              # and the last go at once): vLLM's --stream-interval
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
@@ -70,7 +72,7 @@ class EngineConfig:
     max_lora_rank: int = 16                   # the largest adapter rank accepted
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "dynamic_length_window"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "dynamic_length_window", "stream_interval"):
             _check(_is_int(getattr(self, name)) and getattr(self, name) > 0, name, "must be a positive integer")
         for name in ("num_kv_blocks", "max_model_len", "static_batch_size", "max_queue_size", "cpu_threads"):
             value = getattr(self, name)

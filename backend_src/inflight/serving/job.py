@@ -96,6 +96,11 @@ class Sample:
         return False
 
     @property
+    def pending_tokens(self) -> int:
+        """Tokens since the last response."""
+        return self._num_tokens
+
+    @property
     def text_ids(self) -> list[int]:
         """The output tokens its text covers."""
         return self.output_ids[:-1] if self.stop_token_hidden else self.output_ids

@@ -347,14 +347,20 @@ class EngineLoop:
             self._respond(job)
 
     def _respond(self, job: Job) -> None:
-        """A stream: one response per step that brought something (new text or an end); the
-        last one is final once every output has ended. Otherwise one response at the end."""
+        """A stream: one response per step that brought something (new text or an end), or with
+        stream_interval N > 1 once an output has N tokens to send, an output ends, or the first
+        token arrives (vLLM's rule: fewer responses, less host work per token); the last one is
+        final once every output has ended. Otherwise one response at the end."""
         if job.done:
             return
         request = job.request
         if request.stream:
-            if not any(sample.ready for sample in job.samples):
-                return                      # only incomplete characters so far
+            ready = [sample for sample in job.samples if sample.ready]
+            if not ready:
+                return
+            interval = max(request.stream_interval, self.engine.config.stream_interval)
+            if job.num_responses and not any(s.finished or s.pending_tokens >= interval for s in ready):
+                return                      # fewer than stream_interval tokens to send yet
         elif not job.finished:
             return
         prompt = None

@@ -43,7 +43,8 @@ KNOBS = {
     "skip_special_tokens": "bool", "spaces_between_special_tokens": "bool",
 }
 # per-request settings that may also come through the same channels
-SETTINGS = {"priority": "priority", "cache_salt": "str", "n": "int", "include_stop_str_in_output": "bool"}
+SETTINGS = {"priority": "priority", "cache_salt": "str", "n": "int", "include_stop_str_in_output": "bool",
+            "stream_interval": "int"}
 PRIORITY_NAMES = {value: name for name, value in PRIORITIES.items()}
 # request parameters Triton or its clients set on their own; never sampling knobs
 IGNORED_PARAMETERS = {"triton_enable_empty_final_response", "sequence_id", "sequence_start", "sequence_end",
@@ -70,6 +71,7 @@ class GenerateRequest:
     bad_words: tuple[str, ...] = ()
     n: int = 1                                # outputs, each its own engine request (seed + i)
     include_stop_str_in_output: bool = False
+    stream_interval: int = 1                  # vLLM's: tokens per streamed response (the model's setting, if larger)
 
 
 def _one(name: str, array: np.ndarray):
@@ -267,6 +269,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
     if not 1 <= n <= MAX_N:
         raise RequestError(f"'n' must be an integer in [1, {MAX_N}], got {n}")
     include_stop = knobs.pop("include_stop_str_in_output", False)
+    stream_interval = knobs.pop("stream_interval", 1)
+    if stream_interval < 1:
+        raise RequestError(f"'stream_interval' must be at least 1, got {stream_interval}")
     try:
         params = SamplingParams(**knobs)
     except ValueError as exc:
@@ -275,7 +280,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
     if n > 1 and flags.get("return_token_ids"):
         raise RequestError("'return_token_ids' needs 'n' = 1")
     return GenerateRequest(prompt_text, prompt_ids, params, priority or "normal", cache_salt,
-                           bad_words=bad_words, n=n, include_stop_str_in_output=include_stop, **flags)
+                           bad_words=bad_words, n=n, include_stop_str_in_output=include_stop,
+                           stream_interval=stream_interval, **flags)
 
 
 def _resolve_exclude_input(flags: dict) -> None:

@@ -13,7 +13,7 @@ from .structured import Constraint
 PASSED = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
           "include_stop_str_in_output", "frequency_penalty", "presence_penalty", "repetition_penalty",
           "logit_bias", "priority", "cache_salt", "bad_words", "allowed_token_ids", "skip_special_tokens",
-          "spaces_between_special_tokens")
+          "spaces_between_special_tokens", "stream_interval")
 
 
 def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None, lora_name: str | None) -> dict:

@@ -76,8 +76,7 @@ class SamplingFields(Body):
                 "ec_transfer_params": " (no disaggregated serving)",
                 "vllm_xargs": " (no custom extensions)",
                 "repetition_detection": "",
-                "thinking_token_budget": " (no reasoning parser: the output is not split into reasoning and content)",
-                "stream_interval": " (other than 1: every engine step's tokens are streamed)"}
+                "thinking_token_budget": " (no reasoning parser: the output is not split into reasoning and content)"}
     model: str | None = None                     # none: the served base model (vLLM's default)
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = None
@@ -105,6 +104,7 @@ class SamplingFields(Body):
     skip_special_tokens: bool | None = None      # vLLM's: false keeps special tokens in the text
     spaces_between_special_tokens: bool | None = None     # vLLM's (slow tokenizers only, as in vLLM)
     truncation_side: Literal["left", "right"] | None = None    # vLLM's: which end truncate_prompt_tokens cuts
+    stream_interval: int | None = Field(None, ge=1)     # vLLM's: tokens per streamed chunk (llm's setting, if more)
     request_id: str | None = None                # vLLM's: the response id is <kind>-<request_id> (X-Request-Id wins)
     user: str | None = None                      # accepted, unused
     # vLLM's fields that change nothing here: accepted, unused, as vLLM accepts them
@@ -123,7 +123,6 @@ class SamplingFields(Body):
     vllm_xargs: dict | None = None
     repetition_detection: dict | None = None
     thinking_token_budget: int = -1              # -1: unlimited, vLLM's "unset"
-    stream_interval: int = 1
     priority: Literal["high", "normal", "low"] | int | None = None     # an integer as vLLM's: lower runs sooner
     cache_salt: str | None = Field(None, min_length=1)
     # constraints (structured.py turns them into `llm`'s "structured_outputs")
