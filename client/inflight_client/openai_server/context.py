@@ -43,7 +43,10 @@ class Context:
         return self.tokenizer.decode(prompt, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        return prompt if isinstance(prompt, list) else self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        """A prompt's token ids (a token prompt is already its ids)."""
+        if isinstance(prompt, list):
+            return prompt
+        return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
     def truncate(self, prompt: str | list[int], keep: int, side: str | None = None,
                  add_special_tokens: bool = True) -> list[int]:

@@ -111,8 +111,8 @@ class SamplingFields(Body):
     session_id: str | None = None                # a routing key across requests
     length_penalty: float = 1.0                  # read by beam search only
     routed_experts_prompt_start: int = Field(0, ge=0)    # for mixture-of-experts routing data, not returned here
-    return_token_offsets: bool | None = None     # vLLM reads it on its /render endpoints only,
-    mm_payload: str | None = None                # as these two
+    return_token_offsets: bool | None = None     # these three: read by vLLM's /render endpoints only
+    mm_payload: str | None = None
     return_mm_kwargs: bool | None = None
     # vLLM's fields for what this server does not do (UNSERVED)
     use_beam_search: bool = False
