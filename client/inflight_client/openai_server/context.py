@@ -63,8 +63,7 @@ class Context:
         ids = self.tokenize(prompt, add_special_tokens)
         if len(ids) <= keep:
             return ids
-        bare = ids if isinstance(prompt, list) or not add_special_tokens else \
-            self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        bare = ids if not add_special_tokens else self.tokenize(prompt, add_special_tokens=False)
         start = next((i for i in range(len(ids) - len(bare) + 1) if ids[i:i + len(bare)] == bare), None)
         room = keep - (len(ids) - len(bare))
         if start is None or room <= 0:
