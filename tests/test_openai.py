@@ -946,6 +946,11 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "token id 99999", "prompt"),
     ("completions", {"model": MODEL, "prompt": [[1], [2, 10**12]]}, 400,
      "'prompt': token id 1000000000000 at position 1 is outside the vocabulary", "prompt"),
+    ("completions", {"model": MODEL, "prompt": [1, -4294967291]}, 400,       # would wrap into token 5 as INT32
+     "'prompt': token id -4294967291 at position 1 is outside the vocabulary", "prompt"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$defs": 5}}}]}, 400,
+     "'tools': the $defs of 'f' must be an object", "tools"),
     ("completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "'seed' must be an integer in", "seed"),
     ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"spam": 3}}, 400,
      "'logit_bias' key 'spam' must be an integer", "logit_bias"),
@@ -1035,6 +1040,21 @@ def test_errors_have_the_openai_shape_status_and_a_message_naming_the_parameter(
     assert httpx.post(f"{api.base_url}/completions", content=b"{nope", timeout=60).status_code == 400
     deep = httpx.post(f"{api.base_url}/completions", content=b'{"prompt": ' + b"[" * 100000, timeout=60)
     assert deep.status_code == 400 and "nested too deeply" in deep.json()["error"]["message"]
+
+
+def test_bodies_json_reads_but_python_cannot_use_are_400s(api):
+    """A surrogate as raw bytes (json decodes them with surrogatepass) in any string, and an
+    integer longer than Python converts: a 400 naming the field, not a 500 and a closed connection."""
+    prompt = b'{"model": "%s", "prompt": "A \xed\xa0\x80", "max_tokens": 1}' % MODEL.encode()
+    for path, body, param in [("completions", prompt, "prompt"),
+                              ("completions", b'{"model": "\xed\xb0\x80", "prompt": "x"}', "model"),
+                              ("tokenize", b'{"prompt": "\xed\xa0\x80"}', "prompt")]:
+        reply = httpx.post(f"{api.base_url.removesuffix('/v1')}/{path}" if path == "tokenize"
+                           else f"{api.base_url}/{path}", content=body, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    reply = httpx.post(f"{api.base_url}/completions", content=b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}",
+                       timeout=60)
+    assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"], reply.text
 
 
 def test_the_sdk_raises_its_typed_errors(client):

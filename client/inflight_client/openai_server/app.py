@@ -71,13 +71,14 @@ async def _body(request: Request, schema: type[BaseModel]):
     body = await request.body()
     try:
         raw = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:       # also an integer longer than Python converts (4,300 digits)
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
     if not isinstance(raw, dict):
         raise APIError(400, "the request body must be a JSON object")
-    if b"\\ud" in body.lower() and (field := lone_surrogate_field(raw)):     # JSON's escape of a surrogate
+    # a surrogate as JSON's escape, or as its raw UTF-8-like bytes (ED A0..BF xx), which json accepts
+    if (b"\\ud" in body.lower() or b"\xed" in body) and (field := lone_surrogate_field(raw)):
         raise APIError(400, f"'{field}' {LONE_SURROGATE}", field)
     try:
         return schema.model_validate(raw)

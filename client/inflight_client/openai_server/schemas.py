@@ -175,8 +175,8 @@ class CompletionRequest(SamplingFields):
             raise APIError(400, "'prompt' must not be empty", "prompt")
         for prompt in self.prompts():
             # `llm` checks ids against its vocabulary, but its input_ids are INT32: Triton would wrap
-            # a larger id into another one first
-            huge = [(i, t) for i, t in enumerate(prompt) if t >= 2**31] if isinstance(prompt, list) else []
+            # an id outside them into another one first
+            huge = [(i, t) for i, t in enumerate(prompt) if not 0 <= t < 2**31] if isinstance(prompt, list) else []
             if huge:
                 raise APIError(400, f"'prompt': token id {huge[0][1]} at position {huge[0][0]} is outside the "
                                "vocabulary", "prompt")

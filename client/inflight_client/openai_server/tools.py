@@ -30,7 +30,10 @@ def _required_schema(tools, parallel: bool) -> dict:
     defs, calls = {}, []
     for tool in tools:
         parameters = dict(_parameters(tool))
-        for name, schema in parameters.pop("$defs", {}).items():
+        shared = parameters.pop("$defs", {})
+        if not isinstance(shared, dict):
+            raise APIError(400, f"'tools': the $defs of {tool.function.name!r} must be an object", "tools")
+        for name, schema in shared.items():
             if defs.setdefault(name, schema) != schema:      # one would stand for both (vLLM refuses it too)
                 raise APIError(400, f"'tools': the definition {name!r} ($defs) differs between tools; "
                                "give the tools' shared definitions one schema or distinct names", "tools")
