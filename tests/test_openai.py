@@ -793,6 +793,19 @@ def test_a_dropped_stream_frees_its_kv_blocks(api, client, server):
     assert client.completions.create(model=MODEL, prompt="The", max_tokens=2).choices[0].text
 
 
+def test_a_client_that_leaves_a_request_not_streamed_frees_its_kv_blocks(api, server):
+    """Triton sees a closed connection only when it writes a response: the server asks `llm` for
+    one per step even when its client does not stream, so the request is cancelled, not run to
+    its 900 tokens for nobody."""
+    cancelled = server.metric("inflight_requests_total", finish_reason="cancelled")
+    body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{api.base_url}/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+    assert wait_for_metric(server, "inflight_requests_total", cancelled + 1, timeout_s=5,
+                           finish_reason="cancelled") == cancelled + 1
+    assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
+
+
 # bounded outputs: the tiny random test model must reach the end of the grammar within max_tokens
 COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
                                           "size": {"type": "string", "enum": ["S", "M", "L"]}},

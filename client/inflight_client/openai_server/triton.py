@@ -1,7 +1,8 @@
 """The server's connection pool to Triton and the `llm` tensor contract (the vLLM backend's): each
 request is one POST to Triton's `/v2/models/<model>/generate_stream`, whose server-sent events
 are `llm`'s responses, read into LLMResponses. Leaving early closes the request's connection,
-which Triton takes as the request's cancellation (the engine aborts it and frees its blocks).
+which Triton takes as the request's cancellation at its next response (the engine aborts it and
+frees its blocks; a request still waiting for its first token runs until it has one).
 
 HTTP rather than Triton's gRPC stream: per streamed token, receiving a response through
 tritonclient's grpc.aio stack costs this process ~0.24 ms of CPU, reading the same response as an
@@ -99,7 +100,12 @@ class TritonLLM:
     def payload(self, prompt: str | list[int], sampling: dict, stream: bool) -> dict:
         """The inputs Triton's OpenAI frontend sends the vLLM backend (plus `input_ids` for
         token prompts, `return_prompt_logprobs` when asked, and `return_stop_reason`, inflight's):
-        the prompt is never repeated (echo is this server's job)."""
+        the prompt is never repeated (echo is this server's job). `llm` streams even to a client
+        that does not (gather joins the pieces): Triton's HTTP frontend learns that a request's
+        connection closed only when it writes a response, so without one per step a request whose
+        client left, or that this server gave up, ran to its end (prompt_logprobs come only
+        unstreamed)."""
+        stream = stream or "prompt_logprobs" not in sampling
         payload = {("text_input" if isinstance(prompt, str) else "input_ids"): prompt, "stream": stream,
                    "sampling_parameters": json.dumps(sampling), "exclude_input_in_output": True,
                    "return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
