@@ -99,8 +99,8 @@ async def _until_disconnected(request: Request) -> None:
 
 async def _unless_disconnected(request: Request, handler):
     """Run a handler (for a stream, up to its first response; otherwise to the end) but cancel
-    it, and with it the Triton requests, if the client goes away first: a request still waiting
-    in the engine's queue is aborted there instead of being computed for nobody."""
+    it, and with it the Triton requests, if the client goes away first (Triton cancels each at
+    its next response: one still waiting in the engine's queue, at its first token)."""
     work = asyncio.ensure_future(handler)
     watch = asyncio.ensure_future(_until_disconnected(request))
     try:
