@@ -137,7 +137,7 @@ async def http_transport(url: str, items, sampling, concurrency: int) -> int:
     async def one(item):
         nonlocal tokens
         async with slots:
-            async for response in llm.generate(item.prompt_token_ids, sampling(item), True):
+            async for response in llm.generate(item.prompt_token_ids, sampling(item)):
                 tokens += sum(response.num_output_tokens)
     try:
         await asyncio.gather(*(one(item) for item in items))

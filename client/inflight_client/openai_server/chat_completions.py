@@ -34,7 +34,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
     if body.truncate_prompt_tokens is not None:
         prompt_ids = ctx.truncate(prompt_ids, body.truncate_prompt_tokens, body.truncation_side)
     sampling = ctx.fit(chat_sampling(body, ctx.chat_max_tokens, constraint, lora_name), prompt_ids, "messages")
-    calls = [ctx.triton.generate(prompt_ids, sampling, body.stream)]
+    calls = [ctx.triton.generate(prompt_ids, sampling)]
     head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
             "model": body.model or ctx.models.name}
     top_n = body.top_logprobs or 0

@@ -38,8 +38,8 @@ async def create_completion(body: CompletionRequest, ctx: Context, request_id: s
         prompts = [ctx.tokenize(p, body.add_special_tokens) for p in prompts]
     if body.echo and body.logprobs is not None:
         echoed = functools.partial(_echoed, ctx.tokenizer, prompts)
-    calls = [ctx.triton.generate(prompt, ctx.fit(sampling, prompt if isinstance(prompt, list) else None, "prompt"),
-                                 body.stream) for prompt in prompts]
+    calls = [ctx.triton.generate(prompt, ctx.fit(sampling, prompt if isinstance(prompt, list) else None, "prompt"))
+             for prompt in prompts]
     head = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or ctx.models.name}
     try:

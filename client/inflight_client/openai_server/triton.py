@@ -97,16 +97,15 @@ class TritonLLM:
                 names = {tensor["name"] for tensor in (await response.json()).get("inputs", [])}
                 self.has_stop_reason = "return_stop_reason" in names
 
-    def payload(self, prompt: str | list[int], sampling: dict, stream: bool) -> dict:
+    def payload(self, prompt: str | list[int], sampling: dict) -> dict:
         """The inputs Triton's OpenAI frontend sends the vLLM backend (plus `input_ids` for
         token prompts, `return_prompt_logprobs` when asked, and `return_stop_reason`, inflight's):
-        the prompt is never repeated (echo is this server's job). `llm` streams even to a client
-        that does not (gather joins the pieces): Triton's HTTP frontend learns that a request's
-        connection closed only when it writes a response, so without one per step a request whose
-        client left, or that this server gave up, ran to its end (prompt_logprobs come only
-        unstreamed)."""
-        stream = stream or "prompt_logprobs" not in sampling
-        payload = {("text_input" if isinstance(prompt, str) else "input_ids"): prompt, "stream": stream,
+        the prompt is never repeated (echo is this server's job). `llm` streams whether or not the
+        client does (gather joins the pieces; prompt_logprobs come in the first response): Triton's
+        HTTP frontend learns that a request's connection closed only when it writes a response, so
+        without one per step a request whose client left, or that this server gave up, ran to its
+        end."""
+        payload = {("text_input" if isinstance(prompt, str) else "input_ids"): prompt, "stream": True,
                    "sampling_parameters": json.dumps(sampling), "exclude_input_in_output": True,
                    "return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
                    "return_logprobs": "logprobs" in sampling}
@@ -116,14 +115,14 @@ class TritonLLM:
             payload["return_stop_reason"] = True
         return payload
 
-    async def generate(self, prompt: str | list[int], sampling: dict, stream: bool) -> AsyncIterator[LLMResponse]:
+    async def generate(self, prompt: str | list[int], sampling: dict) -> AsyncIterator[LLMResponse]:
         """The request's responses; raises APIError for an error response or a failed call.
         Closing the iterator early cancels the request."""
         try:
             if self.has_stop_reason is None:
                 await self._check_inputs()
             async with self.session.post(f"/v2/models/{self.model}/generate_stream",
-                                         json=self.payload(prompt, sampling, stream)) as response:
+                                         json=self.payload(prompt, sampling)) as response:
                 if response.status != 200 and response.content_type != "text/event-stream":
                     body = await response.text()
                     raise from_triton(json.loads(body).get("error", body) if body.startswith("{") else body)
