@@ -3,6 +3,7 @@ tritonserver: completions and chat, streamed and not, token-array prompts, n > 1
 seeds, logprobs, usage, 50 concurrent streams, a dropped stream's KV blocks, structured outputs
 and tool calls, and every error status with its message."""
 import asyncio
+import concurrent.futures
 import importlib.metadata
 import json
 import os
@@ -548,6 +549,32 @@ def test_truncate_prompt_tokens_and_bad_words_as_vllm(client, reference_engine, 
     assert not set(sum(forms, [])) & set(banned.model_extra["token_ids"])
 
 
+def test_a_long_prompt_is_tokenized_without_holding_up_other_requests(api, client, tokenizer):
+    """Text longer than the context could hold is refused before it is tokenized (the BAD cases);
+    what the server must tokenize however long (a prompt to truncate, /tokenize) is tokenized in
+    a thread, so other requests are answered meanwhile (the event loop used to stop for seconds)."""
+    root = api.base_url.removesuffix("/v1")
+    sentence = "Lists of words. "
+    cut = client.completions.create(model=MODEL, prompt=sentence * 5000, max_tokens=1,
+                                    extra_body={"truncate_prompt_tokens": 5})
+    assert cut.usage.prompt_tokens == 5, "a prompt past the bound may still be truncated"
+
+    def count(repeats: int) -> int:
+        return len(tokenizer(sentence * repeats)["input_ids"])
+    repeats = 125_000                           # 2 MB: seconds of tokenizing
+    assert count(3) - count(2) == count(2) - count(1)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        counted = pool.submit(httpx.post, f"{root}/tokenize", json={"model": MODEL, "prompt": sentence * repeats},
+                              timeout=120)
+        waits = []
+        while not counted.done():
+            start = time.monotonic()
+            assert httpx.get(f"{root}/health", timeout=60).status_code == 200
+            waits.append(time.monotonic() - start)
+    assert counted.result().json()["count"] == count(1) + (repeats - 1) * (count(2) - count(1))
+    assert len(waits) > 3 and max(waits) < 0.7, waits
+
+
 def test_max_tokens_is_fitted_to_the_context_as_vllm(api, client, tokenizer):
     """A prompt near the context length runs with max_tokens cut to the room left (the default's
     16, or a larger one asked for), and stops with "length"; a chat that gives none runs to the end
@@ -944,6 +971,10 @@ BAD = [
      "This model's maximum context length is 1024 tokens. However, your prompt contains 1025 input tokens", "prompt"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Lists " * 1100}]}, 400,
      "This model's maximum context length is 1024 tokens", "messages"),
+    ("completions", {"model": MODEL, "prompt": "x" * 40000}, 400,       # refused before tokenizing
+     "'prompt' is 40000 bytes; the limit is 32768 (max_model_len 1024 x 32)", "prompt"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 40000}]}, 400,
+     "'messages' is 400", "messages"),
     ("completions", {"model": MODEL, "prompt": "A \ud800"}, 400, "'prompt' holds a lone UTF-16 surrogate", "prompt"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]}, 400,
      "'messages' holds a lone UTF-16 surrogate", "messages"),

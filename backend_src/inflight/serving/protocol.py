@@ -178,12 +178,12 @@ def _coerce(name: str, kind: str, value):
 MAX_BYTES_PER_TOKEN = 32     # a prompt of more bytes than max_model_len x this is refused untokenized
 
 
-def check_text_size(text: str, max_model_len: int) -> None:
+def check_text_size(text: str, max_model_len: int, field: str = "text_input") -> None:
     """Bound the tokenizer's work before it starts: no prompt this long can fit anyway."""
     limit = max_model_len * MAX_BYTES_PER_TOKEN
     size = len(text.encode("utf-8"))
     if size > limit:
-        raise RequestError(f"'text_input' is {size} bytes; the limit is {limit} "
+        raise RequestError(f"'{field}' is {size} bytes; the limit is {limit} "
                            f"(max_model_len {max_model_len} x {MAX_BYTES_PER_TOKEN})")
 
 

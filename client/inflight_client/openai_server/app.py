@@ -185,7 +185,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
-        return tokenize(await _body(request, TokenizeRequest), ctx)
+        # in a thread, as a generation's prompt: a long one would stop every stream while tokenized
+        return await asyncio.to_thread(tokenize, await _body(request, TokenizeRequest), ctx)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request):

@@ -6,6 +6,7 @@ continue_final_message) starts each choice's content. vLLM's `return_token_ids`:
 stream: in each role chunk), each choice's generated ids in its choice (a stream: per delta)."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 from starlette.responses import JSONResponse
@@ -29,10 +30,8 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
     constraint = single(request_constraints(body) + ([tool] if tool else []),
                         ctx.disable_any_whitespace)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    prompt = ctx.chat.render(body.messages, tools, body)
-    prompt_ids = ctx.tokenize(prompt, body.add_special_tokens)
-    if body.truncate_prompt_tokens is not None:
-        prompt_ids = ctx.truncate(prompt_ids, body.truncate_prompt_tokens, body.truncation_side)
+    # in a thread: long messages take the template and tokenizer seconds, which would stop every other stream
+    prompt, prompt_ids = await asyncio.to_thread(_prompt, body, tools, ctx)
     sampling = ctx.fit(chat_sampling(body, ctx.chat_max_tokens, constraint, lora_name), prompt_ids, "messages")
     calls = [ctx.triton.generate(prompt_ids, sampling)]
     head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
@@ -79,6 +78,16 @@ def _as_sent(error: APIError, body: ChatCompletionRequest) -> APIError:
         error.message = error.message.replace("'max_tokens'", "'max_completion_tokens'")
         error.param = "max_completion_tokens"
     return error
+
+
+def _prompt(body: ChatCompletionRequest, tools: list[dict] | None, ctx: Context) -> tuple[str, list[int]]:
+    """The rendered template and its token ids."""
+    prompt = ctx.chat.render(body.messages, tools, body)
+    if body.truncate_prompt_tokens is None:
+        ctx.check_size(prompt, "messages")
+        return prompt, ctx.tokenize(prompt, body.add_special_tokens)
+    ids = ctx.tokenize(prompt, body.add_special_tokens)
+    return prompt, ctx.truncate(ids, body.truncate_prompt_tokens, body.truncation_side)
 
 
 def _echo(body: ChatCompletionRequest) -> str:

@@ -8,6 +8,7 @@ of its log-probability positions, which `llm` then returns with N = 0 if the req
 `max_tokens` 0 with `echo` answers the prompt alone, streamed or not."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 
@@ -27,15 +28,9 @@ async def create_completion(body: CompletionRequest, ctx: Context, request_id: s
     lora_name = ctx.models.check(body.model)
     constraint = single(request_constraints(body), ctx.disable_any_whitespace)
     sampling = completion_sampling(body, ctx.completion_max_tokens, constraint, lora_name)
-    prompts = body.prompts()
+    # in a thread: a long prompt takes the tokenizer seconds, which would stop every other stream
+    prompts, echoes = await asyncio.to_thread(_prompts, body, ctx)
     echoed = None               # with echo and logprobs: (prompt i, its prompt_logprobs) -> positions
-    if body.truncate_prompt_tokens is not None:
-        prompts = [ctx.truncate(p, body.truncate_prompt_tokens, body.truncation_side, body.add_special_tokens)
-                   for p in prompts]
-    echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]
-    if ctx.models.max_model_len is not None or body.return_token_ids or (body.echo and body.logprobs is not None) \
-            or not body.add_special_tokens:         # `llm` tokenizes a text prompt with them
-        prompts = [ctx.tokenize(p, body.add_special_tokens) for p in prompts]
     if body.echo and body.logprobs is not None:
         echoed = functools.partial(_echoed, ctx.tokenizer, prompts)
     calls = [ctx.triton.generate(prompt, ctx.fit(sampling, prompt if isinstance(prompt, list) else None, "prompt"))
@@ -52,6 +47,23 @@ async def create_completion(body: CompletionRequest, ctx: Context, request_id: s
     choices = [_choice(index, out, body, prompts[index // body.n], echoes[index // body.n], echoed)
                for index, out in enumerate(outputs)]
     return JSONResponse({**head, "choices": choices, "usage": usage.body()})
+
+
+def _prompts(body: CompletionRequest, ctx: Context) -> tuple[list[str | list[int]], list[str]]:
+    """The prompts as `llm` gets them (text, or token ids where this server needs them), and
+    what each echoes."""
+    prompts = body.prompts()
+    if body.truncate_prompt_tokens is not None:
+        prompts = [ctx.truncate(p, body.truncate_prompt_tokens, body.truncation_side, body.add_special_tokens)
+                   for p in prompts]
+    else:
+        for prompt in prompts:
+            ctx.check_size(prompt, "prompt")
+    echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]
+    if ctx.models.max_model_len is not None or body.return_token_ids or (body.echo and body.logprobs is not None) \
+            or not body.add_special_tokens:         # `llm` tokenizes a text prompt with them
+        prompts = [ctx.tokenize(p, body.add_special_tokens) for p in prompts]
+    return prompts, echoes
 
 
 def _echoed(tokenizer, prompts: list[list[int]], i: int, prompt_logprobs: list) -> list[dict]:

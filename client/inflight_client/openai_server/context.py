@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from inflight.serving.protocol import RequestError, check_text_size
+
 from .chat_template import ChatTemplate
 from .errors import APIError
 from .models import ServedModels
@@ -41,6 +43,16 @@ class Context:
         if isinstance(prompt, str):
             return prompt
         return self.tokenizer.decode(prompt, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def check_size(self, prompt: str | list[int], field: str) -> None:
+        """Refuse a text prompt too long for the context before the tokenizer spends seconds on it
+        (`llm`'s bound, for the prompts this server tokenizes itself)."""
+        if isinstance(prompt, list) or self.models.max_model_len is None:
+            return
+        try:
+            check_text_size(prompt, self.models.max_model_len, field)
+        except RequestError as exc:
+            raise APIError(400, str(exc), field, "context_length_exceeded") from None
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """A prompt's token ids (a token prompt is already its ids)."""
