@@ -987,7 +987,7 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "x", "temprature": 0}, 400, "'temprature': unknown parameter",
      "temprature"),
     ("completions", {"model": MODEL, "prompt": ""}, 400, "'prompt' must not be empty", "prompt"),
-    ("completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "token id 99999", "prompt"),
+    ("completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "'prompt': token id 99999", "prompt"),
     ("completions", {"model": MODEL, "prompt": [[1], [2, 10**12]]}, 400,
      "'prompt': token id 1000000000000 at position 1 is outside the vocabulary", "prompt"),
     ("completions", {"model": MODEL, "prompt": [1, -4294967291]}, 400,       # would wrap into token 5 as INT32
@@ -1058,6 +1058,8 @@ BAD = [
      "'messages[1].tool_calls[0].function.arguments' is nested too deeply", "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "only text parts", "messages"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "'messages[0].content[0].text' must be a string", "messages"),
     ("completions", {"model": MODEL, "prompt": "x", "use_beam_search": True}, 400,
      "'use_beam_search' is not supported (beam search is not served)", "use_beam_search"),
     ("completions", {"model": MODEL, "prompt": "x", "stream_interval": 0}, 400,

@@ -19,10 +19,12 @@ def message_text(message: ChatMessage, index: int) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+    for position, part in enumerate(content):
+        if part.get("type") != "text":
             raise APIError(400, f"'messages[{index}].content': only text parts are supported, got "
                            f"{part.get('type')!r}", "messages")
+        if not isinstance(part.get("text"), str):
+            raise APIError(400, f"'messages[{index}].content[{position}].text' must be a string", "messages")
         texts.append(part["text"])
     return "\n".join(texts)
 

@@ -32,7 +32,7 @@ PARAMS = {"text_input": "prompt", "input_ids": "prompt"}
 
 def _named_field(message: str) -> str | None:
     match = re.search(r"'([A-Za-z_]+)'", message)
-    return PARAMS.get(match.group(1), match.group(1)) if match else None
+    return match.group(1) if match else None
 
 
 def from_triton(message: str) -> APIError:
@@ -42,5 +42,7 @@ def from_triton(message: str) -> APIError:
         return APIError(429, message, code="queue_full")
     if any(marker in message for marker in UNAVAILABLE):
         return APIError(503, message)
+    for name, param in PARAMS.items():     # the parameter the client sent, in the message too
+        message = message.replace(f"'{name}'", f"'{param}'")
     return APIError(400, message, param=_named_field(message))
 
