@@ -2,6 +2,7 @@
 server stops: nothing lost, nothing leaked, nothing hung, clear errors. Real tritonservers."""
 import http.client
 import json
+import os
 import signal
 import socket
 import threading
@@ -307,6 +308,53 @@ def test_a_server_that_served_many_streams_stops_promptly(start_server):
     request_shutdown(s.shutdown_flag, s.process, signal.SIGINT)
     assert s.process.wait(40) is not None
     assert time.monotonic() - started < 15, "the model outlived shutdown: something still holds it"
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()     # after "(command)": state, ppid, ...
+        except FileNotFoundError:            # it ended meanwhile
+            continue
+        if fields[1] == str(pid):
+            found.append(int(entry))
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_server_leaves_no_model_process_behind(start_server):
+    """tritonserver killed (kill -9, the OOM killer) while it streams: every model's process exits
+    within a second or so, the engine's memory with it, even while the dead server is not yet
+    reaped (the Python backend's own check misses that, and its exit could hang behind a metric
+    update waiting for the dead server: `llm`'s process stayed for good)."""
+    s = start_server()
+    stubs = children(s.process.pid)
+    assert len(stubs) == 3, "llm, preprocessing and postprocessing each run in a process"
+    body = json.dumps({"text_input": "The import system", "max_tokens": 900, "ignore_eos": True, "stream": True})
+    host, port = s.http_url.split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST /v2/models/llm/generate_stream HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+                     f"\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+        assert sock.recv(4096), "the stream has started"
+        assert wait_for_metric(s, "inflight_requests_running", 1) == 1
+        os.kill(s.process.pid, signal.SIGKILL)         # and not reaped until the end
+        deadline = time.monotonic() + 10
+        while any(map(running, stubs)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    left = [pid for pid in stubs if running(pid)]
+    for pid in left:                                    # not to outlive a failed test either
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "a model's process outlived the server"
+    s.process.wait()
 
 
 # ---- production profile ----------------------------------------------------------------------------------

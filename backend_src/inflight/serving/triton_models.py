@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -210,6 +211,26 @@ def stop_server(reason: str) -> None:
     os.kill(os.getppid(), signal.SIGTERM)
 
 
+SERVER_WATCH_S = 0.5
+
+
+def exit_with_server() -> None:
+    """End this stub the moment tritonserver is gone. The Python backend's own check misses a
+    server that died and was not yet reaped (kill(pid, 0) succeeds on a zombie), and its exit can
+    hang behind a thread that waits forever for the dead server's reply to a metric update: a
+    killed server left `llm`'s stub, with its engine's memory, running for good. A process gets a
+    new parent the moment its parent dies; os._exit runs nothing that could wait."""
+    server = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == server:
+            time.sleep(SERVER_WATCH_S)
+        log.error("inflight: tritonserver (pid %d) is gone; this model's process exits", server)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="inflight-server-watch", daemon=True).start()
+
+
 class LLMModel:
     def __init__(self, pb_utils):
         self.pb = pb_utils
@@ -217,6 +238,7 @@ class LLMModel:
 
     @one_line_errors
     def initialize(self, args) -> None:
+        exit_with_server()
         version_dir = os.path.join(args["model_repository"], args["model_version"])
         settings = Settings.load(version_dir)
         check_checkpoint(settings.model_dir, settings.source)
@@ -278,6 +300,7 @@ class TokenizerModel:
 
     @one_line_errors
     def initialize(self, args) -> None:
+        exit_with_server()
         settings = llm_settings(args["model_repository"])
         self.tokenizer = load_tokenizer(settings, without_torch=True)
         # llm's bound on a text prompt, before tokenizing it (the engine's max_model_len is within both)
