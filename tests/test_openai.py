@@ -983,6 +983,9 @@ BAD = [
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "functions": [{"name": "f"}]}, 400,
      "'functions' is not supported (give 'tools')", "functions"),
     ("completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "'n'", "n"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": True}, 400,        # not read as 1
+     "'max_tokens': Input should be a number, not a boolean", "max_tokens"),
+    ("completions", {"model": MODEL, "prompt": [1, True]}, 400, "'prompt[1]': Input should be a number", "prompt"),
     ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "'logprobs'", "logprobs"),
     ("completions", {"model": MODEL, "prompt": "x", "temprature": 0}, 400, "'temprature': unknown parameter",
      "temprature"),

@@ -52,8 +52,9 @@ FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 
 def _validation_error(error: ValidationError) -> APIError:
     errors = error.errors()
-    # an unknown key is the likeliest mistake, even where a union's other members also complain
-    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    # an unknown key, or a boolean for a number, is the likeliest mistake, even where a union's
+    # other members also complain
+    first = next((e for e in errors if e["type"] in ("extra_forbidden", "bool_not_number")), errors[0])
     loc = [str(part) for part in first["loc"]]
     name = loc[0] if loc else None
     unknown = first["type"] == "extra_forbidden"

@@ -16,14 +16,26 @@ place; max_tokens is fitted to the context here (context.py), as vLLM's server f
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from .errors import APIError
 from .logprobs import as_token_ids
 
 MAX_LOGPROBS = 20       # the engine's limit (inflight.config.MAX_LOGPROBS)
+
+
+def _not_a_boolean(value):
+    """pydantic reads true as 1 where a number is expected; OpenAI's API and `llm` refuse it."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("bool_not_number", "Input should be a number, not a boolean")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_a_boolean)]
+Float = Annotated[float, BeforeValidator(_not_a_boolean)]
 
 
 class Body(BaseModel):
@@ -78,52 +90,52 @@ class SamplingFields(Body):
                 "repetition_detection": "",
                 "thinking_token_budget": " (no reasoning parser: the output is not split into reasoning and content)"}
     model: str | None = None                     # none: the served base model (vLLM's default)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    seed: int | None = None
+    temperature: Float | None = Field(None, ge=0)
+    top_p: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    min_tokens: Int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: Int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's: `llm`'s JSON in the response
+    frequency_penalty: Float | None = None
+    presence_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)    # vLLM's: `llm`'s JSON in the response
     return_tokens_as_token_ids: bool = False     # vLLM's: logprobs name tokens "token_id:<id>"
     return_token_ids: bool = False               # vLLM's: prompt_token_ids and each choice's token_ids
-    truncate_prompt_tokens: int | None = None    # vLLM's: keep the prompt's last N tokens (-1: the context length)
+    truncate_prompt_tokens: Int | None = None    # vLLM's: keep the prompt's last N tokens (-1: the context length)
     bad_words: list[str] | None = None           # vLLM's: words never generated
-    allowed_token_ids: list[int] | None = None   # vLLM's: the only tokens that may be generated
+    allowed_token_ids: list[Int] | None = None   # vLLM's: the only tokens that may be generated
     skip_special_tokens: bool | None = None      # vLLM's: false keeps special tokens in the text
     spaces_between_special_tokens: bool | None = None     # vLLM's (slow tokenizers only, as in vLLM)
     truncation_side: Literal["left", "right"] | None = None    # vLLM's: which end truncate_prompt_tokens cuts
-    stream_interval: int | None = Field(None, ge=1)     # vLLM's: tokens per streamed chunk (llm's setting, if more)
+    stream_interval: Int | None = Field(None, ge=1)     # vLLM's: tokens per streamed chunk (llm's setting, if more)
     request_id: str | None = None                # vLLM's: the response id is <kind>-<request_id> (X-Request-Id wins)
     user: str | None = None                      # accepted, unused
     # vLLM's fields that change nothing here: accepted, unused, as vLLM accepts them
     session_id: str | None = None                # a routing key across requests
-    length_penalty: float = 1.0                  # read by beam search only
-    routed_experts_prompt_start: int = Field(0, ge=0)    # for mixture-of-experts routing data, not returned here
+    length_penalty: Float = 1.0                  # read by beam search only
+    routed_experts_prompt_start: Int = Field(0, ge=0)    # for mixture-of-experts routing data, not returned here
     return_token_offsets: bool | None = None     # these three: read by vLLM's /render endpoints only
     mm_payload: str | None = None
     return_mm_kwargs: bool | None = None
     # vLLM's fields for what this server does not do (UNSERVED)
     use_beam_search: bool = False
     watermarking: bool | None = None
-    logprob_token_ids: list[int] | None = None
+    logprob_token_ids: list[Int] | None = None
     kv_transfer_params: dict | None = None
     ec_transfer_params: dict | None = None
     vllm_xargs: dict | None = None
     repetition_detection: dict | None = None
-    thinking_token_budget: int = -1              # -1: unlimited, vLLM's "unset"
-    priority: Literal["high", "normal", "low"] | int | None = None     # an integer as vLLM's: lower runs sooner
+    thinking_token_budget: Int = -1              # -1: unlimited, vLLM's "unset"
+    priority: Literal["high", "normal", "low"] | Int | None = None     # an integer as vLLM's: lower runs sooner
     cache_salt: str | None = Field(None, min_length=1)
     # constraints (structured.py turns them into `llm`'s "structured_outputs")
     response_format: ResponseFormat | None = None
@@ -160,13 +172,13 @@ class SamplingFields(Body):
 
 class CompletionRequest(SamplingFields):
     UNSERVED = {**SamplingFields.UNSERVED, "prompt_embeds": " (prompts are text or token ids)"}
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = None
     echo: bool = False
     add_special_tokens: bool = True              # vLLM's: false tokenizes a text prompt without a BOS
     prompt_embeds: Any = None
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = None
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: Int | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -262,10 +274,10 @@ class ChatCompletionRequest(SamplingFields, TemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     add_special_tokens: bool = False             # vLLM's: on top of what the template writes
     echo: bool = False                           # vLLM's: the reply starts with a final assistant message
-    max_completion_tokens: int | None = None
-    max_tokens: int | None = None                # deprecated by OpenAI, still sent by many clients
+    max_completion_tokens: Int | None = None
+    max_tokens: Int | None = None                # deprecated by OpenAI, still sent by many clients
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(None, min_length=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None      # false: "required" gives exactly one call
@@ -347,4 +359,4 @@ class TokenizeRequest(TemplateFields):
 
 class DetokenizeRequest(Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
