@@ -81,7 +81,11 @@ def _as_sent(error: APIError, body: ChatCompletionRequest) -> APIError:
 
 
 def _prompt(body: ChatCompletionRequest, tools: list[dict] | None, ctx: Context) -> tuple[str, list[int]]:
-    """The rendered template and its token ids."""
+    """The rendered template and its token ids. Unless the prompt is to be cut, text that cannot
+    fit is refused before the template renders it (which holds every message's text) and again
+    before the tokenizer reads what the template made of it."""
+    if body.truncate_prompt_tokens is None:
+        ctx.check_size("".join(message_text(m, i) for i, m in enumerate(body.messages)), "messages")
     prompt = ctx.chat.render(body.messages, tools, body)
     if body.truncate_prompt_tokens is None:
         ctx.check_size(prompt, "messages")
