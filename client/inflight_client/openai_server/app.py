@@ -189,8 +189,8 @@ def create_app(settings: Settings) -> FastAPI:
         # in a thread, as a generation's prompt: a long one would stop every stream while tokenized
         return await asyncio.to_thread(tokenize, await _body(request, TokenizeRequest), ctx)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize")          # likewise for a long list of ids
     async def detokenize_route(request: Request):
-        return detokenize(await _body(request, DetokenizeRequest), ctx)
+        return await asyncio.to_thread(detokenize, await _body(request, DetokenizeRequest), ctx)
 
     return app
