@@ -1,5 +1,6 @@
 """Helpers for tests that talk to a real server, or to the serving loop in-process."""
 import asyncio
+import os
 import threading
 import time
 
@@ -46,3 +47,19 @@ class RecordingSink:
     @property
     def text(self):
         return "".join(s[1] for s in self.sends)
+
+
+def child_processes(pid: int) -> dict[int, str]:
+    """pid -> command line of each child process of pid (from /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid:
+            children[int(entry)] = command
+    return children

@@ -20,6 +20,7 @@ from inflight.serving.launch import failure_cause, failure_summary, free_port, m
 from inflight_client.streams import http_generate
 
 from .conftest import DEFAULT_MODEL, REPO
+from .helpers import child_processes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # a subprocess imports this checkout's code, not an installed copy
@@ -119,22 +120,6 @@ def test_a_checkpoint_given_with_model_is_served_through_llm_and_the_ensemble(se
     assert not os.path.exists(written)
 
 
-def _children(pid: int) -> dict[int, str]:
-    """pid -> command line of each child process of pid (from /proc)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                command = f.read().replace(b"\0", b" ").decode()
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == pid:
-            children[int(entry)] = command
-    return children
-
-
 @pytest.mark.server
 def test_the_launcher_ends_when_tritonserver_dies_and_never_prints_the_admin_key(served_checkpoint):
     """tritonserver gone (a crash, or stopped after an engine failure): the launcher stops the
@@ -146,7 +131,7 @@ def test_the_launcher_ends_when_tritonserver_dies_and_never_prints_the_admin_key
                         env={"INFLIGHT_ADMIN_KEY": key})
     try:
         launcher.wait_for("inflight: ready", 120)
-        children = _children(launcher.process.pid)
+        children = child_processes(launcher.process.pid)
         (triton,) = [pid for pid, command in children.items() if "tritonserver" in command]
         (openai_server,) = [pid for pid, command in children.items() if "openai_server" in command]
         os.kill(triton, signal.SIGKILL)

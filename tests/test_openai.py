@@ -555,9 +555,14 @@ def test_a_long_prompt_is_tokenized_without_holding_up_other_requests(api, clien
     a thread, so other requests are answered meanwhile (the event loop used to stop for seconds)."""
     root = api.base_url.removesuffix("/v1")
     sentence = "Lists of words. "
-    cut = client.completions.create(model=MODEL, prompt=sentence * 5000, max_tokens=1,
+    cut = client.completions.create(model=MODEL, prompt=sentence * 8000, max_tokens=1,
                                     extra_body={"truncate_prompt_tokens": 5})
     assert cut.usage.prompt_tokens == 5, "a prompt past the bound may still be truncated"
+    longest = max(tokenizer.get_vocab(), key=lambda token: len(tokenizer.convert_tokens_to_string([token]).encode()))
+    dense = tokenizer.convert_tokens_to_string([longest]) * 400          # many bytes a token
+    assert len(dense.encode()) > 32 * 1024
+    assert client.completions.create(model=MODEL, prompt=dense, max_tokens=1).usage.prompt_tokens < 1024, \
+        "the bound allows the vocabulary's longest token"
 
     def count(repeats: int) -> int:
         return len(tokenizer(sentence * repeats)["input_ids"])
@@ -971,10 +976,10 @@ BAD = [
      "This model's maximum context length is 1024 tokens. However, your prompt contains 1025 input tokens", "prompt"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Lists " * 1100}]}, 400,
      "This model's maximum context length is 1024 tokens", "messages"),
-    ("completions", {"model": MODEL, "prompt": "x" * 40000}, 400,       # refused before tokenizing
-     "'prompt' is 40000 bytes; the limit is 32768 (max_model_len 1024 x 32)", "prompt"),
-    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 40000}]}, 400,
-     "'messages' is 400", "messages"),
+    ("completions", {"model": MODEL, "prompt": "x" * 110000}, 400,       # refused before tokenizing
+     "'prompt' is 110000 bytes, more than the context of 1024 tokens can hold (the limit is 104448: 102 bytes a token at most)", "prompt"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 110000}]}, 400,
+     "'messages' is 110000 bytes, more than", "messages"),
     ("completions", {"model": MODEL, "prompt": "A \ud800"}, 400, "'prompt' holds a lone UTF-16 surrogate", "prompt"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]}, 400,
      "'messages' holds a lone UTF-16 surrogate", "messages"),

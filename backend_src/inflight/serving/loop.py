@@ -21,7 +21,7 @@ from ..detokenizer import DecodeOptions, IncrementalDetokenizer, StopStrings, de
 from ..engine import LLMEngine, QueueFullError
 from .job import Job, ResponseSink, Sample
 from .outputs import response_outputs
-from .protocol import GenerateRequest, RequestError, check_text_size
+from .protocol import GenerateRequest, RequestError, bytes_per_token, check_text_size
 
 log = logging.getLogger("inflight")
 
@@ -31,6 +31,7 @@ class EngineLoop:
                  on_failure: Callable[[str], None] | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
+        self.bytes_per_token = bytes_per_token(tokenizer)
         self.metrics = metrics
         self.cancel_poll_s = cancel_poll_s
         self.on_failure = on_failure             # called once every request has its error
@@ -95,7 +96,7 @@ class EngineLoop:
         if request.prompt_ids is not None:
             prompt_ids = request.prompt_ids
         else:
-            check_text_size(request.prompt_text, self.engine.max_model_len)
+            check_text_size(request.prompt_text, self.engine.max_model_len, self.bytes_per_token)
             prompt_ids = self.tokenizer(request.prompt_text)["input_ids"]
         params = request.params
         if request.bad_words:

@@ -175,16 +175,23 @@ def _coerce(name: str, kind: str, value):
     raise AssertionError(kind)
 
 
-MAX_BYTES_PER_TOKEN = 32     # a prompt of more bytes than max_model_len x this is refused untokenized
+MAX_BYTES_PER_TOKEN = 32     # the least the bound below allows a token
 
 
-def check_text_size(text: str, max_model_len: int, field: str = "text_input") -> None:
+def bytes_per_token(tokenizer) -> int:
+    """The most bytes one token can stand for, at least MAX_BYTES_PER_TOKEN: the vocabulary's
+    longest entry in UTF-8 (an over-estimate: 'Ġ', '▁' or '<0x0A>' stand for one byte), so text
+    over max_model_len x this surely has more tokens than the context holds."""
+    return max(MAX_BYTES_PER_TOKEN, *(len(token.encode("utf-8")) for token in tokenizer.get_vocab()))
+
+
+def check_text_size(text: str, max_model_len: int, per_token: int, field: str = "text_input") -> None:
     """Bound the tokenizer's work before it starts: no prompt this long can fit anyway."""
-    limit = max_model_len * MAX_BYTES_PER_TOKEN
+    limit = max_model_len * per_token
     size = len(text.encode("utf-8"))
     if size > limit:
-        raise RequestError(f"'{field}' is {size} bytes; the limit is {limit} "
-                           f"(max_model_len {max_model_len} x {MAX_BYTES_PER_TOKEN})")
+        raise RequestError(f"'{field}' is {size} bytes, more than the context of {max_model_len} tokens can hold "
+                           f"(the limit is {limit}: {per_token} bytes a token at most)")
 
 
 LONE_SURROGATE = "holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff without its pair), which is not text"

@@ -23,7 +23,7 @@ from ..config import EngineConfig
 from ..context_length import checkpoint_max_len
 from ..detokenizer import decode_delta
 from .metrics import EngineMetrics
-from .protocol import BOOL_INPUTS, RequestError, check_text_size, parse_request
+from .protocol import BOOL_INPUTS, RequestError, bytes_per_token, check_text_size, parse_request
 from .startup import (check_checkpoint, check_tokenizer, engine_config, engine_errors, one_line_errors,
                       StartupError, read_settings, tokenizer_error)
 
@@ -202,13 +202,17 @@ def run_on_own_thread(work):
     return value
 
 
+# tritonserver: this process's parent from the start (read when a model first imports this, before it loads)
+SERVER_PID = os.getppid()
+
+
 def stop_server(reason: str) -> None:
     """The engine failed: every request in flight has its error. Triton 2.51's Python backend has
     no way for a model to mark itself not ready, so ask the server to shut down (as vLLM's server
     exits when its engine dies): readiness fails at once, in-flight work is finished or failed,
     and the orchestrator restarts the container."""
     log.error("inflight: engine failure (%s); shutting the server down", reason)
-    os.kill(os.getppid(), signal.SIGTERM)
+    os.kill(SERVER_PID, signal.SIGTERM)
 
 
 SERVER_WATCH_S = 0.5
@@ -220,12 +224,10 @@ def exit_with_server() -> None:
     hang behind a thread that waits forever for the dead server's reply to a metric update: a
     killed server left `llm`'s stub, with its engine's memory, running for good. A process gets a
     new parent the moment its parent dies; os._exit runs nothing that could wait."""
-    server = os.getppid()
-
     def watch() -> None:
-        while os.getppid() == server:
+        while os.getppid() == SERVER_PID:
             time.sleep(SERVER_WATCH_S)
-        log.error("inflight: tritonserver (pid %d) is gone; this model's process exits", server)
+        log.error("inflight: tritonserver (pid %d) is gone; this model's process exits", SERVER_PID)
         os._exit(1)
 
     threading.Thread(target=watch, name="inflight-server-watch", daemon=True).start()
@@ -305,6 +307,7 @@ class TokenizerModel:
         self.tokenizer = load_tokenizer(settings, without_torch=True)
         # llm's bound on a text prompt, before tokenizing it (the engine's max_model_len is within both)
         self.max_model_len = settings.engine.max_model_len or checkpoint_max_len(settings.model_dir)
+        self.bytes_per_token = bytes_per_token(self.tokenizer)
 
 
 class PreprocessingModel(TokenizerModel):
@@ -340,7 +343,7 @@ class PreprocessingModel(TokenizerModel):
         if not prompt:
             raise RequestError("input 'text_input' is empty")
         if self.max_model_len is not None:
-            check_text_size(prompt, self.max_model_len)
+            check_text_size(prompt, self.max_model_len, self.bytes_per_token)
         sampling: dict = {}
         for name, (knob, kind) in TRTLLM_KNOBS.items():
             if name in inputs:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from inflight.serving.protocol import LONE_SURROGATE, lone_surrogate_field
+from inflight.serving.protocol import LONE_SURROGATE, bytes_per_token, lone_surrogate_field
 
 from .chat_completions import create_chat_completion
 from .chat_template import ChatTemplate
@@ -126,7 +126,7 @@ def create_app(settings: Settings) -> FastAPI:
     ctx = Context(TritonLLM(settings.triton_url, settings.triton_model), tokenizer,
                   ChatTemplate(tokenizer, settings.chat_template, settings.trust_request_chat_template),
                   ServedModels(settings.served_model_name, settings.lora_names, settings.max_model_len),
-                  settings.default_max_tokens, settings.disable_any_whitespace)
+                  settings.default_max_tokens, settings.disable_any_whitespace, bytes_per_token(tokenizer))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

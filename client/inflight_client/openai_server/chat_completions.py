@@ -73,10 +73,13 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
 
 
 def _as_sent(error: APIError, body: ChatCompletionRequest) -> APIError:
-    """`llm` names the limit 'max_tokens'; a request that gave max_completion_tokens reads its own name."""
-    if error.param == "max_tokens" and body.max_completion_tokens is not None:
-        error.message = error.message.replace("'max_tokens'", "'max_completion_tokens'")
-        error.param = "max_completion_tokens"
+    """The names the request used: `llm` names the limit 'max_tokens' (a request that gave
+    max_completion_tokens reads its own name), and a chat's prompt came from 'messages'."""
+    for sent, param in (("max_tokens", "max_completion_tokens" if body.max_completion_tokens is not None else None),
+                        ("prompt", "messages")):
+        if error.param == sent and param is not None:
+            error.message = error.message.replace(f"'{sent}'", f"'{param}'")
+            error.param = param
     return error
 
 

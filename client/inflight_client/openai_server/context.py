@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from inflight.serving.protocol import RequestError, check_text_size
+from inflight.serving.protocol import MAX_BYTES_PER_TOKEN, RequestError, check_text_size
 
 from .chat_template import ChatTemplate
 from .errors import APIError
@@ -22,6 +22,7 @@ class Context:
     models: ServedModels
     default_max_tokens: int | None               # --default-max-tokens; None: vLLM's defaults, below
     disable_any_whitespace: bool = False         # added to every output constraint (structured.py)
+    bytes_per_token: int = MAX_BYTES_PER_TOKEN   # protocol.bytes_per_token of the tokenizer
 
     @property
     def completion_max_tokens(self) -> int:
@@ -50,7 +51,7 @@ class Context:
         if isinstance(prompt, list) or self.models.max_model_len is None:
             return
         try:
-            check_text_size(prompt, self.models.max_model_len, field)
+            check_text_size(prompt, self.models.max_model_len, self.bytes_per_token, field)
         except RequestError as exc:
             raise APIError(400, str(exc), field, "context_length_exceeded") from None
 
