@@ -75,11 +75,12 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
 def _as_sent(error: APIError, body: ChatCompletionRequest) -> APIError:
     """The names the request used: `llm` names the limit 'max_tokens' (a request that gave
     max_completion_tokens reads its own name), and a chat's prompt came from 'messages'."""
-    for sent, param in (("max_tokens", "max_completion_tokens" if body.max_completion_tokens is not None else None),
-                        ("prompt", "messages")):
-        if error.param == sent and param is not None:
-            error.message = error.message.replace(f"'{sent}'", f"'{param}'")
-            error.param = param
+    renamed = {"prompt": "messages"}
+    if body.max_completion_tokens is not None:
+        renamed["max_tokens"] = "max_completion_tokens"
+    if error.param in renamed:
+        error.message = error.message.replace(f"'{error.param}'", f"'{renamed[error.param]}'")
+        error.param = renamed[error.param]
     return error
 
 
