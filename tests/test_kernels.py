@@ -53,7 +53,8 @@ def make_step(cases, q_heads, kv_heads, head_dim, block_size, dtype, *, seed=0, 
     """Random q and a shuffled paged cache for sequences `cases` = [(query_len, seq_len), ...].
 
     strided=True hands the kernel non-contiguous views (q sliced out of a fused qkv tensor, K and V
-    interleaved in one allocation, out with padded rows) to prove the strides are honoured.
+    interleaved in one allocation and each stored head-major, out with padded rows) to prove the
+    strides are honoured.
     """
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in cases]
@@ -70,8 +71,8 @@ def make_step(cases, q_heads, kv_heads, head_dim, block_size, dtype, *, seed=0, 
         return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
 
     if strided:
-        kv = rand(num_blocks, 2, block_size, kv_heads, head_dim)
-        k_cache, v_cache = kv[:, 0], kv[:, 1]
+        kv = rand(num_blocks, 2, kv_heads, block_size, head_dim)
+        k_cache, v_cache = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
         q = rand(num_tokens, q_heads + 2 * kv_heads, head_dim)[:, :q_heads]
         out = torch.zeros(num_tokens, q_heads, head_dim + 8, dtype=dtype, device=DEVICE)[..., :head_dim]
     else:

@@ -173,17 +173,21 @@ inline v16f exp_any(v16f x) {
 }
 
 // one KV head's K (or V) row at each position of one sequence, read in place through its block-table
-// row: caches [blocks, block_size, kv_heads, dim] with strides (block, slot, head)
+// row: caches [blocks, block_size, kv_heads, dim] with strides (block, slot, head). A power-of-two
+// block size is split off the position with a shift and a mask: a division per row read cost a
+// 64-sequence bf16 decode layer 3%
 template <typename T>
 struct PagedRows {
     const T *head;
     const int32_t *blocks;
     int64_t block_stride, slot_stride;
-    int block_size;
+    int block_size, shift;      // shift: log2(block_size) where it is a power of two, else -1
     PagedRows(const T *cache, const int64_t *strides, const int32_t *blocks, int kv_head, int block_size)
         : head(cache + kv_head * strides[2]), blocks(blocks), block_stride(strides[0]), slot_stride(strides[1]),
-          block_size(block_size) {}
+          block_size(block_size), shift((block_size & (block_size - 1)) == 0 ? __builtin_ctz(block_size) : -1) {}
     const T *operator()(int pos) const {
+        if (shift >= 0)
+            return head + blocks[pos >> shift] * block_stride + (pos & (block_size - 1)) * slot_stride;
         return head + blocks[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
     }
 };
