@@ -1,12 +1,13 @@
 """Linear layers with prepacked oneDNN weights: the same results as F.linear (bit for bit in
-bfloat16 without a bias), and the CPU engine runs every projection and the LM head through them."""
+bfloat16 without a bias), and the CPU engine runs every projection and the LM head through them,
+its steps padded to a few dozen shapes."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight import EngineConfig, LLMEngine
-from inflight.packed_linear import PackedLinear, pack_linears
+from inflight import EngineConfig, LLMEngine, SamplingParams
+from inflight.packed_linear import PackedLinear, pack_linears, shape_bucket
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -60,3 +61,47 @@ def test_a_cpu_without_packing_keeps_plain_linears(dtype, monkeypatch):
     expected = model(x)
     assert pack_linears(model) == 0 and isinstance(model[0], nn.Linear)
     assert torch.equal(model(x), expected)
+
+
+def test_shape_buckets_are_few_and_add_at_most_an_eighth():
+    sizes = [shape_bucket(n) for n in range(2049)]
+    assert sizes[:17] == list(range(17)) and sizes[2048] == 2048
+    assert all(n <= b <= n * 9 / 8 for n, b in enumerate(sizes))
+    assert all(a <= b for a, b in zip(sizes, sizes[1:]))
+    assert len(set(sizes)) <= 80
+
+
+def test_the_cpu_runner_pads_steps_and_sampled_rows_to_buckets(tiny_checkpoint, monkeypatch):
+    """With buckets on, every forward and LM head call sees a bucket's row count, and the tokens are
+    those of an unpadded run."""
+    def run(bucketed):
+        engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float32", num_kv_blocks=64))
+        engine.runner.bucket = shape_bucket if bucketed else None    # float32 here: bf16 is CPU-dependent
+        seen = []
+        forward = engine.runner.model.forward
+        lm_head = engine.runner.model.lm_head.forward
+
+        def spy(fn):
+            def call(x, *args, **kwargs):
+                seen.append(len(x))
+                return fn(x, *args, **kwargs)
+            return call
+        monkeypatch.setattr(engine.runner.model, "forward", spy(forward))
+        monkeypatch.setattr(engine.runner.model.lm_head, "forward", spy(lm_head))
+        prompts = [list(range(5, 5 + n)) for n in (3, 17, 41)]
+        outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        return [o.token_ids for o in outs], seen
+
+    tokens, seen = run(bucketed=True)
+    assert all(shape_bucket(n) == n for n in seen)
+    assert 64 in seen and 61 not in seen        # the prompts' 3 + 17 + 41 tokens ran as 64 rows
+    plain_tokens, plain_seen = run(bucketed=False)
+    assert 61 in plain_seen and tokens == plain_tokens
+
+
+def test_bf16_cpu_runners_take_buckets_and_float32_ones_do_not(tiny_checkpoint):
+    float32 = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float32", num_kv_blocks=16))
+    assert float32.runner.bucket is None
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        bf16 = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="bfloat16", num_kv_blocks=16))
+        assert bf16.runner.bucket is shape_bucket
