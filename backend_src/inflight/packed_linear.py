@@ -57,7 +57,7 @@ def build_shapes(model: nn.Module, max_rows: int, max_head_rows: int, dtype: tor
     shapes = {}
     for module in model.modules():
         if isinstance(module, PackedLinear) and module is not head:
-            shapes.setdefault((module.in_features, module.out_features, module.bias is None), module)
+            shapes.setdefault((module.in_features, module.out_features), module)
     plan = [(layer, max_rows) for layer in shapes.values()]
     if isinstance(head, PackedLinear):
         plan.append((head, max_head_rows))
