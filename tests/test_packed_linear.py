@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inflight import EngineConfig, LLMEngine, SamplingParams
-from inflight.packed_linear import PackedLinear, build_shapes, pack_linears, shape_bucket
+from inflight.packed_linear import PackedLinear, pack_linears, shape_bucket
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -105,24 +105,3 @@ def test_bf16_cpu_runners_take_buckets_and_float32_ones_do_not(tiny_checkpoint):
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         bf16 = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="bfloat16", num_kv_blocks=16))
         assert bf16.runner.bucket is shape_bucket
-
-
-def test_build_shapes_calls_each_linear_shape_once_at_every_bucket(monkeypatch):
-    """At load, oneDNN meets every shape a step can give it: each distinct linear shape (not each
-    layer) at every bucket up to the token budget, the LM head up to the rows a step samples."""
-    class Tiny(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList([nn.Linear(16, 24, bias=False) for _ in range(3)] + [nn.Linear(24, 16)])
-            self.lm_head = nn.Linear(16, 40, bias=False)
-
-    model = Tiny()
-    assert pack_linears(model) == 5
-    calls = []
-    forward = PackedLinear.forward
-    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: calls.append(
-        (self.out_features, len(x))) or forward(self, x))
-    build_shapes(model, max_rows=100, max_head_rows=20, dtype=torch.float32)
-    buckets = lambda limit: sorted({shape_bucket(n) for n in range(1, limit + 1)})      # noqa: E731
-    assert sorted(calls) == sorted([(24, n) for n in buckets(100)] + [(16, n) for n in buckets(100)]
-                                   + [(40, n) for n in buckets(20)])

@@ -49,24 +49,6 @@ def shape_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def build_shapes(model: nn.Module, max_rows: int, max_head_rows: int, dtype: torch.dtype) -> None:
-    """Call each packed linear shape of the model once at every bucket size, so that oneDNN builds
-    its matmuls at load rather than in the first requests' steps: the LM head up to max_head_rows
-    (the rows a step samples), the others up to max_rows (a step's tokens)."""
-    head = getattr(model, "lm_head", None)
-    shapes = {}
-    for module in model.modules():
-        if isinstance(module, PackedLinear) and module is not head:
-            shapes.setdefault((module.in_features, module.out_features), module)
-    plan = [(layer, max_rows) for layer in shapes.values()]
-    if isinstance(head, PackedLinear):
-        plan.append((head, max_head_rows))
-    with torch.no_grad():
-        for layer, limit in plan:
-            for rows in sorted({shape_bucket(n) for n in range(1, limit + 1)}):
-                layer(torch.zeros(rows, layer.in_features, dtype=dtype))
-
-
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear of a CPU float32 / bfloat16 model with a PackedLinear, in place;
     returns how many were replaced (0 where the ops are not available or the probe fails)."""

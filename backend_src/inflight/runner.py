@@ -21,7 +21,7 @@ from .cpu_features import cpu_auto_dtype
 from .logprobs import PromptPositions
 from .lora import load_lora_weights
 from .models import LlamaForCausalLM, ModelSpec, rope_tables
-from .packed_linear import build_shapes, pack_linears, shape_bucket
+from .packed_linear import pack_linears, shape_bucket
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
 
@@ -107,8 +107,6 @@ class ModelRunner:
         # (a new shape's first call costs ~3 ms in bf16, ~0.6 in float32, where padding would cost more)
         packed = self.device.type == "cpu" and pack_linears(self.model) > 0
         self.bucket = shape_bucket if packed and self.dtype == torch.bfloat16 else None
-        if self.bucket is not None:
-            build_shapes(self.model, config.max_num_batched_tokens, config.max_num_seqs, self.dtype)
         self.lora = None     # LoraWeights when enable_lora: every adapter's weights, in resident slots
         if config.enable_lora:
             self.lora = load_lora_weights(lora_modules or {}, self.spec, config.max_loras, config.max_lora_rank,
