@@ -246,7 +246,11 @@ SPEC = ModelSpec(vocab_size=64, hidden_size=96, intermediate_size=160, num_layer
 # per adapter: rank and modules (slot 1 leaves k and gate/up alone: their columns stay zero)
 SYNTHETIC = [(8, ("q_proj", "k_proj", "v_proj", "down_proj")), (4, ("q_proj", "v_proj", "o_proj", "down_proj")),
              (16, ("k_proj", "gate_proj", "up_proj", "down_proj"))]
-ATOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+# the SGMV kernels run compiled where CUDA is (make gpu-check's kernel stage), else interpreted (no bf16 dot)
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KERNEL_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + [torch.bfloat16] * torch.cuda.is_available(),
+                                        ids=["fp32", "fp16", "bf16"][:2 + torch.cuda.is_available()])
 
 
 def synthetic_adapters(dtype: torch.dtype, spec: ModelSpec = SPEC) -> list[LoraAdapter]:
@@ -265,15 +269,15 @@ def synthetic_adapters(dtype: torch.dtype, spec: ModelSpec = SPEC) -> list[LoraA
     return adapters
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@KERNEL_DTYPES
 @pytest.mark.parametrize("group, lengths", [("qkv", (3, 70, 1)), ("down", (1, 1, 5)), ("gate_up", (2, 0, 40)),
                                             ("o", (17, 4, 0))])
 def test_sgmv_kernels_match_the_torch_path(dtype, group, lengths):
     """Base tokens, then runs of `lengths` tokens per adapter slot (64+ takes the large tiles), as
     the runner packs them; the module columns are strided views of the fused output."""
     adapters = synthetic_adapters(dtype)
-    kernels = LoraWeights(adapters, SPEC, dtype, torch.device("cpu"), kernels="triton")
-    reference = LoraWeights(adapters, SPEC, torch.float32, torch.device("cpu"), kernels="torch")
+    kernels = LoraWeights(adapters, SPEC, dtype, KERNEL_DEVICE, kernels="triton")
+    reference = LoraWeights(adapters, SPEC, torch.float32, KERNEL_DEVICE, kernels="torch")
     assert kernels.use_kernels and not reference.use_kernels
     row_slots = np.concatenate([np.full(3, -1)] + [np.full(n, slot) for slot, n in enumerate(lengths)])
     counts = np.ones(len(row_slots), dtype=np.int64)
@@ -281,8 +285,8 @@ def test_sgmv_kernels_match_the_torch_path(dtype, group, lengths):
     fan_in = {"qkv": 96, "o": 96, "gate_up": 96, "down": 160}[group]
     fan_out = {"qkv": 96 + 2 * 32, "o": 96, "gate_up": 2 * 160, "down": 96}[group]
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(int(counts.sum()), fan_in, generator=g).to(dtype)
-    y = (torch.randn(len(x), fan_out, generator=g) * 0.25).to(dtype)
+    x = torch.randn(int(counts.sum()), fan_in, generator=g).to(KERNEL_DEVICE, dtype)
+    y = (torch.randn(len(x), fan_out, generator=g) * 0.25).to(KERNEL_DEVICE, dtype)
     expected = y.float().clone()
     reference.batch_runs(row_slots, counts).layer(0).add(group, x.float(), expected)
     got = y.clone()
@@ -336,22 +340,22 @@ def test_the_compiled_cpu_kernel_matches_float64(group, dtype, spec):
         torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@KERNEL_DTYPES
 def test_sgmv_kernels_gather_and_scatter_any_token_order(dtype):
     """The kernels take any token list (shuffled here, segments of 1 to 70 tokens) and strided
     operands; against a per-token float64 product."""
     from inflight.kernels.lora import lora_expand, lora_shrink
     g = torch.Generator().manual_seed(4)
     n, fan_in, rank, fan_out, slots = 120, 80, 24, 72, 3
-    x = torch.randn(n, fan_in + 8, generator=g).to(dtype)[:, 4:4 + fan_in]
-    a = (torch.randn(slots, fan_in, rank, generator=g) * 0.1).to(dtype)
-    b = (torch.randn(slots, rank, fan_out, generator=g) * 0.1).to(dtype)
-    y0 = (torch.randn(n, fan_out + 16, generator=g) * 0.25).to(dtype)
+    x = torch.randn(n, fan_in + 8, generator=g).to(KERNEL_DEVICE, dtype)[:, 4:4 + fan_in]
+    a = (torch.randn(slots, fan_in, rank, generator=g) * 0.1).to(KERNEL_DEVICE, dtype)
+    b = (torch.randn(slots, rank, fan_out, generator=g) * 0.1).to(KERNEL_DEVICE, dtype)
+    y0 = (torch.randn(n, fan_out + 16, generator=g) * 0.25).to(KERNEL_DEVICE, dtype)
     lengths = (70, 1, 30)
-    tokens = torch.randperm(n, generator=g)[:sum(lengths)].to(torch.int32)
-    starts = torch.tensor([0, 70, 71, 101], dtype=torch.int32)
-    seg_slots = torch.tensor([2, 0, 1], dtype=torch.int32)
-    h = torch.full((n, rank * 2), float("nan"), dtype=dtype)[:, :rank]
+    tokens = torch.randperm(n, generator=g)[:sum(lengths)].to(KERNEL_DEVICE, torch.int32)
+    starts = torch.tensor([0, 70, 71, 101], dtype=torch.int32, device=KERNEL_DEVICE)
+    seg_slots = torch.tensor([2, 0, 1], dtype=torch.int32, device=KERNEL_DEVICE)
+    h = torch.full((n, rank * 2), float("nan"), dtype=dtype, device=KERNEL_DEVICE)[:, :rank]
     lora_shrink(x, a, h, tokens, starts, seg_slots, max(lengths))
     y = y0.clone()
     lora_expand(h, b, y[:, 8:8 + fan_out], tokens, starts, seg_slots, max(lengths))
@@ -359,7 +363,7 @@ def test_sgmv_kernels_gather_and_scatter_any_token_order(dtype):
     for seg, slot in enumerate(seg_slots.tolist()):
         for t in tokens[starts[seg]:starts[seg + 1]].long().tolist():
             expected[t, 8:8 + fan_out] += x[t].double() @ a[slot].double() @ b[slot].double()
-    atol = {torch.float32: 1e-5, torch.float16: 5e-3}[dtype]     # fp16 also rounds h to fp16 on the way
+    atol = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}[dtype]     # h is rounded to dtype on the way
     torch.testing.assert_close(y.double(), expected, atol=atol, rtol=0)
 
 
