@@ -8,7 +8,7 @@ MODEL ?=
 ENGINE ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test test-stress bench-engine bench-kernels bench-serve bench-prefix perf-sweep model clean gpu-check bench-openai
+.PHONY: venv serve test test-stress bench-engine bench-kernels tune-kernels bench-serve bench-prefix perf-sweep model clean gpu-check bench-openai
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ bench-engine: venv
 
 bench-kernels: venv
 	$(PY) perf/kernel_bench.py $(BENCH_ARGS)
+
+# CUDA only: unified_attention's split count, key tile, warps and stages swept per decode case
+tune-kernels: venv
+	$(PY) perf/kernel_tune.py $(BENCH_ARGS)
 
 bench-serve: venv
 	$(PY) perf/serve_bench.py $(BENCH_ARGS)

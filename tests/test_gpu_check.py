@@ -41,3 +41,16 @@ def test_gpu_check_names_a_missing_or_old_package_before_any_stage(monkeypatch):
     assert gpu_check.missing_packages() is None
     monkeypatch.setattr(transformers, "__version__", "4.57.1")
     assert "has transformers 4.57.1; the model code needs 5 or newer" in gpu_check.missing_packages()
+
+
+def test_kernel_tune_dry_run_reports_the_heuristic_and_the_best_configuration(tmp_path):
+    """perf/kernel_tune.py (make tune-kernels) at toy size through the Triton interpreter."""
+    out = tmp_path / "tune.json"
+    proc = subprocess.run([sys.executable, "perf/kernel_tune.py", "--dry-run", "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    results = json.loads(out.read_text())["results"]
+    assert [(r["batch"], r["context"]) for r in results] == [(1, 32), (1, 80), (2, 32), (2, 80)]
+    for r in results:
+        assert r["configs"] == 2 and r["best"]["us"] <= r["heuristic"]["us"]
+        assert r["heuristic"]["num_splits"] == 1 and {c["num_splits"] for c in r["all"]} == {1, 2}
