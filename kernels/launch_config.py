@@ -19,10 +19,16 @@ Split-KV heuristic (decode-only steps): a decode step launches num_seqs * num_kv
 When that is less than the number of SMs, most of the GPU would idle while those few programs walk
 long contexts, so the key range is cut into `num_splits` pieces, each its own program, and a small
 reduction kernel merges the partial softmax results. Splits are chosen to give about two programs
-per SM, but never fewer than MIN_KEYS_PER_SPLIT keys per split (below that the partial results
-cost more to write and merge than the split saves), and at most MAX_SPLITS. Prefill-bearing
-steps are never split automatically: their query tiles already give enough parallelism.
-The numbers are sensible defaults, not tuned measurements (tune with perf/kernel_bench.py).
+per SM, but never fewer than MIN_KEYS_PER_SPLIT keys per split, and at most MAX_SPLITS. Prefill-
+bearing steps are never split automatically: their query tiles already give enough parallelism.
+Such a split decode step walks its keys in LONG_SPLIT_TILE_N tiles when each split has that many
+keys (LONG_SPLIT_KEYS).
+
+Tuned on an H200 (perf/kernel_tune.py, 2026-12-04, GPU time of Llama-3-8B heads in bf16): one
+sequence's 512 / 2,048 / 8,192 keys ran fastest in 8 / 32 / 32 splits of 64 / 64 / 128-key tiles
+(7.0 / 8.4 / 13.1 us; the earlier 256-key floor chose 2 / 8 / 32 splits: 13.3 / 13.1 / 15.9 us);
+16 sequences' 2,048 / 8,192 keys in 2-3 splits of 128-key tiles (45.2 / 135.2 us against 50.0 /
+157.7 with 64-key tiles); 64 sequences (512 programs, no split) fastest as they were.
 """
 from __future__ import annotations
 
@@ -41,8 +47,10 @@ TILE_N = 64               # keys per inner-loop iteration
 # sm_80 and sm_90: 32-key tiles spilled at head_dim 128 and 256, 16-key tiles do not).
 FP32_TILE_N = 16
 WIDE_HEAD_TILE_N = 32     # head_dim > 128: halve the key tile so K/V stages fit shared memory
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 64
+LONG_SPLIT_KEYS = 128
+LONG_SPLIT_TILE_N = 128
 
 
 @dataclass(frozen=True)
@@ -78,10 +86,13 @@ def choose_config(*, num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_he
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if tile_n is None:
         tile_n = FP32_TILE_N if fp32 else WIDE_HEAD_TILE_N if head_dim > 128 else TILE_N
+        if tile_n == TILE_N and num_splits > 1 and _keys_per_split(seq_lens, max_seq_len, num_splits) >= LONG_SPLIT_KEYS:
+            tile_n = LONG_SPLIT_TILE_N
     if tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n}")
     num_warps = 8 if fp32 or not decode_only or block_q * group_pad >= 64 else 4
-    num_stages = 3 if decode_only and not fp32 else 2
+    # 128-key tiles: two stages keep K and V within sm_80's shared memory (3 x 64 KB would not)
+    num_stages = 3 if decode_only and not fp32 and tile_n <= TILE_N else 2
     return AttentionConfig(block_q, group_pad, tile_n, num_splits, num_warps, num_stages)
 
 
@@ -96,6 +107,12 @@ def _auto_splits(decode_only: bool, programs: int, device: torch.device, seq_len
         max_seq_len = int(seq_lens.max())      # host sync: callers that know it should pass it
     splits = min(triton.cdiv(2 * num_sms, programs), max_seq_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS)
     return max(splits, 1)
+
+
+def _keys_per_split(seq_lens: torch.Tensor, max_seq_len: int | None, num_splits: int) -> int:
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())      # host sync, as in _auto_splits
+    return max_seq_len // num_splits
 
 
 @functools.lru_cache(maxsize=None)
