@@ -292,10 +292,11 @@ def json_block(details: dict) -> list[str]:
 def kernel_table(details: dict) -> list[str]:
     lines = [f"{details['device']}, peak {details['peak_tbps']} TB/s, {details['q_heads']}q/{details['kv_heads']}kv "
              f"heads, head_dim {details['head_dim']}, {details['dtype']}, block {details['block_size']}", "",
-             "| case | splits | kernel us | TB/s | % of peak | SDPA us | SDPA / kernel | max abs err |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| case | splits | GPU us | launched us | TB/s | % of peak | SDPA GPU us | SDPA / kernel | max abs err |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in details["results"]:
-        lines.append(f"| {r['case']} | {r['num_splits']} | {r['kernel_us']:.1f} | {r['achieved_tbps']:.2f} | "
+        lines.append(f"| {r['case']} | {r['num_splits']} | {r['kernel_us']:.1f} | {r['launched_us']:.1f} | "
+                     f"{r['achieved_tbps']:.2f} | "
                      f"{r['pct_of_peak']:.1f} | {_fmt(r['sdpa_us'])} | {_fmt(r['speedup_vs_sdpa'], 2)} | "
                      f"{_fmt(r['max_abs_err'], 4)} |")
     return lines
@@ -305,9 +306,14 @@ def engine_tables(details: dict) -> list[str]:
     lines = [f"{details['model']}, {details['dtype']}, attention {details['attention']}; built in "
              f"{details['build_s']} s; weights {details['weights_gib']} GiB; {details['kv_blocks']} KV blocks of "
              f"{details['block_size']} tokens ({details['kv_gib']} GiB)", "",
-             "| sequences | output tok/s | prompt+output tok/s | steps | seconds |", "|---|---|---|---|---|"]
+             f"Decode steps: {details['decode_steps']}.", "",
+             "| sequences | output tok/s | prompt+output tok/s | steps | seconds | eager output tok/s | graphs / eager |",
+             "|---|---|---|---|---|---|---|"]
+    eager = details.get("eager_tokens_per_s", {})
     for c, r in details["tokens_per_s"].items():
-        lines.append(f"| {c} | {r['output_tokens_per_s']} | {r['total_tokens_per_s']} | {r['steps']} | {r['seconds']} |")
+        e = eager.get(c, {}).get("output_tokens_per_s")
+        lines.append(f"| {c} | {r['output_tokens_per_s']} | {r['total_tokens_per_s']} | {r['steps']} | {r['seconds']} | "
+                     f"{_fmt(e)} | {_fmt(e and r['output_tokens_per_s'] / e, 2)} |")
     lines += ["", "| decode step, sequences | wall ms | GPU busy ms | host-only ms | GPU busy share |",
               "|---|---|---|---|---|"]
     for c, r in details["step_split"].items():
@@ -439,9 +445,18 @@ def stage_engine(sizes: Sizes, dry_run: bool) -> dict:
     def prompts(count, length):
         return [[rng.randrange(engine.vocab_size) for _ in range(length)] for _ in range(count)]
 
+    result["decode_steps"] = (f"CUDA graphs for up to {runner.graphs.sizes[-1]} sequences"
+                              if runner.graphs is not None else "eager")
     throughput(engine, prompts(2, sizes.prompt_len), 4)              # compiles the kernels' step kinds
-    result["tokens_per_s"] = {c: throughput(engine, prompts(c, sizes.prompt_len), sizes.output_len)
-                              for c in sizes.concurrency}
+    result["tokens_per_s"], result["eager_tokens_per_s"] = {}, {}
+    for c in sizes.concurrency:         # each size with the graphs, then eagerly (the same engine)
+        result["tokens_per_s"][c] = throughput(engine, prompts(c, sizes.prompt_len), sizes.output_len)
+        if runner.graphs is not None:
+            graphs, runner.graphs = runner.graphs, None
+            try:
+                result["eager_tokens_per_s"][c] = throughput(engine, prompts(c, sizes.prompt_len), sizes.output_len)
+            finally:
+                runner.graphs = graphs
     result["ttft_2k_prompt_s" if cuda else "ttft_prompt_s"] = statistics.median(
         ttft(engine, prompts(1, sizes.ttft_prompt_len)[0]) for _ in range(3))
     result["step_split"] = {c: step_split(engine, prompts(c, sizes.prompt_len), sizes.split_steps, cuda)
@@ -515,9 +530,10 @@ def step_split(engine, prompts, steps: int, cuda: bool) -> dict:
 
 
 def forward_host_syncs(engine, prompts) -> str:
-    """One engine step with its forward pass (packing, host->device copies, every layer's
-    kernels) under torch's sync debug mode "error": any host synchronisation in it raises. The
-    sampler after it syncs on purpose (the tokens go back to the host) and runs unchecked."""
+    """Two engine steps, the prompts' and a decode, with their forward passes (packing,
+    host->device copies, every layer's kernels or the graph replay) under torch's sync debug mode
+    "error": any host synchronisation in them raises. The sampler after each syncs on purpose (the
+    tokens go back to the host) and runs unchecked."""
     import torch
 
     from inflight import SamplingParams
@@ -535,7 +551,8 @@ def forward_host_syncs(engine, prompts) -> str:
 
     runner.execute = checked_forward
     try:
-        engine.step()
+        engine.step()                   # the prompts (an eager forward)
+        engine.step()                   # a decode step (a graph replay where there are graphs)
         verdict = "none"
     except RuntimeError as exc:
         verdict = f"found: {exc}"

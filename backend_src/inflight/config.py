@@ -65,6 +65,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
+    enforce_eager: bool = False               # CUDA: no decode-step graphs (vLLM's --enforce-eager)
     cpu_threads: int | None = None
     seed: int = 0                             # for unseeded sampling
     enable_lora: bool = False                 # serve PEFT LoRA adapters next to the base model
@@ -91,7 +92,8 @@ class EngineConfig:
         _check(isinstance(self.device, str) and self.device.split(":")[0] in ("auto", "cpu", "cuda"),
                "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         _check(_is_int(self.seed), "seed", "must be an integer")
-        _check(isinstance(self.enable_lora, bool), "enable_lora", f"must be a boolean, got {self.enable_lora!r}")
+        for name in ("enable_lora", "enforce_eager"):
+            _check(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {getattr(self, name)!r}")
         for name in ("max_loras", "max_lora_rank"):
             _check(_is_int(getattr(self, name)) and getattr(self, name) > 0, name,
                    f"must be a positive integer, got {getattr(self, name)!r}")

@@ -18,6 +18,7 @@ from .attention import AttentionMetadata, select_backend
 from .batch_table import BatchTable
 from .config import EngineConfig
 from .cpu_features import cpu_auto_dtype
+from .cuda_graphs import DecodeGraphs, capture_sizes
 from .logprobs import PromptPositions
 from .lora import load_lora_weights
 from .models import LlamaForCausalLM, ModelSpec, rope_tables
@@ -115,6 +116,12 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [(self._cache_tensor(shape), self._cache_tensor(shape)) for _ in range(self.spec.num_layers)]
+        # CUDA: decode steps replay captured graphs (the Triton backend never syncs with the host;
+        # adapters' per-step segments are not captured)
+        self.graphs = None
+        if self.device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager \
+                and self.lora is None:
+            self.graphs = DecodeGraphs(self, capture_sizes(config.max_num_seqs))
         log.info("inflight runner: %s on %s/%s, attention=%s, %d KV blocks x %d tokens (%.2f GiB)",
                  type(self.model).__name__, self.device, self.dtype, self.backend.name, self.num_blocks,
                  self.block_size, self.num_blocks * self.kv_block_bytes / 2**30)
@@ -202,18 +209,17 @@ class ModelRunner:
         return total * self.config.gpu_memory_utilization - used_by_others - peak
 
     # ---- one step ------------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput, table: BatchTable, sample_order: np.ndarray | None = None):
+    def prepare(self, step: PackedStep, sample_order: np.ndarray | None = None):
         """sample_order: which of the packed sampling rows comes first, second, ... (when the rows
         were packed in another order than the caller samples them in)."""
-        step = pack_step(out, table, self.block_size, self.bucket)
-        to = self._to_device
+        to = self.to_device
         meta = AttentionMetadata(to(step.slot_mapping), to(step.cu_seqlens_q), to(step.seq_lens),
                                  to(step.block_table), step.num_real_tokens,
                                  int(step.seq_lens.max()) if len(step.seq_lens) else 0)
         logits_index = step.logits_index if sample_order is None else step.logits_index[sample_order]
         return to(step.input_ids), to(step.positions), meta, to(logits_index), step.prompt
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
         host = torch.from_numpy(np.ascontiguousarray(array))
         if self.device.type == "cuda":
             # from pageable memory the driver stages the copy synchronously; a pinned block (torch's
@@ -228,11 +234,14 @@ class ModelRunner:
         lora = sample_order = None
         if self.lora is not None:      # rows grouped by adapter; lora is None when no row has one
             out, lora, sample_order = self.lora.group_step(out, table)
-        input_ids, positions, meta, logits_index, prompt = self.prepare(out, table, sample_order)
+        step = pack_step(out, table, self.block_size, self.bucket)
+        if self.graphs is not None and lora is None and step.prompt is None and self.graphs.fits(step):
+            return self.graphs.run(step), None
+        input_ids, positions, meta, logits_index, prompt = self.prepare(step, sample_order)
         hidden = self.model(input_ids, self.cos[positions], self.sin[positions], meta, self.kv_caches, self.backend,
                             lora)
         if prompt is not None:
-            prompt.hidden = hidden[self._to_device(prompt.index)]
+            prompt.hidden = hidden[self.to_device(prompt.index)]
         rows = len(logits_index)
         if self.bucket is not None and rows:      # the LM head's rows padded too, with copies of the last
             logits_index = torch.cat([logits_index, logits_index[-1:].expand(self.bucket(rows) - rows)])
