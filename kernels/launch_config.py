@@ -22,7 +22,7 @@ reduction kernel merges the partial softmax results. Splits are chosen to give a
 per SM, but never fewer than MIN_KEYS_PER_SPLIT keys per split, and at most MAX_SPLITS. Prefill-
 bearing steps are never split automatically: their query tiles already give enough parallelism.
 Such a split decode step walks its keys in LONG_SPLIT_TILE_N tiles when each split has that many
-keys (LONG_SPLIT_KEYS).
+keys (LONG_SPLIT_KEYS) and the head size is a power of two.
 
 Tuned on an H200 (perf/kernel_tune.py, 2026-12-04, GPU time of Llama-3-8B heads in bf16): one
 sequence's 512 / 2,048 / 8,192 keys ran fastest in 8 / 32 / 32 splits of 64 / 64 / 128-key tiles
@@ -86,7 +86,9 @@ def choose_config(*, num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_he
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if tile_n is None:
         tile_n = FP32_TILE_N if fp32 else WIDE_HEAD_TILE_N if head_dim > 128 else TILE_N
-        if tile_n == TILE_N and num_splits > 1 and _keys_per_split(seq_lens, max_seq_len, num_splits) >= LONG_SPLIT_KEYS:
+        # not for padded heads (80, 96 -> 128): their 128-key tiles spill 8 B a thread on sm_90
+        if tile_n == TILE_N and num_splits > 1 and head_dim & (head_dim - 1) == 0 \
+                and _keys_per_split(seq_lens, max_seq_len, num_splits) >= LONG_SPLIT_KEYS:
             tile_n = LONG_SPLIT_TILE_N
     if tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n}")
