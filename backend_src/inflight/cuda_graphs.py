@@ -75,16 +75,17 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        # on the current stream: a side stream's freed blocks would stay cached for that stream alone
-        for size in self.sizes:                       # compiles the kernels, sets up cuBLAS per shape
-            self._forward(size)
-        for size in reversed(self.sizes):             # largest first: the smaller reuse its pool
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[:size].copy_(self._forward(size))
-            self.replays[size] = graph.replay
-        torch.cuda.synchronize(self.runner.device)
+        with torch.cuda.device(self.runner.device):   # Triton launches and captures on the current device
+            pool = torch.cuda.graph_pool_handle()
+            # on the current stream: a side stream's freed blocks would stay cached for it alone
+            for size in self.sizes:                   # compiles the kernels, sets up cuBLAS per shape
+                self._forward(size)
+            for size in reversed(self.sizes):         # largest first: the smaller reuse its pool
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[:size].copy_(self._forward(size))
+                self.replays[size] = graph.replay
+            torch.cuda.synchronize()
         log.info("inflight: decode steps of up to %d sequences replay CUDA graphs (%d sizes)",
                  self.sizes[-1], len(self.sizes))
 
