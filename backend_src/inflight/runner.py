@@ -235,7 +235,7 @@ class ModelRunner:
         if self.lora is not None:      # rows grouped by adapter; lora is None when no row has one
             out, lora, sample_order = self.lora.group_step(out, table)
         step = pack_step(out, table, self.block_size, self.bucket)
-        if self.graphs is not None and lora is None and step.prompt is None and self.graphs.fits(step):
+        if self.graphs is not None and step.prompt is None and self.graphs.fits(step):
             return self.graphs.run(step), None
         input_ids, positions, meta, logits_index, prompt = self.prepare(step, sample_order)
         hidden = self.model(input_ids, self.cos[positions], self.sin[positions], meta, self.kv_caches, self.backend,
