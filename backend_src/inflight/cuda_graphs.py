@@ -15,6 +15,7 @@ up to max_model_len replays correctly.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -52,7 +53,7 @@ class DecodeGraphs:
         # one output for every size: a graph's own output would stay allocated beside the others'
         # (1.05 GB for the 32 sizes up to 256 at a 128k vocabulary, measured on an H200)
         self.logits = torch.empty(largest, runner.spec.vocab_size, dtype=runner.dtype, device=device)
-        self.replays: dict[int, callable] = {}
+        self.replays: dict[int, Callable[[], None]] = {}
         if capture:
             self._capture_all()
         else:
