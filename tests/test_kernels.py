@@ -171,6 +171,25 @@ def test_launch_heuristics():
         config(tile_n=24)
 
 
+def test_split_heuristic_picks_what_the_h200_sweep_found_fastest(monkeypatch):
+    """Decode steps on a 132-SM GPU (the SM count stubbed, so this runs anywhere), Llama-3-8B heads:
+    the split counts and key tiles perf/kernel_tune.py measured fastest on an H200."""
+    import inflight.kernels.launch_config as launch_config
+    monkeypatch.setattr(launch_config, "_num_sms", lambda index: 132)
+
+    def decode(seqs, context, head_dim=128):
+        return choose_config(num_tokens=seqs, num_seqs=seqs, num_q_heads=32, num_kv_heads=8, head_dim=head_dim,
+                             dtype=torch.bfloat16, device=torch.device("cuda", 0),
+                             seq_lens=torch.full((seqs,), context, dtype=torch.int32), max_seq_len=context)
+
+    shapes = {(b, ctx): (c.num_splits, c.tile_n, c.num_stages)
+              for b, ctx in [(1, 512), (1, 2048), (1, 8192), (16, 2048), (16, 8192), (64, 2048)]
+              for c in [decode(b, ctx)]}
+    assert shapes == {(1, 512): (8, 64, 3), (1, 2048): (32, 64, 3), (1, 8192): (33, 128, 2),
+                      (16, 2048): (3, 128, 2), (16, 8192): (3, 128, 2), (64, 2048): (1, 64, 3)}
+    assert decode(1, 8192, head_dim=96).tile_n == 64          # padded heads keep 64-key tiles (no spill)
+
+
 def test_bad_shapes_rejected():
     step = make_step([(1, 5)], 6, 4, 64, 16, torch.float32)    # 6 q heads over 4 kv heads
     with pytest.raises(ValueError, match="multiple"):
