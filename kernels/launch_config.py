@@ -88,7 +88,7 @@ def choose_config(*, num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_he
         tile_n = FP32_TILE_N if fp32 else WIDE_HEAD_TILE_N if head_dim > 128 else TILE_N
         # not for padded heads (80, 96 -> 128): their 128-key tiles spill 8 B a thread on sm_90
         if tile_n == TILE_N and num_splits > 1 and head_dim & (head_dim - 1) == 0 \
-                and _keys_per_split(seq_lens, max_seq_len, num_splits) >= LONG_SPLIT_KEYS:
+                and _longest(seq_lens, max_seq_len) // num_splits >= LONG_SPLIT_KEYS:
             tile_n = LONG_SPLIT_TILE_N
     if tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power of two >= 16, got {tile_n}")
@@ -105,16 +105,15 @@ def _auto_splits(decode_only: bool, programs: int, device: torch.device, seq_len
     num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= num_sms:
         return 1                               # the GPU is already full without splitting
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())      # host sync: callers that know it should pass it
-    splits = min(triton.cdiv(2 * num_sms, programs), max_seq_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS)
+    splits = min(triton.cdiv(2 * num_sms, programs), _longest(seq_lens, max_seq_len) // MIN_KEYS_PER_SPLIT,
+                 MAX_SPLITS)
     return max(splits, 1)
 
 
-def _keys_per_split(seq_lens: torch.Tensor, max_seq_len: int | None, num_splits: int) -> int:
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())      # host sync, as in _auto_splits
-    return max_seq_len // num_splits
+def _longest(seq_lens: torch.Tensor, max_seq_len: int | None) -> int:
+    """The longest sequence: max_seq_len, or read from the device (a host sync: callers that know
+    it should pass it)."""
+    return int(seq_lens.max()) if max_seq_len is None else max_seq_len
 
 
 @functools.lru_cache(maxsize=None)

@@ -128,6 +128,12 @@ def wall_ms(fn, rep_ms) -> float:
     return statistics.median(times)
 
 
+def bytes_read(step, cases, bench: Bench) -> int:
+    """What a call must read: every sequence's K and V once, and the queries."""
+    elem = step["q"].element_size()
+    return 2 * sum(s for _, s in cases) * bench.kv_heads * bench.head_dim * elem + step["q"].numel() * elem
+
+
 def graph_us(fn) -> float:
     """GPU time of one call: a CUDA graph of enough back-to-back calls to run ~2 ms, replayed 5
     times (median), so no launch cost is in it."""
@@ -237,17 +243,15 @@ def bench_case(name, cases, bench: Bench, args):
         sdpa_ms, max_err, sdpa_error = float("nan"), float("nan"), f"{type(e).__name__}: {e}"
         print(f"{name}: SDPA baseline failed: {sdpa_error}", file=sys.stderr)
 
-    elem = step["q"].element_size()
-    kv_bytes = 2 * sum(s for _, s in cases) * bench.kv_heads * bench.head_dim * elem
-    q_bytes = step["q"].numel() * elem
-    tbps = (kv_bytes + q_bytes) / (kernel_ms * 1e-3) / 1e12
+    read = bytes_read(step, cases, bench)
+    tbps = read / (kernel_ms * 1e-3) / 1e12
     step.clear()                 # frees the cache before the next case
     if bench.device == "cuda":
         torch.cuda.empty_cache()
     return dict(case=name, tokens=sum(n for n, _ in cases), seqs=len(cases), max_seq_len=max_seq_len,
                 num_splits=cfg.num_splits, tile_n=cfg.tile_n, block_m=cfg.block_m, kernel_us=kernel_ms * 1e3,
                 launched_us=launched_ms * 1e3,
-                sdpa_us=sdpa_ms * 1e3, speedup_vs_sdpa=sdpa_ms / kernel_ms, read_mb=(kv_bytes + q_bytes) / 1e6,
+                sdpa_us=sdpa_ms * 1e3, speedup_vs_sdpa=sdpa_ms / kernel_ms, read_mb=read / 1e6,
                 achieved_tbps=tbps, pct_of_peak=100 * tbps / args.peak_tbps, max_abs_err=max_err,
                 sdpa_error=sdpa_error)
 

@@ -19,7 +19,6 @@ import itertools
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -76,9 +75,8 @@ def tune_case(batch: int, context: int, bench, args) -> dict:
     ua_module = importlib.import_module("inflight.kernels.unified_attention")   # the package exports the function
     cases = [(1, context)] * batch
     step = kernel_bench.make_step(cases, bench)
-    elem = step["q"].element_size()
-    read = 2 * batch * context * bench.kv_heads * bench.head_dim * elem + step["q"].numel() * elem
-    timer = wall_us if args.dry_run else kernel_bench.graph_us
+    read = kernel_bench.bytes_read(step, cases, bench)
+    timer = (lambda fn: kernel_bench.wall_ms(fn, 0) * 1e3) if args.dry_run else kernel_bench.graph_us
     heuristic = launch_config.choose_config(
         num_tokens=batch, num_seqs=batch, num_q_heads=bench.q_heads, num_kv_heads=bench.kv_heads,
         head_dim=bench.head_dim, dtype=bench.dtype, device=step["q"].device, seq_lens=step["seq_lens"],
@@ -106,20 +104,13 @@ def tune_case(batch: int, context: int, bench, args) -> dict:
     if args.dry_run:
         grid += [dataclasses.replace(heuristic, num_splits=2)]
     else:
-        grid += [dataclasses.replace(heuristic, num_splits=s, tile_n=t, num_warps=w, num_stages=n)
-                 for s, t, w, n in itertools.product(SPLITS, TILES, WARPS, STAGES)
-                 if context // s >= 64]
+        sweep = (dataclasses.replace(heuristic, num_splits=s, tile_n=t, num_warps=w, num_stages=n)
+                 for s, t, w, n in itertools.product(SPLITS, TILES, WARPS, STAGES) if context // s >= 64)
+        grid += [cfg for cfg in sweep if cfg != heuristic]      # the heuristic's own is timed once
     results = [r for r in map(measure, grid) if r is not None]
     return {"batch": batch, "context": context, "read_mb": round(read / 1e6, 1), "configs": len(results),
             "heuristic": results[0], "best": min(results, key=lambda r: r["us"]),
             "all": sorted(results, key=lambda r: r["us"])[:10]}
-
-
-def wall_us(fn) -> float:
-    fn()
-    started = time.perf_counter()
-    fn()
-    return (time.perf_counter() - started) * 1e6
 
 
 if __name__ == "__main__":
