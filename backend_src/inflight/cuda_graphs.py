@@ -64,10 +64,7 @@ class DecodeGraphs:
         runner, s = self.runner, self.static
         meta = AttentionMetadata(s.slot_mapping[:size], s.cu_seqlens_q[:size + 1], s.seq_lens[:size],
                                  s.block_table[:size], size, runner.max_model_len)
-        positions = s.positions[:size]
-        hidden = runner.model(s.input_ids[:size], runner.cos[positions], runner.sin[positions], meta,
-                              runner.kv_caches, runner.backend)
-        return runner.model.compute_logits(hidden)
+        return runner.model.compute_logits(runner.forward(s.input_ids[:size], s.positions[:size], meta))
 
     def _eager(self, size: int):
         def replay():

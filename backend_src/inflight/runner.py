@@ -227,6 +227,12 @@ class ModelRunner:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                lora=None) -> torch.Tensor:
+        """The model over packed tokens at their positions, reading and writing the KV caches."""
+        return self.model(input_ids, self.cos[positions], self.sin[positions], meta, self.kv_caches, self.backend,
+                          lora)
+
     @torch.no_grad()
     def execute(self, out: SchedulerOutput, table: BatchTable) -> tuple[torch.Tensor, PromptPositions | None]:
         """Forward one scheduled step: logits [num_sampling_rows, vocab] for the rows that sample,
@@ -238,8 +244,7 @@ class ModelRunner:
         if self.graphs is not None and step.prompt is None and self.graphs.fits(step):
             return self.graphs.run(step), None
         input_ids, positions, meta, logits_index, prompt = self.prepare(step, sample_order)
-        hidden = self.model(input_ids, self.cos[positions], self.sin[positions], meta, self.kv_caches, self.backend,
-                            lora)
+        hidden = self.forward(input_ids, positions, meta, lora)
         if prompt is not None:
             prompt.hidden = hidden[self.to_device(prompt.index)]
         rows = len(logits_index)
