@@ -335,8 +335,10 @@ def _fmt(value, digits: int = 1) -> str:
 def run_stage_here(args) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"gpu-check: stage {args.stage} stopped at its time limit"))
     sizes = DRY_SIZES if args.dry_run else GPU_SIZES
-    result = {"exactness": stage_exactness, "engine": stage_engine, "served": stage_served}[args.stage](
-        sizes, args.dry_run)
+    if args.stage == "served":      # the server's log goes beside the report, where a failure points
+        result = stage_served(sizes, args.dry_run, os.path.splitext(args.json)[0] + ".tritonserver.log")
+    else:
+        result = {"exactness": stage_exactness, "engine": stage_engine}[args.stage](sizes, args.dry_run)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))
@@ -586,22 +588,27 @@ def engine_problems(engine, result: dict, cuda: bool) -> list[str]:
     return problems
 
 
-def stage_served(sizes: Sizes, dry_run: bool) -> dict:
+def stage_served(sizes: Sizes, dry_run: bool, server_log: str) -> dict:
     """64 streamed requests through a real tritonserver serving the shipped model."""
     from inflight.serving.launch import ServerProcess, make_repository
     engine = {"num_kv_blocks": 512, "cpu_threads": 1} if dry_run else {}
     with tempfile.TemporaryDirectory() as tmp:
         repo = make_repository(tmp, DEFAULT_MODEL, engine)
         started = time.perf_counter()
-        with ServerProcess(repo) as server:
+        if os.path.exists(server_log):
+            os.remove(server_log)
+        with ServerProcess(repo, log_path=server_log) as server:
             ready_s = time.perf_counter() - started
             outs, seconds = asyncio.run(stream_requests(server.grpc_url, 64, sizes.served_output_len))
             metrics = served_metrics(server, outs)
+            log_tail = server.log_tail(30)
     complete = [o for o in outs if o.error is None and o.finish_reason in ("length", "stop") and o.chunks]
     ttfts = sorted(o.ttft for o in complete)
     problems = [f"{64 - len(complete)} of 64 requests did not complete"] if len(complete) < 64 else []
     problems += [f"metric {name} = {value}, expected {want}" for name, (value, want) in metrics.items()
                  if value != want]
+    if problems:
+        problems.append(f"tritonserver's log ({server_log}) ends: {log_tail}")
     return {"ok": not problems, "summary": "; ".join(problems) or (
                 f"64/64 streamed requests complete in {seconds:.1f} s, TTFT p50 {statistics.median(ttfts):.3f} s; "
                 f"metrics consistent"),

@@ -329,3 +329,15 @@ def test_unsupported_rope_and_quantized_checkpoints_are_refused_before_loading(s
         check_checkpoint(str(copy), "the test")
     assert message in str(error.value) and str(path) in str(error.value)
     check_checkpoint(served_checkpoint, "the test")
+
+
+def test_the_wheels_server_is_refused_under_numpy_2_with_the_reason(monkeypatch):
+    # Triton 2.51's backend stub misreads string inputs under NumPy 2 and dies on the first request
+    import numpy
+
+    from inflight.serving import launch
+    monkeypatch.setattr(launch.shutil, "which", lambda name: None)
+    assert launch.locate_server().binary.endswith("tritonserver")
+    monkeypatch.setattr(numpy, "__version__", "2.2.6")
+    with pytest.raises(SystemExit, match=r"numpy 2\.2\.6 .* needs numpy<2"):
+        launch.locate_server()

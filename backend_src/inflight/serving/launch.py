@@ -59,6 +59,7 @@ def locate_server(build_dir: str = os.path.join(REPO, "build", "tritonserver")) 
     except ImportError as exc:
         raise SystemExit("no tritonserver on PATH and the nvidia-pytriton wheel is not installed "
                          "(run `make venv`)") from exc
+    _require_numpy_1()
     root = os.path.join(os.path.dirname(pytriton.__file__), "tritonserver")
     libs = os.path.join(os.path.dirname(os.path.dirname(pytriton.__file__)), "nvidia_pytriton.libs")
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -78,6 +79,16 @@ def locate_server(build_dir: str = os.path.join(REPO, "build", "tritonserver")) 
     env["LD_LIBRARY_PATH"] = ":".join(p for p in lib_path if p)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     return Server(os.path.join(root, "bin", "tritonserver"), backend_dir, env)
+
+
+def _require_numpy_1() -> None:
+    """The wheel's Triton 2.51 backend stub misreads BYTES inputs under NumPy 2: the first request
+    kills the stub ("Stub process 'llm_0_0' is not healthy"), seen where a Python brought NumPy 2.5."""
+    import numpy
+    if int(numpy.__version__.split(".")[0]) >= 2:
+        raise SystemExit(f"numpy {numpy.__version__} is installed in {sys.prefix}, and the nvidia-pytriton wheel's "
+                         "Python backend stub (Triton 2.51) needs numpy<2: it misreads string inputs and exits. "
+                         "Install numpy 1.26.4 (requirements.txt), or use a tritonserver on PATH (the NGC container)")
 
 
 def _with_engine_on_path(env: dict[str, str]) -> dict[str, str]:
