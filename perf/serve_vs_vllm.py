@@ -6,7 +6,8 @@ same dtype), the same load client and protocol: HTTP server-sent events (infligh
 ids, outputs forced to their length (ignore_eos, min_tokens). Loads: a burst of 64 requests and
 Poisson arrivals at 2 and 4 requests/s; every run gets fresh prompts (no prefix-cache reuse), the
 two servers get the same ones; rounds interleaved, the order alternating, each run started once
-both servers' processes are idle (perf/quiet.py). Both servers send one
+both servers' processes are idle, the other server's processes stopped (SIGSTOP) while it runs
+(perf/quiet.py). Both servers send one
 event per engine step, so TTFT = first event - sent and TPOT = (last - first) / (tokens - 1).
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from inflight.serving.launch import ServerProcess, free_port, make_repository  #
 from perf import workloads  # noqa: E402
 from perf.bench_stats import RequestRecord, summarize  # noqa: E402
 from perf.engine_bench import VLLM_ENV  # noqa: E402
-from perf.quiet import wait_quiet  # noqa: E402
+from perf.quiet import paused, wait_quiet  # noqa: E402
 from perf.serve_bench import MAX_MODEL_LEN, build_serve_model  # noqa: E402
 
 LIMITS = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "max_model_len": MAX_MODEL_LEN}
@@ -148,16 +149,19 @@ def main() -> None:
             # a burst as large as the measured one, short outputs: every batch size is met once before
             # the first measured run (new shapes cost both engines their kernels' first calls)
             warmup = workloads.uniform(64, vocab, seed=999, output=(16, 64))
+            pids = {"inflight": inflight.process.pid, "vllm": vllm.proc.pid}
             for side, build in sides.items():
-                asyncio.run(drive(bases[side], build, warmup, ("all",), 0))
+                with paused(*(pid for other, pid in pids.items() if other != side)):
+                    asyncio.run(drive(bases[side], build, warmup, ("all",), 0))
             for r in range(args.rounds):
                 for k, (label, load) in enumerate(LOADS.items()):
                     n = load[1] if load[0] == "all" else args.requests
                     items = workloads.uniform(n, vocab, seed=1000 * (r + 1) + k)     # fresh prompts every run
                     order = list(sides) if (r + k) % 2 == 0 else list(sides)[::-1]
                     for side in order:
-                        wait_quiet([inflight.process.pid, vllm.proc.pid])     # the other side's run has wound down
-                        recs = asyncio.run(drive(bases[side], sides[side], items, load, seed=r))
+                        wait_quiet(list(pids.values()))     # the other side's run has wound down
+                        with paused(*(pid for other, pid in pids.items() if other != side)):
+                            recs = asyncio.run(drive(bases[side], sides[side], items, load, seed=r))
                         records[(side, label)].append(recs)
                         s = summarize(recs)
                         print(f"  round {r + 1} {label:12s} {side:8s} {s.get('generated_tokens_per_s', 0):7.1f} tok/s  "

@@ -1,4 +1,4 @@
-"""The serving benchmark's statistics do what their definitions say."""
+"""The serving benchmarks' statistics and process control do what their definitions say."""
 import math
 
 import pytest
@@ -39,3 +39,28 @@ def test_summary_throughput_and_goodput():
     assert s["goodput"] == pytest.approx(1 / 4.0)        # only `fast` meets both SLOs
     assert summarize([fast, slow])["goodput"] == pytest.approx(2 / 4.0)   # no SLO: every request counts
     assert s["ttft"]["p50"] == pytest.approx(0.55)
+
+
+def test_paused_stops_a_process_tree_for_the_block_and_continues_it_after():
+    # side-by-side serving runs stop the server not being measured (perf/serve_vs_vllm.py)
+    import subprocess
+    import sys
+    import time
+
+    from perf.quiet import paused, tree_cpu_seconds
+    busy = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'while True: pass']); exec('while True: pass')"
+    parent = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        time.sleep(0.5)
+        with paused(parent.pid):
+            time.sleep(0.1)                 # signals delivered, the tree's CPU clock settles
+            before = tree_cpu_seconds(parent.pid)
+            time.sleep(0.4)
+            assert tree_cpu_seconds(parent.pid) - before < 0.02
+        before = tree_cpu_seconds(parent.pid)
+        time.sleep(0.4)
+        assert tree_cpu_seconds(parent.pid) - before > 0.1      # both processes run again
+    finally:
+        subprocess.run(["pkill", "-KILL", "-P", str(parent.pid)])
+        parent.kill()
+        parent.wait()
