@@ -7,7 +7,8 @@ ids, outputs forced to their length (ignore_eos, min_tokens). Loads: a burst of 
 Poisson arrivals at 2 and 4 requests/s; every run gets fresh prompts (no prefix-cache reuse), the
 two servers get the same ones; rounds interleaved, the order alternating, each run started once
 both servers' processes are idle, the other server's processes stopped (SIGSTOP) while it runs
-(perf/quiet.py). Both servers send one
+(perf/quiet.py); both servers run in this process's session (one scheduling group with the client
+where Linux autogroup is on). Both servers send one
 event per engine step, so TTFT = first event - sent and TPOT = (last - first) / (tokens - 1).
 """
 from __future__ import annotations
@@ -144,7 +145,10 @@ def main() -> None:
     vllm = VllmServer(args.vllm, model, args.dtype, os.path.join(args.out, "vllm_server.log"))
     try:
         repo = make_repository(tempfile.mkdtemp(prefix="serve_vs_vllm_"), model, engine)
-        with ServerProcess(repo, log_path=os.path.join(args.out, "inflight_server.log")) as inflight:
+        # in the load client's session, as vLLM's server is: with Linux autogroup a session is a
+        # scheduling group, and a tritonserver in a session of its own left this client's event loop
+        # waiting up to 0.5 s for a CPU (perf/HISTORY.md, 2026-12-04 late)
+        with ServerProcess(repo, log_path=os.path.join(args.out, "inflight_server.log"), new_session=False) as inflight:
             bases = {"inflight": f"http://{inflight.http_url}", "vllm": f"http://127.0.0.1:{vllm.port}"}
             # a burst as large as the measured one, short outputs: every batch size is met once before
             # the first measured run (new shapes cost both engines their kernels' first calls)

@@ -16,10 +16,10 @@ import urllib.request
 import pytest
 import torch
 
-from inflight.serving.launch import failure_cause, failure_summary, free_port, make_repository
+from inflight.serving.launch import ServerProcess, failure_cause, failure_summary, free_port, make_repository
 from inflight_client.streams import http_generate
 
-from .conftest import DEFAULT_MODEL, REPO
+from .conftest import DEFAULT_MODEL, REPO, TEST_ENGINE
 from .helpers import child_processes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -341,3 +341,15 @@ def test_the_wheels_server_is_refused_under_numpy_2_with_the_reason(monkeypatch)
     monkeypatch.setattr(numpy, "__version__", "2.2.6")
     with pytest.raises(SystemExit, match=r"numpy 2\.2\.6 .* needs numpy<2"):
         launch.locate_server()
+
+
+def test_a_server_in_the_callers_session_serves_and_stops(tmp_path):
+    # serve_vs_vllm keeps tritonserver in its load client's scheduling group (Linux autogroup)
+    repo = make_repository(str(tmp_path / "repository"), DEFAULT_MODEL, {**TEST_ENGINE, "num_kv_blocks": 64},
+                           models=("llm",))
+    with ServerProcess(repo, new_session=False) as server:
+        assert os.getsid(server.process.pid) == os.getsid(0)
+        out = http_generate(server.http_url, "llm", {"text_input": "The assert statement", "max_tokens": 4,
+                                                      "temperature": 0, "exclude_input_in_output": True})
+        assert out["text_output"]
+    assert server.process.returncode is not None
