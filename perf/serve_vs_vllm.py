@@ -145,10 +145,7 @@ def main() -> None:
     vllm = VllmServer(args.vllm, model, args.dtype, os.path.join(args.out, "vllm_server.log"))
     try:
         repo = make_repository(tempfile.mkdtemp(prefix="serve_vs_vllm_"), model, engine)
-        # in the load client's session, as vLLM's server is: with Linux autogroup a session is a
-        # scheduling group, and a tritonserver in a session of its own left this client's event loop
-        # waiting up to 0.5 s for a CPU (perf/HISTORY.md, 2026-12-04 late)
-        with ServerProcess(repo, log_path=os.path.join(args.out, "inflight_server.log"), new_session=False) as inflight:
+        with ServerProcess(repo, log_path=os.path.join(args.out, "inflight_server.log")) as inflight:
             bases = {"inflight": f"http://{inflight.http_url}", "vllm": f"http://127.0.0.1:{vllm.port}"}
             # a burst as large as the measured one, short outputs: every batch size is met once before
             # the first measured run (new shapes cost both engines their kernels' first calls)

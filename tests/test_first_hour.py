@@ -343,12 +343,14 @@ def test_the_wheels_server_is_refused_under_numpy_2_with_the_reason(monkeypatch)
         launch.locate_server()
 
 
-def test_a_server_in_the_callers_session_serves_and_stops(tmp_path):
-    # serve_vs_vllm keeps tritonserver in its load client's scheduling group (Linux autogroup)
+def test_a_server_process_runs_in_the_callers_session_in_a_group_of_its_own(tmp_path):
+    # one scheduling group with a load client on the same host (Linux autogroup), as `make serve`
+    # runs it; its own process group for signals
     repo = make_repository(str(tmp_path / "repository"), DEFAULT_MODEL, {**TEST_ENGINE, "num_kv_blocks": 64},
                            models=("llm",))
-    with ServerProcess(repo, new_session=False) as server:
+    with ServerProcess(repo) as server:
         assert os.getsid(server.process.pid) == os.getsid(0)
+        assert os.getpgid(server.process.pid) == server.process.pid != os.getpgid(0)
         out = http_generate(server.http_url, "llm", {"text_input": "The assert statement", "max_tokens": 4,
                                                       "temperature": 0, "exclude_input_in_output": True})
         assert out["text_output"]

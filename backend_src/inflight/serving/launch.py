@@ -161,17 +161,13 @@ class ServerProcess:
     """A tritonserver child process on free local ports; `with ServerProcess(repo) as server:`."""
 
     def __init__(self, model_repository: str, extra: list[str] = (), log_path: str | None = None,
-                 ready_timeout_s: float = 300.0, env: dict[str, str] | None = None, new_session: bool = True):
+                 ready_timeout_s: float = 300.0, env: dict[str, str] | None = None):
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         self.model_repository = model_repository
         self.extra = list(extra)
         self.log_path = log_path or os.path.join(model_repository, "tritonserver.log")
         self.ready_timeout_s = ready_timeout_s
         self.env = env or {}
-        # a session of its own: a terminal's Ctrl-C reaches only the caller, and a kill reaches the
-        # stubs too. It is also a scheduling group of its own where Linux autogroup is on, which a
-        # benchmark whose load client shares the host turns off (perf/serve_vs_vllm.py)
-        self.new_session = new_session
         self.shutdown_flag = shutdown_flag_path()
         self.process: subprocess.Popen | None = None
 
@@ -193,8 +189,11 @@ class ServerProcess:
                              self.extra)
         self._log = open(self.log_path, "ab")
         env = {**server.env, SHUTDOWN_FLAG_ENV: self.shutdown_flag, **self.env}
-        self.process = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                        start_new_session=self.new_session)
+        # a process group of its own, so a terminal's Ctrl-C reaches only the caller and a kill reaches
+        # the stubs too; the caller's session, as `make serve` runs it: with Linux autogroup a session
+        # is a scheduling group, and a tritonserver in one of its own (setsid, until 2026-12-04) left a
+        # load client on the same host waiting up to 0.5 s for a CPU (perf/HISTORY.md, "2026-12-04 late")
+        self.process = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, process_group=0)
         try:
             self.wait_ready()
         except BaseException:       # interrupted or killed while starting: no server left behind
@@ -244,10 +243,7 @@ class ServerProcess:
         try:
             return self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            if self.new_session:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            else:
-                self.process.kill()       # its stubs exit when they lose their parent
+            os.killpg(self.process.pid, signal.SIGKILL)
             return self.process.wait()
         finally:
             self._log.close()
