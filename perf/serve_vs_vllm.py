@@ -151,8 +151,9 @@ def main() -> None:
             # the first measured run (new shapes cost both engines their kernels' first calls)
             warmup = workloads.uniform(64, vocab, seed=999, output=(16, 64))
             pids = {"inflight": inflight.process.pid, "vllm": vllm.proc.pid}
+            others = {side: [pid for other, pid in pids.items() if other != side] for side in pids}
             for side, build in sides.items():
-                with paused(*(pid for other, pid in pids.items() if other != side)):
+                with paused(*others[side]):
                     asyncio.run(drive(bases[side], build, warmup, ("all",), 0))
             for r in range(args.rounds):
                 for k, (label, load) in enumerate(LOADS.items()):
@@ -161,7 +162,7 @@ def main() -> None:
                     order = list(sides) if (r + k) % 2 == 0 else list(sides)[::-1]
                     for side in order:
                         wait_quiet(list(pids.values()))     # the other side's run has wound down
-                        with paused(*(pid for other, pid in pids.items() if other != side)):
+                        with paused(*others[side]):
                             recs = asyncio.run(drive(bases[side], sides[side], items, load, seed=r))
                         records[(side, label)].append(recs)
                         s = summarize(recs)
