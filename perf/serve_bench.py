@@ -213,9 +213,9 @@ def plot(results: dict, path: str, max_batch: int) -> None:
     axes[1].set(title="generated tokens/s, uniform, all at once", ylabel="tokens/s")
     if sweeps:
         for name in batch_policies:
-            conc = sorted((int(l.rsplit(" ", 1)[1]), v["generated_tokens_per_s"]) for l, v in results[name].items()
-                          if "concurrency" in l)
-            rate = sorted((float(l.rsplit(" ", 1)[1][:-2]), v) for l, v in results[name].items() if "/s" in l)
+            conc = sorted((int(label.rsplit(" ", 1)[1]), v["generated_tokens_per_s"]) for label, v in results[name].items()
+                          if "concurrency" in label)
+            rate = sorted((float(label.rsplit(" ", 1)[1][:-2]), v) for label, v in results[name].items() if "/s" in label)
             axes[2].plot(*zip(*conc), marker="o", label=name)
             axes[3].plot([r for r, _ in rate], [v["ttft"]["p99"] for _, v in rate], marker="o", label=f"{name} TTFT")
             axes[3].plot([r for r, _ in rate], [v["tpot"]["p99"] for _, v in rate], marker="x", ls="--",

@@ -344,22 +344,24 @@ def test_n_seeds_and_stop_strings(client, reference_engine, tokenizer):
         assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in ends] == [("stop", token)]
 
 
-def test_return_stop_reason_goes_only_to_a_model_that_takes_it(server):
+def test_inflights_own_inputs_go_only_to_a_model_that_takes_them(server):
     """Triton refuses an input a model does not declare (the vLLM backend has no
-    return_stop_reason): the server reads the model's metadata once and asks for the stop reason
-    only where it is declared (inflight's `llm`; not the `ensemble`, standing in for such a model)."""
+    return_stop_reason or queue_heartbeat): the server reads the model's metadata once and sends
+    them only where they are declared (inflight's `llm`; not the `ensemble`, standing in for such
+    a model)."""
     from inflight_client.openai_server.triton import TritonLLM
+    own = ("return_stop_reason", "queue_heartbeat")
 
-    async def asks(model: str) -> tuple[bool, bool]:
+    async def asks(model: str) -> list[bool]:
         triton = TritonLLM(server.http_url, model)
         await triton.start()
         try:
             await triton._check_inputs()
-            return triton.has_stop_reason, "return_stop_reason" in triton.payload("x", {})
+            return [name in triton.payload("x", {}) for name in own]
         finally:
             await triton.close()
-    assert asyncio.run(asks("llm")) == (True, True)
-    assert asyncio.run(asks("ensemble")) == (False, False)
+    assert asyncio.run(asks("llm")) == [True, True]
+    assert asyncio.run(asks("ensemble")) == [False, False]
 
 
 def test_with_n_each_streamed_choice_ends_once(client):
@@ -835,6 +837,44 @@ def test_a_client_that_leaves_a_request_not_streamed_frees_its_kv_blocks(api, se
         httpx.post(f"{api.base_url}/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
     assert wait_for_metric(server, "inflight_requests_total", cancelled + 1, timeout_s=5,
                            finish_reason="cancelled") == cancelled + 1
+    assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
+
+
+def test_a_client_that_leaves_while_its_request_is_queued_has_it_cancelled_in_the_queue(api, server):
+    """Behind max_num_seqs running requests, a completion waits in the engine's queue; its client
+    gives up after 1 s. `llm`'s queue heartbeat lets Triton see the closed connection, so the
+    request is cancelled there while the others still run, never prefilled."""
+    import threading
+
+    import tritonclient.grpc.aio as grpcclient
+    from inflight_client.streams import grpc_inputs, grpc_stream
+    filling = TEST_ENGINE["max_num_seqs"]
+    loop = asyncio.new_event_loop()
+    tasks: list[asyncio.Task] = []
+
+    async def fill():
+        async with grpcclient.InferenceServerClient(server.grpc_url) as triton:
+            for prompt in (PROMPTS * filling)[:filling]:
+                inputs = grpc_inputs(prompt, True, {"max_tokens": 900, "ignore_eos": True})
+                tasks.append(asyncio.ensure_future(grpc_stream(triton, "llm", inputs)))
+            await asyncio.gather(*tasks, return_exceptions=True)
+    filler = threading.Thread(target=loop.run_until_complete, args=(fill(),))
+    filler.start()
+    try:
+        assert wait_for_metric(server, "inflight_requests_running", filling, timeout_s=30) == filling
+        cancelled = server.metric("inflight_requests_total", finish_reason="cancelled")
+        body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{api.base_url}/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+        assert wait_for_metric(server, "inflight_requests_total", cancelled + 1, timeout_s=3,
+                               finish_reason="cancelled") == cancelled + 1
+        assert server.metric("inflight_requests_running") == filling, "cancelled in the queue, not run"
+        assert wait_for_metric(server, "inflight_requests_waiting", 0) == 0
+    finally:
+        for task in tasks:
+            loop.call_soon_threadsafe(task.cancel)
+        filler.join(30)
+        loop.close()
     assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
 
 

@@ -425,6 +425,62 @@ def test_a_failure_in_the_response_thread_fails_every_request_instead_of_hanging
         loop.shutdown()
 
 
+class LeavingSink:
+    """A stream's response sender whose client can leave (Triton's is_cancelled turns true)."""
+
+    def __init__(self):
+        self.outputs: list[dict | None] = []
+        self.left = False
+        self.finished = threading.Event()
+
+    def send(self, outputs, final, error=None):
+        self.outputs.append(outputs)
+        if final:
+            self.finished.set()
+
+    def is_cancelled(self):
+        return self.left
+
+
+def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancelled_in_the_queue(tokenizer):
+    """Behind a running request (max_num_seqs 1): the stream that asked for queue_heartbeat gets a
+    response without outputs every poll while it waits, one that did not gets nothing; when the
+    first's client leaves, it is cancelled in the queue and never runs."""
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=1, num_kv_blocks=256,
+                                                                   cpu_threads=1))
+    loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05).start()
+    prompt = tokenizer("The assert statement")["input_ids"]
+    sinks = {name: LeavingSink() for name in ("running", "heartbeat", "quiet")}
+    try:
+        loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=800, ignore_eos=True), stream=True),
+                    sinks["running"])
+        deadline = time.monotonic() + 10
+        while not sinks["running"].outputs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for name, heartbeat in (("heartbeat", True), ("quiet", False)):
+            loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=4), stream=True,
+                                        queue_heartbeat=heartbeat), sinks[name])
+        while len(sinks["heartbeat"].outputs) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sinks["heartbeat"].outputs[:3] == [{}, {}, {}] and sinks["quiet"].outputs == []
+        assert engine.scheduler.num_waiting == 2
+        sinks["heartbeat"].left = True
+        assert sinks["heartbeat"].finished.wait(5)
+        assert sinks["heartbeat"].outputs[-1] is None and all(o == {} for o in sinks["heartbeat"].outputs[:-1])
+        assert not sinks["running"].finished.is_set(), "cancelled while the running request still ran"
+        sinks["running"].left = sinks["quiet"].left = True
+        assert sinks["running"].finished.wait(10) and sinks["quiet"].finished.wait(10)
+        deadline = time.monotonic() + 5
+        while (engine.has_unfinished() or engine.kv.num_used_blocks) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
+    finally:
+        loop.shutdown()
+
+
 def test_the_serving_loop_keeps_nothing_of_requests_that_ended(tokenizer):
     """Refused requests (prompt + max_tokens over max_model_len, a full queue), finished ones and
     n > 1 ones all leave the response thread's bookkeeping: nothing grows with the requests served."""

@@ -156,6 +156,7 @@ ERRORS = [
     ({"text_input": "hi", "sampling_parameters": '{"allowed_token_ids": [5, 99999]}'},
      "'allowed_token_ids': token id 99999 is outside the vocabulary"),
     ({"text_input": "hi", "skip_special_tokens": "sometimes"}, "'skip_special_tokens' must be a boolean"),
+    ({"text_input": "hi", "max_tokens": 2, "queue_heartbeat": True}, "'queue_heartbeat' needs 'stream' = true"),
 ]
 
 

@@ -15,7 +15,8 @@ from .protocol import GenerateRequest
 
 
 class ResponseSink(Protocol):
-    """Where a request's responses go (a Triton response sender, in production)."""
+    """Where a request's responses go (a Triton response sender, in production). outputs None
+    with final: no response, only the end of the stream; {}: a response without outputs."""
 
     def send(self, outputs: dict[str, np.ndarray] | None, final: bool, error: str | None = None) -> None: ...
 

@@ -429,6 +429,19 @@ class EngineLoop:
             elif self._cancelled(job):
                 self._cancel(job)
                 self._jobs.pop(job_id)
+            elif job.request.queue_heartbeat and job.num_responses == 0:
+                self._heartbeat(job)
+
+    def _heartbeat(self, job: Job) -> None:
+        """A response without outputs for a stream that has had none yet. Triton's HTTP frontend
+        notices that a client closed its connection only when it writes to it (server issue
+        #7077), and then cancels the request: without a write, a request whose client left while
+        it waited in the queue would still be prefilled and run to its first token."""
+        try:
+            job.sink.send({}, final=False)
+        except Exception:          # the client is gone
+            log.debug("inflight: a heartbeat for %s failed; cancelling it", job.job_id, exc_info=True)
+            self._cancel(job)
 
     def _record(self, job: Job, reason: str) -> None:
         if self.metrics is not None:

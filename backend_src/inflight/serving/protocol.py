@@ -26,7 +26,7 @@ class RequestError(ValueError):
 
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
                "return_num_output_tokens", "return_logprobs", "return_token_ids", "return_cumulative_logprob",
-               "return_prompt_logprobs", "return_stop_reason")
+               "return_prompt_logprobs", "return_stop_reason", "queue_heartbeat")
 MAX_N = 128         # outputs per request (the OpenAI API's limit)
 
 # sampling knob -> the kind of value it takes
@@ -72,6 +72,7 @@ class GenerateRequest:
     n: int = 1                                # outputs, each its own engine request (seed + i)
     include_stop_str_in_output: bool = False
     stream_interval: int = 1                  # vLLM's: tokens per streamed response (the model's setting, if larger)
+    queue_heartbeat: bool = False             # inflight's: an empty response every poll until the first one (a stream)
 
 
 def _one(name: str, array: np.ndarray):
@@ -284,6 +285,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
     except ValueError as exc:
         raise RequestError(str(exc)) from None
     _resolve_exclude_input(flags)
+    if flags.get("queue_heartbeat") and not flags.get("stream"):
+        raise RequestError("'queue_heartbeat' needs 'stream' = true: a request that is not streamed gets one response")
     if n > 1 and flags.get("return_token_ids"):
         raise RequestError("'return_token_ids' needs 'n' = 1")
     return GenerateRequest(prompt_text, prompt_ids, params, priority or "normal", cache_salt,

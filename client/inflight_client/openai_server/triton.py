@@ -2,7 +2,11 @@
 request is one POST to Triton's `/v2/models/<model>/generate_stream`, whose server-sent events
 are `llm`'s responses, read into LLMResponses. Leaving early closes the request's connection,
 which Triton takes as the request's cancellation at its next response (the engine aborts it and
-frees its blocks; a request still waiting for its first token runs until it has one).
+frees its blocks). Triton notices a closed connection only when it writes a response, so the
+server asks inflight's `llm` for `queue_heartbeat`: an event without outputs every 0.2 s until
+the first response, so that a request whose client left while it waited in the queue is
+cancelled there, not prefilled for nobody (the vLLM backend has no such input: there it runs to
+its first token).
 
 HTTP rather than Triton's gRPC stream: per streamed token, receiving a response through
 tritonclient's grpc.aio stack costs this process ~0.24 ms of CPU, reading the same response as an
@@ -67,7 +71,7 @@ class TritonLLM:
         self.url = url                    # Triton's HTTP address, host:port
         self.model = model
         self.session: aiohttp.ClientSession | None = None
-        self.has_stop_reason: bool | None = None    # whether the model takes return_stop_reason (inflight's)
+        self.inputs: set[str] | None = None         # the model's input names (inflight's `llm` has more)
 
     async def start(self) -> None:
         """Open the pool (inside the event loop that will use it): no limit on connections, one
@@ -90,16 +94,16 @@ class TritonLLM:
             return False
 
     async def _check_inputs(self) -> None:
-        """Read once from the model's metadata whether it is inflight's `llm`, which can name the
-        stop that ended an output (the vLLM backend refuses inputs it does not know)."""
+        """Read the model's input names once from its metadata: inflight's `llm` also takes
+        return_stop_reason and queue_heartbeat, which the vLLM backend would refuse."""
         async with self.session.get(f"/v2/models/{self.model}") as response:
             if response.status == 200:
-                names = {tensor["name"] for tensor in (await response.json()).get("inputs", [])}
-                self.has_stop_reason = "return_stop_reason" in names
+                self.inputs = {tensor["name"] for tensor in (await response.json()).get("inputs", [])}
 
     def payload(self, prompt: str | list[int], sampling: dict) -> dict:
         """The inputs Triton's OpenAI frontend sends the vLLM backend (plus `input_ids` for
-        token prompts, `return_prompt_logprobs` when asked, and `return_stop_reason`, inflight's):
+        token prompts, `return_prompt_logprobs` when asked, and inflight's `return_stop_reason` and
+        `queue_heartbeat` where the model takes them):
         the prompt is never repeated (echo is this server's job). `llm` streams whether or not the
         client does (gather joins the pieces; prompt_logprobs come in the first response): Triton's
         HTTP frontend learns that a request's connection closed only when it writes a response, so
@@ -111,15 +115,16 @@ class TritonLLM:
                    "return_logprobs": "logprobs" in sampling}
         if "prompt_logprobs" in sampling:
             payload["return_prompt_logprobs"] = True
-        if self.has_stop_reason:
-            payload["return_stop_reason"] = True
+        for name in ("return_stop_reason", "queue_heartbeat"):
+            if self.inputs and name in self.inputs:
+                payload[name] = True
         return payload
 
     async def generate(self, prompt: str | list[int], sampling: dict) -> AsyncIterator[LLMResponse]:
         """The request's responses; raises APIError for an error response or a failed call.
         Closing the iterator early cancels the request."""
         try:
-            if self.has_stop_reason is None:
+            if self.inputs is None:
                 await self._check_inputs()
             async with self.session.post(f"/v2/models/{self.model}/generate_stream",
                                          json=self.payload(prompt, sampling)) as response:
@@ -129,7 +134,8 @@ class TritonLLM:
                 async for event in _events(response):
                     if "error" in event:
                         raise from_triton(event["error"])
-                    yield parse_event(event)
+                    if "text_output" in event:      # not a heartbeat
+                        yield parse_event(event)
         except aiohttp.ClientConnectionError as exc:
             raise APIError(503, f"Triton at {self.url} is not reachable: {exc}") from None
         except aiohttp.ClientError as exc:
