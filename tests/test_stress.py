@@ -1,14 +1,21 @@
 """Load and client-fault storms (`make test-stress`; each under 10 minutes on 2 cores):
-500 concurrent gRPC streams, and 200 streams of which half are cancelled at random points."""
+500 concurrent gRPC streams, 200 streams of which half are cancelled at random points, and 200
+OpenAI streams of which a third have clients that leave, many while queued."""
 import asyncio
+import json
+import os
 import random
 import time
 
+import httpx
 import pytest
 
 from inflight import SamplingParams
+from inflight.detokenizer import decode
+from inflight_client.openai_server.process import OpenAIServerProcess
 from inflight_client.streams import grpc_inputs, grpc_stream
 
+from .conftest import DEFAULT_MODEL, REPO
 from .helpers import wait_for_metric
 
 pytestmark = [pytest.mark.server, pytest.mark.stress]
@@ -68,3 +75,59 @@ def test_cancel_storm_frees_everything_and_spares_the_rest(server, tokenizer, re
     assert wait_for_metric(server, "inflight_requests_running", 0) == 0
     cancelled = server.metric("inflight_requests_total", finish_reason="cancelled") - cancelled_before
     assert cancelled >= 90, f"only {cancelled} of 100 cancellations reached the engine before the request ended"
+
+
+def test_openai_clients_that_leave_free_everything_and_spare_the_rest(server, tokenizer, reference_engine, tmp_path):
+    """200 streamed completions at once through the OpenAI server (64 run, the rest queue); the
+    clients of every third give up after 0.05-1.5 s, many while their request still waits in the
+    queue. Every other stream gets the engine's text, every request that reached `llm` ends once
+    (run to its length or cancelled), those whose client left are cancelled (but for the few that
+    ended in the moment their client left), and nothing stays allocated."""
+    ps = prompts(tokenizer, 200, seed=4)
+    rng = random.Random(5)
+    plan = [(p, rng.randint(8, 40), rng.uniform(0.05, 1.5) if i % 3 == 0 else None) for i, p in enumerate(ps)]
+    ended_before = {reason: server.metric("inflight_requests_total", finish_reason=reason)
+                    for reason in ("cancelled", "length")}
+    received_before = server.metric("nv_inference_request_success", model="llm")
+    env = {"PYTHONPATH": os.pathsep.join(os.path.join(REPO, p) for p in ("backend_src", "client", ""))}
+    with OpenAIServerProcess(server.http_url, DEFAULT_MODEL, env=env, log_path=str(tmp_path / "openai.log")) as api:
+        async def one(http, prompt, max_tokens, leave_after):
+            body = {"model": os.path.basename(DEFAULT_MODEL), "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+
+            async def read() -> str:
+                text = []
+                async with http.stream("POST", f"{api.base_url}/completions", json=body) as response:
+                    assert response.status_code == 200, await response.aread()
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            text.append(json.loads(line[6:])["choices"][0]["text"])
+                return "".join(text)
+            try:
+                return await asyncio.wait_for(read(), leave_after)
+            except TimeoutError:
+                return None
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=None)) as http:
+                return await asyncio.gather(*(one(http, *item) for item in plan))
+        outs = asyncio.run(main())
+        kept = [(p, n, out) for (p, n, leave), out in zip(plan, outs) if leave is None]
+        refs = reference_engine.generate([p for p, _, _ in kept], [SamplingParams(max_tokens=n, temperature=0,
+                                                                                  ignore_eos=True) for _, n, _ in kept])
+        assert [out for _, _, out in kept] == [decode(tokenizer, ref.token_ids) for ref in refs]
+        left = sum(out is None for out in outs)
+        assert left >= 30, f"only {left} clients left before their stream ended: the plan no longer tests leaving"
+        assert wait_for_metric(server, "inflight_kv_blocks_used", 0, timeout_s=30) == 0
+        assert wait_for_metric(server, "inflight_requests_running", 0) == 0
+        assert server.metric("inflight_requests_waiting") == 0
+        ended = {reason: server.metric("inflight_requests_total", finish_reason=reason) - before
+                 for reason, before in ended_before.items()}
+        # a client that left within a few ms can leave before the server sends its request on
+        received = server.metric("nv_inference_request_success", model="llm") - received_before
+        assert ended["cancelled"] + ended["length"] == received >= len(plan) - left, (received, ended)
+        left_in_engine = left - (len(plan) - received)
+        assert ended["cancelled"] >= 0.9 * left_in_engine, \
+            f"only {ended['cancelled']} of {left_in_engine} requests whose client left were cancelled"
+    print(f"\n{left} of {len(plan)} OpenAI clients left before their stream ended, {len(plan) - received:.0f} before "
+          f"their request reached Triton; requests ended: {ended}")
