@@ -582,6 +582,27 @@ def test_a_long_prompt_is_tokenized_without_holding_up_other_requests(api, clien
     assert len(waits) > 3 and max(waits) < 0.7, waits
 
 
+def test_huge_prompts_do_not_hold_up_the_prompts_of_other_requests(api, tokenizer):
+    """As many 1 MB prompts at once as the event loop's default pool has threads (each takes the
+    tokenizer a second or more) are tokenized on a pool of their own: small requests meanwhile
+    still get a thread at once (before, one waited 6.2 s behind six 2 MB prompts)."""
+    root = api.base_url.removesuffix("/v1")
+    huge = "Lists of words. " * 65_000
+    small = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1}
+    threads = min(32, (os.cpu_count() or 1) + 4)          # the size of asyncio's default pool
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        counted = [pool.submit(httpx.post, f"{root}/tokenize", json={"model": MODEL, "prompt": huge}, timeout=300)
+                   for _ in range(threads)]
+        time.sleep(0.3)
+        waits = []
+        while not all(f.done() for f in counted):
+            start = time.monotonic()
+            assert httpx.post(f"{api.base_url}/completions", json=small, timeout=60).status_code == 200
+            waits.append(time.monotonic() - start)
+    assert all(f.result().json()["count"] > 65_000 for f in counted)
+    assert len(waits) > 3 and max(waits) < 1.5, waits
+
+
 def test_max_tokens_is_fitted_to_the_context_as_vllm(api, client, tokenizer):
     """A prompt near the context length runs with max_tokens cut to the room left (the default's
     16, or a larger one asked for), and stops with "length"; a chat that gives none runs to the end

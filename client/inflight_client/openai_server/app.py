@@ -23,7 +23,7 @@ from inflight.serving.protocol import LONE_SURROGATE, bytes_per_token, lone_surr
 from .chat_completions import create_chat_completion
 from .chat_template import ChatTemplate
 from .completions import create_completion
-from .context import Context
+from .context import LARGE_BODY_BYTES, Context
 from .errors import APIError
 from .models import ServedModels
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -87,6 +87,10 @@ async def _body(request: Request, schema: type[BaseModel]):
         raise _validation_error(exc) from None
 
 
+async def _large(request: Request) -> bool:
+    return len(await request.body()) > LARGE_BODY_BYTES     # read once: Starlette keeps it
+
+
 def _request_id(request: Request, body) -> str:
     """vLLM's: the X-Request-Id header, else the body's request_id, else a new one (a response's
     id is this after its kind's prefix)."""
@@ -138,6 +142,7 @@ def create_app(settings: Settings) -> FastAPI:
         gc.freeze()
         yield
         await ctx.triton.close()
+        ctx.large_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="inflight OpenAI-compatible server", lifespan=lifespan)
 
@@ -177,20 +182,21 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _body(request, CompletionRequest)
-        return await _unless_disconnected(request, create_completion(body, ctx, _request_id(request, body)))
+        return await _unless_disconnected(request, create_completion(body, ctx, _request_id(request, body),
+                                                                     await _large(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _body(request, ChatCompletionRequest)
-        return await _unless_disconnected(request, create_chat_completion(body, ctx, _request_id(request, body)))
+        return await _unless_disconnected(request, create_chat_completion(body, ctx, _request_id(request, body),
+                                                                          await _large(request)))
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
-        # in a thread, as a generation's prompt: a long one would stop every stream while tokenized
-        return await asyncio.to_thread(tokenize, await _body(request, TokenizeRequest), ctx)
+        return await ctx.offload(await _large(request), tokenize, await _body(request, TokenizeRequest), ctx)
 
     @app.post("/detokenize")          # likewise for a long list of ids
     async def detokenize_route(request: Request):
-        return await asyncio.to_thread(detokenize, await _body(request, DetokenizeRequest), ctx)
+        return await ctx.offload(await _large(request), detokenize, await _body(request, DetokenizeRequest), ctx)
 
     return app

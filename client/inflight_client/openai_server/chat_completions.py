@@ -6,7 +6,6 @@ continue_final_message) starts each choice's content. vLLM's `return_token_ids`:
 stream: in each role chunk), each choice's generated ids in its choice (a stream: per delta)."""
 from __future__ import annotations
 
-import asyncio
 import time
 
 from starlette.responses import JSONResponse
@@ -24,14 +23,13 @@ from .tools import ToolCallText, called_function, tool_constraint, tool_message
 from .triton import LLMResponse
 
 
-async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, request_id: str):
+async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, request_id: str, large: bool = False):
     lora_name = ctx.models.check(body.model)
     tool = tool_constraint(body)
     constraint = single(request_constraints(body) + ([tool] if tool else []),
                         ctx.disable_any_whitespace)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    # in a thread: long messages take the template and tokenizer seconds, which would stop every other stream
-    prompt, prompt_ids = await asyncio.to_thread(_prompt, body, tools, ctx)
+    prompt, prompt_ids = await ctx.offload(large, _prompt, body, tools, ctx)
     sampling = ctx.fit(chat_sampling(body, ctx.chat_max_tokens, constraint, lora_name), prompt_ids, "messages")
     calls = [ctx.triton.generate(prompt_ids, sampling)]
     head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),

@@ -8,7 +8,6 @@ of its log-probability positions, which `llm` then returns with N = 0 if the req
 `max_tokens` 0 with `echo` answers the prompt alone, streamed or not."""
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 
@@ -24,12 +23,11 @@ from .sse import event, sse_response
 from .structured import blame, request_constraints, single
 
 
-async def create_completion(body: CompletionRequest, ctx: Context, request_id: str):
+async def create_completion(body: CompletionRequest, ctx: Context, request_id: str, large: bool = False):
     lora_name = ctx.models.check(body.model)
     constraint = single(request_constraints(body), ctx.disable_any_whitespace)
     sampling = completion_sampling(body, ctx.completion_max_tokens, constraint, lora_name)
-    # in a thread: a long prompt takes the tokenizer seconds, which would stop every other stream
-    prompts, echoes = await asyncio.to_thread(_prompts, body, ctx)
+    prompts, echoes = await ctx.offload(large, _prompts, body, ctx)
     echoed = None               # with echo and logprobs: (prompt i, its prompt_logprobs) -> positions
     if body.echo and body.logprobs is not None:
         echoed = functools.partial(_echoed, ctx.tokenizer, prompts)

@@ -2,7 +2,10 @@
 served model ids and the defaults the command line set."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from inflight.serving.protocol import MAX_BYTES_PER_TOKEN, RequestError, check_text_size
 
@@ -12,6 +15,7 @@ from .models import ServedModels
 from .triton import TritonLLM
 
 OPENAI_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for a completion, and vLLM's
+LARGE_BODY_BYTES = 256 * 1024       # a request body over this has its prompt work done on the large pool
 
 
 @dataclass(slots=True)
@@ -23,6 +27,15 @@ class Context:
     default_max_tokens: int | None               # --default-max-tokens; None: vLLM's defaults, below
     disable_any_whitespace: bool = False         # added to every output constraint (structured.py)
     bytes_per_token: int = MAX_BYTES_PER_TOKEN   # protocol.bytes_per_token of the tokenizer
+    large_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(thread_name_prefix="large"))
+
+    async def offload(self, large: bool, fn, *args):
+        """fn(*args) on a thread (templates and tokenizing take seconds on a long prompt, which
+        would stop every stream): the event loop's default pool, or for a request whose body is
+        over LARGE_BODY_BYTES a pool of its own, so that a few huge prompts cannot take every
+        thread the other requests need (six 2 MB prompts held a small completion up 6.2 s)."""
+        pool = self.large_pool if large else None
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
     @property
     def completion_max_tokens(self) -> int:
