@@ -23,7 +23,7 @@ from .tools import ToolCallText, called_function, tool_constraint, tool_message
 from .triton import LLMResponse
 
 
-async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, request_id: str, large: bool = False):
+async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, request_id: str, large: bool):
     lora_name = ctx.models.check(body.model)
     tool = tool_constraint(body)
     constraint = single(request_constraints(body) + ([tool] if tool else []),

@@ -23,7 +23,7 @@ from .sse import event, sse_response
 from .structured import blame, request_constraints, single
 
 
-async def create_completion(body: CompletionRequest, ctx: Context, request_id: str, large: bool = False):
+async def create_completion(body: CompletionRequest, ctx: Context, request_id: str, large: bool):
     lora_name = ctx.models.check(body.model)
     constraint = single(request_constraints(body), ctx.disable_any_whitespace)
     sampling = completion_sampling(body, ctx.completion_max_tokens, constraint, lora_name)
