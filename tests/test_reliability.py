@@ -444,14 +444,14 @@ class LeavingSink:
 
 def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancelled_in_the_queue(tokenizer):
     """Behind a running request (max_num_seqs 1): the stream that asked for queue_heartbeat gets a
-    response without outputs every poll while it waits, one that did not gets nothing; when the
-    first's client leaves, it is cancelled in the queue and never runs."""
+    response without outputs every heartbeat_s while it waits, one that did not gets nothing; when
+    the first's client leaves, it is cancelled in the queue and never runs."""
     from inflight import EngineConfig, LLMEngine, SamplingParams
     from inflight.serving.loop import EngineLoop
     from inflight.serving.protocol import GenerateRequest
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=1, num_kv_blocks=256,
                                                                    cpu_threads=1))
-    loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05).start()
+    loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05, heartbeat_s=0.1).start()
     prompt = tokenizer("The assert statement")["input_ids"]
     sinks = {name: LeavingSink() for name in ("running", "heartbeat", "quiet")}
     try:

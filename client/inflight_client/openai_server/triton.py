@@ -3,8 +3,8 @@ request is one POST to Triton's `/v2/models/<model>/generate_stream`, whose serv
 are `llm`'s responses, read into LLMResponses. Leaving early closes the request's connection,
 which Triton takes as the request's cancellation at its next response (the engine aborts it and
 frees its blocks). Triton notices a closed connection only when it writes a response, so the
-server asks inflight's `llm` for `queue_heartbeat`: an event without outputs every 0.2 s until
-the first response, so that a request whose client left while it waited in the queue is
+server asks inflight's `llm` for `queue_heartbeat`: an event without outputs about once a second
+until the first response, so that a request whose client left while it waited in the queue is
 cancelled there, not prefilled for nobody (the vLLM backend has no such input: there it runs to
 its first token).
 
