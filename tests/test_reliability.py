@@ -430,11 +430,13 @@ class LeavingSink:
 
     def __init__(self):
         self.outputs: list[dict | None] = []
+        self.times: list[float] = []
         self.left = False
         self.finished = threading.Event()
 
     def send(self, outputs, final, error=None):
         self.outputs.append(outputs)
+        self.times.append(time.monotonic())
         if final:
             self.finished.set()
 
@@ -442,37 +444,44 @@ class LeavingSink:
         return self.left
 
 
-def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancelled_in_the_queue(tokenizer):
-    """Behind a running request (max_num_seqs 1): the stream that asked for queue_heartbeat gets a
-    response without outputs every heartbeat_s while it waits, one that did not gets nothing; when
-    the first's client leaves, it is cancelled in the queue and never runs."""
+def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancelled_in_the_queue(tokenizer,
+                                                                                                  monkeypatch):
+    """Behind a running request (max_num_seqs 1): the streams that asked for queue_heartbeat get a
+    response without outputs while they wait, spaced by heartbeat_s or, with more waiting than
+    HEARTBEATS_PER_S allows, further apart; one that did not ask gets nothing; when a client
+    leaves, its request is cancelled in the queue and never runs."""
     from inflight import EngineConfig, LLMEngine, SamplingParams
-    from inflight.serving.loop import EngineLoop
+    from inflight.serving import loop as serving_loop
     from inflight.serving.protocol import GenerateRequest
+    monkeypatch.setattr(serving_loop, "HEARTBEATS_PER_S", 10)     # two waiting streams: each every 0.2 s
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=1, num_kv_blocks=256,
                                                                    cpu_threads=1))
-    loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05, heartbeat_s=0.1).start()
+    loop = serving_loop.EngineLoop(engine, tokenizer, cancel_poll_s=0.05, heartbeat_s=0.1).start()
     prompt = tokenizer("The assert statement")["input_ids"]
-    sinks = {name: LeavingSink() for name in ("running", "heartbeat", "quiet")}
+    sinks = {name: LeavingSink() for name in ("running", "heartbeat", "heartbeat too", "quiet")}
     try:
         loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=800, ignore_eos=True), stream=True),
                     sinks["running"])
         deadline = time.monotonic() + 10
         while not sinks["running"].outputs and time.monotonic() < deadline:
             time.sleep(0.01)
-        for name, heartbeat in (("heartbeat", True), ("quiet", False)):
+        submitted = time.monotonic()
+        for name, heartbeat in (("heartbeat", True), ("heartbeat too", True), ("quiet", False)):
             loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=4), stream=True,
                                         queue_heartbeat=heartbeat), sinks[name])
         while len(sinks["heartbeat"].outputs) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sinks["heartbeat"].outputs[:3] == [{}, {}, {}] and sinks["quiet"].outputs == []
-        assert engine.scheduler.num_waiting == 2
+        times = [submitted] + sinks["heartbeat"].times[:3]
+        assert all(later - earlier >= 0.19 for earlier, later in zip(times, times[1:])), times
+        assert engine.scheduler.num_waiting == 3
         sinks["heartbeat"].left = True
         assert sinks["heartbeat"].finished.wait(5)
         assert sinks["heartbeat"].outputs[-1] is None and all(o == {} for o in sinks["heartbeat"].outputs[:-1])
         assert not sinks["running"].finished.is_set(), "cancelled while the running request still ran"
-        sinks["running"].left = sinks["quiet"].left = True
-        assert sinks["running"].finished.wait(10) and sinks["quiet"].finished.wait(10)
+        for name in ("running", "heartbeat too", "quiet"):
+            sinks[name].left = True
+        assert all(sinks[name].finished.wait(10) for name in ("running", "heartbeat too", "quiet"))
         deadline = time.monotonic() + 5
         while (engine.has_unfinished() or engine.kv.num_used_blocks) and time.monotonic() < deadline:
             time.sleep(0.02)
