@@ -90,13 +90,18 @@ def make_step(dtype: torch.dtype, block: int = BLOCK, seed: int = 0) -> list[dic
                                    for name in ("k_cache", "v_cache")}} for _ in range(LAYERS - 1)]
 
 
-def time_step(fn, layers: list[dict]) -> float:
-    """Seconds per layer of one step through every layer, the caches flushed first."""
-    flush_caches()
-    start = time.perf_counter()
+def through_layers(fn, layers: list[dict]) -> None:
+    """One decode step: fn on every layer."""
     for b in layers:
         fn(b)
-    return (time.perf_counter() - start) / len(layers)
+
+
+def time_step(step) -> float:
+    """Seconds per layer of step() (a decode step through LAYERS layers), the caches flushed first."""
+    flush_caches()
+    start = time.perf_counter()
+    step()
+    return (time.perf_counter() - start) / LAYERS
 
 
 def reference(b):
@@ -294,7 +299,7 @@ def main() -> None:
         times = {name: [] for name in OPTIONS}
         for _ in range(args.rounds):
             for name, fn in OPTIONS.items():
-                times[name].append(time_step(fn, layers))
+                times[name].append(time_step(lambda: through_layers(fn, layers)))
         name_dtype = str(dtype).removeprefix("torch.")
         results[name_dtype] = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         if args.vllm:

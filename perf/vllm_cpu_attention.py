@@ -8,7 +8,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 if __name__ == "__main__":
     import torch
@@ -17,7 +16,8 @@ if __name__ == "__main__":
     from vllm import _custom_ops as ops
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cpu_attention_bench import DIM, HEADS, KV_HEADS, LAYERS, SEQS, compiled, flush_caches, make_step, reference
+    from cpu_attention_bench import (DIM, HEADS, KV_HEADS, LAYERS, SEQS, compiled, make_step, reference, through_layers,
+                                     time_step)
 
     dtype, rounds = getattr(torch, sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(os.cpu_count())
@@ -52,21 +52,14 @@ if __name__ == "__main__":
              "v_cache": layer["v_cache"].view(-1, 16, KV_HEADS, DIM),
              "table": (b["table"].long()[:, :, None] * 8 + torch.arange(8)).flatten(1).int()} for layer in layers]
 
-    def inflight_step() -> None:
-        for layer in same:
-            compiled(layer)
-
     vllm_step(1)
     expected = reference(same[0]).float()
     for name, result in (("vLLM's", out), ("inflight's", compiled(same[0]))):
         error = (result.float() - expected).abs().max().item()
         assert error < 5e-2, f"{name} kernel differs from the reference by {error}"
-    steps = {"ms": vllm_step, "inflight_ms": inflight_step}
+    steps = {"ms": vllm_step, "inflight_ms": lambda: through_layers(compiled, same)}
     times = {name: [] for name in steps}
     for r in range(rounds):
         for name in steps if r % 2 == 0 else reversed(steps):
-            flush_caches()
-            start = time.perf_counter()
-            steps[name]()
-            times[name].append((time.perf_counter() - start) / LAYERS)
+            times[name].append(time_step(steps[name]))
     print(json.dumps({**{name: statistics.median(t) * 1e3 for name, t in times.items()}, "isa": isa}))
