@@ -4,7 +4,19 @@ import os
 import threading
 import time
 
+from inflight_client.openai_server.process import OpenAIServerProcess
 from inflight_client.streams import Completion, grpc_stream
+
+from .conftest import DEFAULT_MODEL, REPO
+
+# for a child process that imports the engine and the clients from this checkout
+SOURCE_PATH_ENV = {"PYTHONPATH": os.pathsep.join(os.path.join(REPO, p) for p in ("backend_src", "client", ""))}
+
+
+def openai_server(triton_url: str, tmp_path, *extra) -> OpenAIServerProcess:
+    """The OpenAI server for the test model in front of `triton_url`; started and stopped by `with`."""
+    return OpenAIServerProcess(triton_url, DEFAULT_MODEL, extra=list(extra), env=SOURCE_PATH_ENV,
+                               log_path=str(tmp_path / f"openai-{time.monotonic_ns()}.log"))
 
 
 def run_streams(server, requests: list[dict]) -> list[Completion]:

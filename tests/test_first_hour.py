@@ -20,11 +20,11 @@ from inflight.serving.launch import ServerProcess, failure_cause, failure_summar
 from inflight_client.streams import http_generate
 
 from .conftest import DEFAULT_MODEL, REPO, TEST_ENGINE
-from .helpers import child_processes
+from .helpers import SOURCE_PATH_ENV, child_processes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # a subprocess imports this checkout's code, not an installed copy
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(os.path.join(REPO, p) for p in ("backend_src", "client", ""))}
+ENV = {**os.environ, **SOURCE_PATH_ENV}
 
 
 class Launcher:

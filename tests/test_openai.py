@@ -18,24 +18,16 @@ import pytest
 from inflight import SamplingParams
 from inflight.detokenizer import decode
 from inflight.serving.launch import ServerProcess, make_repository
-from inflight_client.openai_server.process import OpenAIServerProcess
 
-from .conftest import DEFAULT_MODEL, REPO, TEST_ENGINE
-from .helpers import wait_for_metric
+from .conftest import DEFAULT_MODEL, TEST_ENGINE
+from .helpers import openai_server, wait_for_metric
 
 pytestmark = pytest.mark.server
 
 MODEL = os.path.basename(DEFAULT_MODEL)
 ADAPTER = "pydoc-json"      # the demo LoRA adapter of the shipped repository (the session server serves it)
-ENV = {"PYTHONPATH": os.pathsep.join(os.path.join(REPO, p) for p in ("backend_src", "client", ""))}
 PROMPTS = ["The assert statement", "A class definition defines a class object", "Boolean operations",
            "The import system", "Exceptions can be raised", "The with statement is used"]
-
-
-def openai_server(triton_url: str, tmp_path, *extra) -> OpenAIServerProcess:
-    """Started and stopped by `with`."""
-    return OpenAIServerProcess(triton_url, DEFAULT_MODEL, extra=list(extra), env=ENV,
-                               log_path=str(tmp_path / f"openai-{time.monotonic_ns()}.log"))
 
 
 @pytest.fixture(scope="module")

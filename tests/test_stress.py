@@ -12,11 +12,10 @@ import pytest
 
 from inflight import SamplingParams
 from inflight.detokenizer import decode
-from inflight_client.openai_server.process import OpenAIServerProcess
 from inflight_client.streams import grpc_inputs, grpc_stream
 
-from .conftest import DEFAULT_MODEL, REPO
-from .helpers import wait_for_metric
+from .conftest import DEFAULT_MODEL
+from .helpers import openai_server, wait_for_metric
 
 pytestmark = [pytest.mark.server, pytest.mark.stress]
 
@@ -89,8 +88,7 @@ def test_openai_clients_that_leave_free_everything_and_spare_the_rest(server, to
     ended_before = {reason: server.metric("inflight_requests_total", finish_reason=reason)
                     for reason in ("cancelled", "length")}
     received_before = server.metric("nv_inference_request_success", model="llm")
-    env = {"PYTHONPATH": os.pathsep.join(os.path.join(REPO, p) for p in ("backend_src", "client", ""))}
-    with OpenAIServerProcess(server.http_url, DEFAULT_MODEL, env=env, log_path=str(tmp_path / "openai.log")) as api:
+    with openai_server(server.http_url, tmp_path) as api:
         async def one(http, prompt, max_tokens, leave_after):
             body = {"model": os.path.basename(DEFAULT_MODEL), "prompt": prompt, "max_tokens": max_tokens,
                     "temperature": 0, "ignore_eos": True, "stream": True}
