@@ -41,20 +41,24 @@ def wait_for_metric(server, name: str, expected: float, timeout_s: float = 10.0,
 
 
 class RecordingSink:
-    """Collects what the serving loop sends for one request (Triton's response sender, in a server)."""
+    """Collects what the serving loop sends for one request (Triton's response sender, in a server);
+    setting `left` is its client going away (is_cancelled turns true)."""
 
     def __init__(self):
         self.sends: list[tuple[float, str, bool, str | None]] = []
+        self.outputs: list[dict | None] = []        # each send's outputs as given
+        self.left = False
         self.finished = threading.Event()
 
     def send(self, outputs, final, error=None):
         text = b"".join(outputs["text_output"].reshape(-1)).decode() if outputs else ""
         self.sends.append((time.monotonic(), text, final, error))
+        self.outputs.append(outputs)
         if final:
             self.finished.set()
 
     def is_cancelled(self):
-        return False
+        return self.left
 
     @property
     def text(self):

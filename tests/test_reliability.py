@@ -425,25 +425,6 @@ def test_a_failure_in_the_response_thread_fails_every_request_instead_of_hanging
         loop.shutdown()
 
 
-class LeavingSink:
-    """A stream's response sender whose client can leave (Triton's is_cancelled turns true)."""
-
-    def __init__(self):
-        self.outputs: list[dict | None] = []
-        self.times: list[float] = []
-        self.left = False
-        self.finished = threading.Event()
-
-    def send(self, outputs, final, error=None):
-        self.outputs.append(outputs)
-        self.times.append(time.monotonic())
-        if final:
-            self.finished.set()
-
-    def is_cancelled(self):
-        return self.left
-
-
 def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancelled_in_the_queue(tokenizer,
                                                                                                   monkeypatch):
     """Behind a running request (max_num_seqs 1): the streams that asked for queue_heartbeat get a
@@ -458,7 +439,8 @@ def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancel
                                                                    cpu_threads=1))
     loop = serving_loop.EngineLoop(engine, tokenizer, cancel_poll_s=0.05, heartbeat_s=0.1).start()
     prompt = tokenizer("The assert statement")["input_ids"]
-    sinks = {name: LeavingSink() for name in ("running", "heartbeat", "heartbeat too", "quiet")}
+    from .helpers import RecordingSink
+    sinks = {name: RecordingSink() for name in ("running", "heartbeat", "heartbeat too", "quiet")}
     try:
         loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=800, ignore_eos=True), stream=True),
                     sinks["running"])
@@ -472,7 +454,7 @@ def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancel
         while len(sinks["heartbeat"].outputs) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sinks["heartbeat"].outputs[:3] == [{}, {}, {}] and sinks["quiet"].outputs == []
-        times = [submitted] + sinks["heartbeat"].times[:3]
+        times = [submitted] + [sent[0] for sent in sinks["heartbeat"].sends[:3]]
         assert all(later - earlier >= 0.19 for earlier, later in zip(times, times[1:])), times
         assert engine.scheduler.num_waiting == 3
         sinks["heartbeat"].left = True
