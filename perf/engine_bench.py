@@ -16,7 +16,9 @@
    perf/vllm_offline.py) on the same model file, workload (128 requests, prompts U(32,512),
    outputs U(16,256), fresh prompts every round so neither reuses a prefix cache), max 64
    sequences and a 2048-token budget, per dtype; rounds interleaved (the order alternates), the
-   ratio per round, then the median.
+   ratio per round, then the median. Then one more inflight round timed call by call: the
+   seconds in the linears and the attention kernels bound what any engine running the same GEMMs
+   over the same KV cache could reach, printed as a ratio to vLLM-CPU's median.
 """
 from __future__ import annotations
 
@@ -250,28 +252,40 @@ def host_overhead(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) ->
             "forward_calls_us": forward_calls(engine, steps)}
 
 
-def forward_calls(engine: LLMEngine, steps: int) -> dict:
-    """A decode step's forward timed call by call (wall clock, each call's Python included; medians
-    over steps): the layers' linears, the attention kernels, the fused small ops, and the rest —
-    the Python, views and allocations between them. The LM head runs after the forward."""
-    model = engine.runner.model
-    linears = [m for m in model.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
-    forward, linear = [], []
-    model.forward = _timed(model.forward, forward)
+@contextlib.contextmanager
+def call_timer(module: nn.Module):
+    """Seconds of each call while inside, by kind (wall clock, each call's Python included): the
+    module's linears, the attention kernels and the fused small ops."""
+    linears = [m for m in module.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    times = {"linears": []}
     for m in linears:
-        m.forward = _timed(m.forward, linear)
-    per_step = collections.defaultdict(list)
+        m.forward = _timed(m.forward, times["linears"])
     try:
         with compiled_kernel_timer(ATTENTION_KERNELS + SMALL_OPS) as kernel_times:
+            times.update(kernel_times)
+            yield times
+    finally:
+        for m in linears:
+            del m.forward
+
+
+def forward_calls(engine: LLMEngine, steps: int) -> dict:
+    """A decode step's forward timed call by call (medians over steps): the layers' linears, the
+    attention kernels, the fused small ops, and the rest — the Python, views and allocations
+    between them. The LM head runs after the forward."""
+    model = engine.runner.model
+    forward = []
+    model.forward = _timed(model.forward, forward)
+    per_step = collections.defaultdict(list)
+    try:
+        with call_timer(model.model) as times:
             for _ in range(steps):
                 engine.step()
-                calls = {"forward": forward, "linears": linear, **kernel_times}
-                for name, times in calls.items():
-                    per_step[name].append(sum(times))
-                    times.clear()
+                for name, calls in {"forward": forward, **times}.items():
+                    per_step[name].append(sum(calls))
+                    calls.clear()
     finally:
-        for m in [model, *linears]:
-            del m.forward
+        del model.forward
     timed = [sum(per_step[name][i] for name in per_step if name != "forward") for i in range(steps)]
     per_step["rest"] = [f - t for f, t in zip(per_step["forward"], timed)]
     return {name: statistics.median(v) * 1e6 for name, v in per_step.items()}
@@ -379,6 +393,17 @@ def inflight_run(engine, items) -> dict:
     return {"tokens_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated, **split}
 
 
+def time_split(engine, items) -> dict:
+    """One offline run timed call by call: what the linears (the LM head's too) and the attention
+    kernels take, the bound on any engine that runs the same GEMMs and reads the same KV cache."""
+    with call_timer(engine.runner.model) as times:
+        run = inflight_run(engine, items)
+    split = {"linears_s": sum(times["linears"]), "attention_s": sum(sum(times[k]) for k in ATTENTION_KERNELS),
+             "small_ops_s": sum(sum(times[k]) for k in SMALL_OPS)}
+    split["rest_s"] = run["seconds"] - sum(split.values())
+    return {**split, "seconds": run["seconds"], "generated_tokens": run["generated_tokens"]}
+
+
 def vs_vllm(python: str, model_dir: str, dtypes: list[str], rounds: int, compile_: bool = False) -> dict:
     """Per dtype: both engines loaded once, then rounds of fresh prompts, interleaved."""
     results = {}
@@ -407,6 +432,16 @@ def vs_vllm(python: str, model_dir: str, dtypes: list[str], rounds: int, compile
         results[dtype] = {"inflight_tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs["inflight"]),
                           "vllm_tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs["vllm"]),
                           "ratio": statistics.median(ratios), "ratios": ratios, "runs": runs}
+        wait_quiet([os.getpid()])
+        split = results[dtype]["split"] = time_split(engine, workloads.uniform(
+            VS_VLLM["requests"], BENCH_MODEL["vocab_size"], seed=100 + rounds))
+        ceiling = split["generated_tokens"] / (split["linears_s"] + split["attention_s"])
+        results[dtype]["ceiling_ratio"] = ceiling / results[dtype]["vllm_tokens_per_s"]
+        print(f"  {dtype:9s} one more inflight round, timed call by call (not in the medians): {split['seconds']:.1f} s"
+              f" = linears {split['linears_s']:.1f} + attention {split['attention_s']:.1f} + fused small ops "
+              f"{split['small_ops_s']:.1f} + the rest (Python, scheduling, sampling, waits) {split['rest_s']:.1f} s; "
+              f"with only the linears and the attention, {ceiling:.0f} tok/s = "
+              f"{results[dtype]['ceiling_ratio']:.2f}x vLLM-CPU's median", flush=True)
         del engine
     return results
 
