@@ -190,10 +190,11 @@ def test_fused_layer_ops_match_their_torch_expressions(kernels, dtype, monkeypat
     with torch.no_grad():
         norm.weight.copy_(torch.randn(520, generator=g))
     x = (torch.randn(37, 3, 520, generator=g) * 3).to(dtype)[:, 1]           # rows with a stride
-    # head dim 64 takes the vector path, 24 the scalar one; 1540 leaves a tail of 4
+    # head dim 64 takes the vector path, 24 the scalar one; an inner dim of 1556 = 12 x 128 + 16 + 4
+    # takes silu's eight-vector loop, then one vector, then a tail of 4
     qkv, small_qkv = torch.randn(37, 12, 64, generator=g).to(dtype), torch.randn(37, 6, 24, generator=g).to(dtype)
     cos, sin = (torch.randn(37, 1, 64, generator=g).to(dtype) for _ in range(2))
-    gate_up = (torch.randn(37, 2 * 1540, generator=g) * 4).to(dtype)
+    gate_up = (torch.randn(37, 2 * 1556, generator=g) * 4).to(dtype)
 
     residual = (torch.randn(37, 520, generator=g) * 3).to(dtype)
 

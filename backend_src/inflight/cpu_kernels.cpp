@@ -143,23 +143,33 @@ inline void load_row(const T *p, int dim, v16f *row) {
 }
 
 // exp of x <= 0 lane by lane (softmax arguments): Cephes' expf polynomial after reducing by
-// powers of two; exactly 0 below -87 (and for -inf)
+// powers of two; exactly 0 below -87 (and for -inf). N vectors at once, their operations
+// interleaved, give the core N independent dependency chains: one at a time it waits on each
+// multiply-add in turn (silu_and_mul: ~37 cycles a vector on Zen 5)
+template <int N>
+inline void exp_nonpositive(v16f (&x)[N]) {
+    v16f n[N], r[N], p[N];
+    for (int i = 0; i < N; ++i) {
+        const v16f clamped = x[i] < -87.0f ? (v16f){} - 87.0f : x[i];
+        const v16f magic = (v16f){} + 12582912.0f;          // 1.5 * 2^23: adding it rounds to an integer
+        n[i] = (clamped * 1.44269504088896341f + magic) - magic;
+        r[i] = clamped - n[i] * 0.693359375f + n[i] * 2.12194440e-4f;
+    }
+    for (int i = 0; i < N; ++i) p[i] = (v16f){} + 1.9875691500e-4f;
+    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+        for (int i = 0; i < N; ++i) p[i] = p[i] * r[i] + c;
+    for (int i = 0; i < N; ++i) {
+        p[i] = p[i] * r[i] * r[i] + r[i] + 1.0f;
+        const v16i bits = (__builtin_convertvector(n[i], v16i) + 127) << 23;
+        v16f scale;
+        memcpy(&scale, &bits, 64);
+        x[i] = x[i] < -87.0f ? (v16f){} : p[i] * scale;
+    }
+}
 inline v16f exp_nonpositive(v16f x) {
-    const v16f clamped = x < -87.0f ? (v16f){} - 87.0f : x;
-    const v16f magic = (v16f){} + 12582912.0f;          // 1.5 * 2^23: adding it rounds to an integer
-    const v16f n = (clamped * 1.44269504088896341f + magic) - magic;
-    const v16f r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-    v16f p = (v16f){} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    v16f scale;
-    memcpy(&scale, &bits, 64);
-    return x < -87.0f ? (v16f){} : p * scale;
+    v16f one[1] = {x};
+    exp_nonpositive(one);
+    return one[0];
 }
 
 inline float exp_nonpositive(float x) { return exp_nonpositive((v16f){} + x)[0]; }
@@ -980,10 +990,26 @@ inline __m256 silu8(__m256 g) {
 #endif
 
 // silu(g) = g / (1 + exp(-g)), with one exp of -|g| <= 0: g >= 0: g / (1 + e); g < 0: g * e / (1 + e)
-inline v16f silu16(v16f g) {
-    const v16f e = exp_nonpositive(g < 0.0f ? g : -g);
-    return (g < 0.0f ? g * e : g) / (1.0f + e);
+template <int N>
+inline void silu16(v16f (&g)[N]) {
+    v16f e[N];
+    for (int i = 0; i < N; ++i) e[i] = g[i] < 0.0f ? g[i] : -g[i];
+    exp_nonpositive(e);
+    for (int i = 0; i < N; ++i) g[i] = (g[i] < 0.0f ? g[i] * e[i] : g[i]) / (1.0f + e[i]);
 }
+inline v16f silu16(v16f g) {
+    v16f one[1] = {g};
+    silu16(one);
+    return one[0];
+}
+
+// vectors silu_and_mul takes at once: 8 keep AVX-512's 32 registers busy (a [2048, 1536] bf16
+// call 1.00 -> 0.58 ms on 2 Zen 5 cores, 4 at once 0.74); a vector is two of AVX2's 16 registers
+#ifdef __AVX512F__
+constexpr int SILU_VECTORS = 8;
+#else
+constexpr int SILU_VECTORS = 1;
+#endif
 
 // silu(gate) * up for gate_up [rows, 2 * inner] (gate first): silu rounded to dtype, then the product
 template <typename T>
@@ -1000,6 +1026,13 @@ void silu_and_mul(const T *gate_up, int64_t in_stride, T *out, int64_t out_strid
             for (; i + 8 <= inner; i += 8)
                 _mm256_storeu_ps(dst + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(gate + i)), _mm256_loadu_ps(up + i)));
 #endif
+        for (; i + 16 * SILU_VECTORS <= inner; i += 16 * SILU_VECTORS) {
+            v16f g[SILU_VECTORS];
+            for (int j = 0; j < SILU_VECTORS; ++j) g[j] = load16(gate + i + 16 * j);
+            silu16(g);
+            for (int j = 0; j < SILU_VECTORS; ++j)
+                store16(dst + i + 16 * j, rounded16(g[j], gate) * load16(up + i + 16 * j));
+        }
         for (; i + 16 <= inner; i += 16)
             store16(dst + i, rounded16(silu16(load16(gate + i)), gate) * load16(up + i));
         for (; i < inner; ++i)
