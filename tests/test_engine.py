@@ -161,6 +161,7 @@ def test_a_step_that_fails_admitting_leaves_every_request_abortable(tiny_checkpo
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=10**400), "temperature"), (dict(presence_penalty=-10**400), "presence_penalty"),
     (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(max_tokens=0), "max_tokens"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(seed="x"), "seed"), (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(bad_words_ids=[[]]), "bad_words_ids"),

@@ -62,6 +62,8 @@ BAD = [
     ({"text_input": text()}, {"max_tokens": 2.5}, "'max_tokens' must be an integer"),
     ({"text_input": text()}, {"temperature": -0.1}, "'temperature'"),
     ({"text_input": text()}, {"temperature": "NaN"}, "'temperature' must be a finite number"),
+    ({"text_input": text()}, {"temperature": 10**400}, "'temperature' must be a finite number"),   # past float's range
+    ({"text_input": text()}, {"logit_bias": {"5": -10**400}}, "'logit_bias' must be a finite number"),
     ({"text_input": text()}, {"top_p": 0}, "'top_p'"),
     ({"text_input": text()}, {"top_p": 1.01}, "'top_p'"),
     ({"text_input": text()}, {"top_k": -2}, "'top_k'"),
@@ -93,7 +95,8 @@ def test_malformed_requests_name_the_field(inputs, parameters, message):
     assert message in str(info.value)
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.integers(2**1024, 2**1100) | st.floats(allow_nan=True)
+                           | st.text(max_size=8),
                            lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
                            max_leaves=6)
 knob_names = st.sampled_from(["max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop",

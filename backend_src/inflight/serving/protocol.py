@@ -101,79 +101,100 @@ def _string_input(name: str, array: np.ndarray) -> str:
 
 def _coerce(name: str, kind: str, value):
     """One knob's value, from JSON (numbers possibly as strings)."""
-    def fail(expected: str):
-        raise RequestError(f"'{name}' must be {expected}, got {value!r}")
+    return _COERCERS[kind](name, value)
 
-    if kind == "int":
-        if isinstance(value, bool):
-            fail("an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                fail("an integer")
-        fail("an integer")
-    if kind == "float":
-        if isinstance(value, bool):
-            fail("a number")
-        if isinstance(value, (int, float)):
-            number = float(value)
-        elif isinstance(value, str):
-            try:
-                number = float(value.strip())
-            except ValueError:
-                fail("a number")
-        else:
-            fail("a number")
-        if not math.isfinite(number):
-            fail("a finite number")
-        return number
-    if kind == "bool":
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
-            return value.strip().lower() in ("true", "1")
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        fail("a boolean")
-    if kind == "str":
-        if not isinstance(value, str):
-            fail("a string")
+
+def _fail(name: str, value, expected: str):
+    raise RequestError(f"'{name}' must be {expected}, got {value!r}")
+
+
+def _int(name: str, value) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if kind == "priority":          # its class's name, which the engine reads as given
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
         try:
-            return PRIORITY_NAMES[parse_priority(value)]
-        except ValueError as exc:
-            raise RequestError(str(exc)) from None
-    if kind == "strings":
-        if isinstance(value, str):
-            return (value,)
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return tuple(value)
-        fail("a string or a list of strings")
-    if kind == "ints":
-        if isinstance(value, list):
-            return tuple(_coerce(name, "int", v) for v in value)
-        fail("a list of integers")
-    if kind == "bias":          # {token id (a JSON key, so a string): bias}
-        if isinstance(value, dict):
-            return tuple((_coerce(f"{name}' key '{key}", "int", key), _coerce(name, "float", bias))
-                         for key, bias in value.items())
-        fail("an object mapping token ids to numbers")
-    if kind == "constraint":
-        try:
-            return parse_spec(value, name)
-        except ValueError as exc:
-            raise RequestError(str(exc)) from None
-    if kind == "int_lists":
-        if isinstance(value, list) and all(isinstance(v, list) for v in value):
-            return tuple(tuple(_coerce(name, "int", t) for t in v) for v in value)
-        fail("a list of lists of integers")
-    raise AssertionError(kind)
+            return int(value.strip())
+        except ValueError:
+            pass
+    _fail(name, value, "an integer")
+
+
+def _float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        _fail(name, value, "a number")
+    try:
+        number = float(value.strip() if isinstance(value, str) else value)
+    except ValueError:
+        _fail(name, value, "a number")
+    except OverflowError:           # an integer past float's range
+        number = math.inf
+    if not math.isfinite(number):
+        _fail(name, value, "a finite number")
+    return number
+
+
+def _bool(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    _fail(name, value, "a boolean")
+
+
+def _str(name: str, value) -> str:
+    if not isinstance(value, str):
+        _fail(name, value, "a string")
+    return value
+
+
+def _priority(name: str, value) -> str:
+    """Its class's name, which the engine reads as given."""
+    try:
+        return PRIORITY_NAMES[parse_priority(value)]
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+
+
+def _strings(name: str, value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    _fail(name, value, "a string or a list of strings")
+
+
+def _ints(name: str, value) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        _fail(name, value, "a list of integers")
+    return tuple(_int(name, v) for v in value)
+
+
+def _bias(name: str, value) -> tuple[tuple[int, float], ...]:
+    """{token id (a JSON key, so a string): bias}"""
+    if not isinstance(value, dict):
+        _fail(name, value, "an object mapping token ids to numbers")
+    return tuple((_int(f"{name}' key '{key}", key), _float(name, bias)) for key, bias in value.items())
+
+
+def _constraint(name: str, value):
+    try:
+        return parse_spec(value, name)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+
+
+def _int_lists(name: str, value) -> tuple[tuple[int, ...], ...]:
+    if not (isinstance(value, list) and all(isinstance(v, list) for v in value)):
+        _fail(name, value, "a list of lists of integers")
+    return tuple(tuple(_int(name, t) for t in v) for v in value)
+
+
+_COERCERS = {"int": _int, "float": _float, "bool": _bool, "str": _str, "priority": _priority, "strings": _strings,
+             "ints": _ints, "bias": _bias, "constraint": _constraint, "int_lists": _int_lists}
 
 
 MAX_BYTES_PER_TOKEN = 32     # the least the bound below allows a token
