@@ -174,6 +174,10 @@ def test_ensemble_errors_name_the_field(server):
     assert "'max_tokens'" in reply.get("error", "")
     reply = http_generate(server.http_url, "ensemble", {"text_input": "", "max_tokens": 3})
     assert "'text_input' is empty" in reply.get("error", "")
+    for end_id in (-1, 10**6):
+        reply = http_generate(server.http_url, "ensemble", {"text_input": "hi", "max_tokens": 3, "end_id": end_id})
+        assert "'end_id' must be a token id in [0, " in reply.get("error", ""), reply
+    assert "error" not in http_generate(server.http_url, "ensemble", {"text_input": "hi", "max_tokens": 3, "end_id": 0})
     assert "text_output" in http_generate(server.http_url, "ensemble", {"text_input": "The", "max_tokens": 2})
     # TensorRT-LLM's own example request: empty bad/stop words mean none
     example = http_generate(server.http_url, "ensemble", {"text_input": "What is machine learning?", "max_tokens": 20,

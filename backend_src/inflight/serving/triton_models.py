@@ -360,8 +360,11 @@ class PreprocessingModel(TokenizerModel):
         if "return_log_probs" in inputs and bool(_scalar("return_log_probs", inputs["return_log_probs"])):
             raise RequestError("'return_log_probs' is not available through the ensemble; "
                                "ask the llm model with 'return_logprobs'")
-        if "end_id" in inputs:
-            sampling["stop_token_ids"] = [int(_scalar("end_id", inputs["end_id"]))]
+        if "end_id" in inputs:          # TensorRT-LLM's end token: a stop token here
+            end_id, vocab = int(_scalar("end_id", inputs["end_id"])), len(self.tokenizer)
+            if not 0 <= end_id < vocab:
+                raise RequestError(f"'end_id' must be a token id in [0, {vocab}), got {end_id}")
+            sampling["stop_token_ids"] = [end_id]
         for name in ("priority", "cache_salt", "lora_name"):
             if name in inputs:
                 sampling[name] = _scalar(name, inputs[name]).decode("utf-8", "replace")
