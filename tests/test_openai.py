@@ -18,6 +18,7 @@ import pytest
 from inflight import SamplingParams
 from inflight.detokenizer import decode
 from inflight.serving.launch import ServerProcess, make_repository
+from inflight_client.openai_server.schemas import ChatCompletionRequest, CompletionRequest
 
 from .conftest import DEFAULT_MODEL, TEST_ENGINE
 from .helpers import openai_server, wait_for_metric
@@ -1147,6 +1148,28 @@ def test_errors_have_the_openai_shape_status_and_a_message_naming_the_parameter(
     assert httpx.post(f"{api.base_url}/completions", content=b"{nope", timeout=60).status_code == 400
     deep = httpx.post(f"{api.base_url}/completions", content=b'{"prompt": ' + b"[" * 100000, timeout=60)
     assert deep.status_code == 400 and "nested too deeply" in deep.json()["error"]["message"]
+
+
+WRONG_VALUES = [{"x": 1}, [[1]], "?", -1e30]        # wrong types and an absurd number, for every field
+
+
+@pytest.mark.parametrize("path, schema, base", [
+    ("completions", CompletionRequest, {"model": MODEL, "prompt": "x", "max_tokens": 1}),
+    ("chat/completions", ChatCompletionRequest, {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                 "max_completion_tokens": 1})])
+def test_every_field_with_a_wrong_value_is_answered_and_an_error_names_it(api, server, path, schema, base):
+    """Each field the server reads (and each it refuses by name) set to each of WRONG_VALUES: an
+    answer, never a 5xx, and an error in OpenAI's shape whose param or message names the field;
+    nothing stays allocated."""
+    fields = sorted({*schema.model_fields, *schema.UNSERVED} - {"stream"})
+    with httpx.Client(timeout=120) as http:
+        for field, value in ((f, v) for f in fields for v in WRONG_VALUES):
+            reply = http.post(f"{api.base_url}/{path}", json={**base, field: value})
+            assert reply.status_code in (200, 400, 404), (field, value, reply.text)
+            if reply.status_code != 200:
+                error = reply.json()["error"]
+                assert field == error["param"] or field in error["message"], (field, value, error)
+    assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
 
 
 def test_bodies_json_reads_but_python_cannot_use_are_400s(api):
