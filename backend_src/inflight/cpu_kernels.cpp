@@ -1004,7 +1004,7 @@ inline v16f silu16(v16f g) {
 }
 
 // vectors silu_and_mul takes at once: 8 keep AVX-512's 32 registers busy (a [2048, 1536] bf16
-// call 1.00 -> 0.58 ms on 2 Zen 5 cores, 4 at once 0.74); a vector is two of AVX2's 16 registers
+// call 1.00 -> 0.57 ms on 2 Zen 5 cores, 4 at once 0.74); a vector is two of AVX2's 16 registers
 #ifdef __AVX512F__
 constexpr int SILU_VECTORS = 8;
 #else

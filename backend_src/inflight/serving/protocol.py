@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
@@ -104,7 +105,7 @@ def _coerce(name: str, kind: str, value):
     return _COERCERS[kind](name, value)
 
 
-def _fail(name: str, value, expected: str):
+def _fail(name: str, value, expected: str) -> NoReturn:
     raise RequestError(f"'{name}' must be {expected}, got {value!r}")
 
 
