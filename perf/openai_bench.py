@@ -39,7 +39,7 @@ from inflight_client.openai_server.triton import LLMResponse, TritonLLM  # noqa:
 from inflight_client.streams import grpc_inputs, grpc_responses  # noqa: E402
 from perf import workloads  # noqa: E402
 from perf.bench_stats import RequestRecord, summarize  # noqa: E402
-from perf.quiet import tree_cpu_seconds, wait_quiet  # noqa: E402
+from perf.quiet import machine_busy_seconds, tree_cpu_seconds, wait_quiet  # noqa: E402
 from perf.serve_bench import build_serve_model  # noqa: E402
 
 # prefix caching off: both paths send a round's prompts, and the second must not find them cached
@@ -81,6 +81,42 @@ async def openai_stream(http, url: str, model: str, item, record: RequestRecord,
                 record.response_times.append(time.monotonic())
             elif chunk.get("usage"):
                 record.num_output_tokens = chunk["usage"]["completion_tokens"]
+
+
+def cpu_seconds(triton, api) -> dict[str, float]:
+    """CPU seconds so far: the machine's, tritonserver's (engine included), the OpenAI server's and
+    this load client's."""
+    return {"machine": machine_busy_seconds(), "tritonserver": tree_cpu_seconds(triton.process.pid),
+            "openai_server": tree_cpu_seconds(api.process.pid), "client": time.process_time()}
+
+
+def cpu_per_token(rounds: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Per path, medians over rounds of each part's CPU ms per generated token, and of the share of
+    the machine's cores that were busy."""
+    parts = ("machine", "tritonserver", "openai_server", "client")
+    split = {}
+    for name in ("triton", "openai"):
+        runs = rounds[name]
+        split[name] = {part: statistics.median(s[f"{part}_cpu_s"] / s["generated_tokens"] * 1000 for s in runs)
+                       for part in parts}
+        split[name]["busy"] = statistics.median(s["machine_cpu_s"] / (s["makespan_s"] * os.cpu_count())
+                                                for s in runs)
+    return split
+
+
+def print_cpu_split(concurrency: int, row: dict[str, dict[str, float]]) -> None:
+    """Where the CPU of a generated token goes on each path, and the ratio the OpenAI server's own
+    CPU allows: with the cores busy on the direct path, tokens/s is the cores over the machine's CPU
+    per token, so a server that took its CPU from the engine one for one would leave D / (D + S)."""
+    direct, served = row["triton"], row["openai"]
+    print(f"CPU per generated token at {concurrency} streams, direct / through the OpenAI server: machine "
+          f"{direct['machine']:.3f} / {served['machine']:.3f} ms ({direct['busy'] * 100:.0f}% / "
+          f"{served['busy'] * 100:.0f}% of {os.cpu_count()} cores busy) = tritonserver {direct['tritonserver']:.3f} / "
+          f"{served['tritonserver']:.3f} + OpenAI server {served['openai_server']:.3f} + load client "
+          f"{direct['client']:.3f} / {served['client']:.3f} + the rest")
+    d, server = direct["machine"], served["openai_server"]
+    print(f"  the ratio if the server's CPU came out of the rest one for one: D / (D + S) = {d:.3f} / "
+          f"({d:.3f} + {server:.3f}) = {d / (d + server):.3f} (0.95 needs S <= {d * (1 / 0.95 - 1):.3f} ms)")
 
 
 async def run(send, items, concurrency: int) -> list[RequestRecord]:
@@ -215,11 +251,12 @@ def main() -> None:
                 order = list(paths) if r % 2 == 0 else list(reversed(paths))
                 for name in order:
                     wait_quiet([triton.process.pid, api.process.pid])
-                    cpu = tree_cpu_seconds(api.process.pid)
+                    before = cpu_seconds(triton, api)
                     records = asyncio.run(run(paths[name], items, concurrency))
                     summary = summarize(records)
                     assert summary["errors"] == 0, [rec.error for rec in records if rec.error][:3]
-                    summary["openai_server_cpu_s"] = tree_cpu_seconds(api.process.pid) - cpu
+                    summary.update({f"{part}_cpu_s": after - before[part]
+                                    for part, after in cpu_seconds(triton, api).items()})
                     summary["ttfts_ms"] = [rec.ttft * 1000 for rec in records]
                     rounds[name].append(summary)
                     print(f"  c={concurrency} round {r + 1} {name:8s} {summary['generated_tokens_per_s']:7.1f} tok/s "
@@ -257,6 +294,9 @@ def main() -> None:
     for concurrency, row in report.items():
         print(f"OpenAI server CPU at {concurrency} streams: {row['openai_server_cpu_ms_per_token']:.3f} ms per "
               f"generated token")
+    for concurrency, rounds in results.items():
+        row = report[concurrency]["cpu_ms_per_token"] = cpu_per_token(rounds)
+        print_cpu_split(concurrency, row)
     for concurrency, rounds in results.items():
         if interval not in rounds:
             continue

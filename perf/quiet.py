@@ -45,6 +45,14 @@ def tree_cpu_seconds(*pids: int) -> float:
     return sum(processes[pid][1] for pid in _tree(processes, pids) if pid in processes)
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy so far (/proc/stat: all but idle, I/O
+    wait and the time the hypervisor took)."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 @contextmanager
 def paused(*pids: int):
     """The trees of `pids` stopped (SIGSTOP) for the block and continued after it, however it ends:
