@@ -13,6 +13,9 @@ VLLM_CPU_NUM_OF_RESERVED_CPU does for its API server).
 
 `--stream-interval N` adds a third path in the same rounds: the OpenAI server with vLLM's
 `stream_interval` N (N tokens a chunk, from `llm` on), whose tokens/s it compares with the other two.
+`--floor` adds another: perf/openai_floor.py, the least a streaming OpenAI server on the same stack
+does per token (raw ASGI on uvicorn, aiohttp to Triton, nothing else), so that what the OpenAI
+server spends above the stack's own cost shows.
 
 Last, the transports the OpenAI server could read Triton with, compared at the highest
 concurrency: this process's CPU per streamed token over gRPC (tritonclient.grpc.aio, what the
@@ -22,18 +25,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATHS = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"), REPO]
 sys.path[:0] = PATHS
 
-from inflight.serving.launch import ServerProcess, make_repository  # noqa: E402
+from inflight.serving.launch import ServerProcess, free_port, make_repository  # noqa: E402
 from inflight_client.openai_server.process import OpenAIServerProcess  # noqa: E402
 from inflight_client.openai_server.triton import LLMResponse, TritonLLM  # noqa: E402
 from inflight_client.streams import grpc_inputs, grpc_responses  # noqa: E402
@@ -83,19 +89,43 @@ async def openai_stream(http, url: str, model: str, item, record: RequestRecord,
                 record.num_output_tokens = chunk["usage"]["completion_tokens"]
 
 
-def cpu_seconds(triton, api) -> dict[str, float]:
-    """CPU seconds so far: the machine's, tritonserver's (engine included), the OpenAI server's and
-    this load client's."""
+def cpu_seconds(triton, server_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far: the machine's, tritonserver's (engine included), the path's server's (the
+    OpenAI server or the floor; none on the direct path) and this load client's."""
     return {"machine": machine_busy_seconds(), "tritonserver": tree_cpu_seconds(triton.process.pid),
-            "openai_server": tree_cpu_seconds(api.process.pid), "client": time.process_time()}
+            "server": tree_cpu_seconds(server_pid) if server_pid else 0.0, "client": time.process_time()}
+
+
+@contextlib.contextmanager
+def floor_server(triton_url: str, log_path: str):
+    """perf/openai_floor.py on a free port, until it answers /health; yields (base URL, pid)."""
+    port = free_port()
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen([sys.executable, os.path.join(REPO, "perf", "openai_floor.py"), triton_url,
+                                    str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, f"the floor server did not start: {log_path}"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/v1", process.pid
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def cpu_per_token(rounds: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
     """Per path, medians over rounds of each part's CPU ms per generated token, and of the share of
     the machine's cores that were busy."""
-    parts = ("machine", "tritonserver", "openai_server", "client")
+    parts = ("machine", "tritonserver", "server", "client")
     split = {}
-    for name in ("triton", "openai"):
+    for name in ("triton", "openai", "floor"):
+        if name not in rounds:
+            continue
         runs = rounds[name]
         split[name] = {part: statistics.median(s[f"{part}_cpu_s"] / s["generated_tokens"] * 1000 for s in runs)
                        for part in parts}
@@ -108,15 +138,19 @@ def print_cpu_split(concurrency: int, row: dict[str, dict[str, float]]) -> None:
     """Where the CPU of a generated token goes on each path, and the ratio the OpenAI server's own
     CPU allows: with the cores busy on the direct path, tokens/s is the cores over the machine's CPU
     per token, so a server that took its CPU from the engine one for one would leave D / (D + S)."""
-    direct, served = row["triton"], row["openai"]
-    print(f"CPU per generated token at {concurrency} streams, direct / through the OpenAI server: machine "
-          f"{direct['machine']:.3f} / {served['machine']:.3f} ms ({direct['busy'] * 100:.0f}% / "
-          f"{served['busy'] * 100:.0f}% of {os.cpu_count()} cores busy) = tritonserver {direct['tritonserver']:.3f} / "
-          f"{served['tritonserver']:.3f} + OpenAI server {served['openai_server']:.3f} + load client "
-          f"{direct['client']:.3f} / {served['client']:.3f} + the rest")
-    d, server = direct["machine"], served["openai_server"]
-    print(f"  the ratio if the server's CPU came out of the rest one for one: D / (D + S) = {d:.3f} / "
-          f"({d:.3f} + {server:.3f}) = {d / (d + server):.3f} (0.95 needs S <= {d * (1 / 0.95 - 1):.3f} ms)")
+    direct = row["triton"]
+    for name, label in (("openai", "the OpenAI server"), ("floor", "the floor")):
+        if name not in row:
+            continue
+        served = row[name]
+        print(f"CPU per generated token at {concurrency} streams, direct / through {label}: machine "
+              f"{direct['machine']:.3f} / {served['machine']:.3f} ms ({direct['busy'] * 100:.0f}% / "
+              f"{served['busy'] * 100:.0f}% of {os.cpu_count()} cores busy) = tritonserver "
+              f"{direct['tritonserver']:.3f} / {served['tritonserver']:.3f} + server {served['server']:.3f} + load "
+              f"client {direct['client']:.3f} / {served['client']:.3f} + the rest")
+        d, server = direct["machine"], served["server"]
+        print(f"  the ratio if the server's CPU came out of the rest one for one: D / (D + S) = {d:.3f} / "
+              f"({d:.3f} + {server:.3f}) = {d / (d + server):.3f} (0.95 needs S <= {d * (1 / 0.95 - 1):.3f} ms)")
 
 
 async def run(send, items, concurrency: int) -> list[RequestRecord]:
@@ -211,6 +245,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=128, help="requests per run at the highest concurrency")
     parser.add_argument("--engine-threads", type=int, help="the engine's torch threads (default: every core)")
     parser.add_argument("--stream-interval", type=int, help="also the OpenAI server with this stream_interval")
+    parser.add_argument("--floor", action="store_true", help="also the floor server (perf/openai_floor.py)")
     parser.add_argument("--out", default=os.path.join(REPO, "perf", "results", "openai_bench.json"))
     args = parser.parse_args()
     engine = {**ENGINE, **({"cpu_threads": args.engine_threads} if args.engine_threads else {})}
@@ -224,15 +259,21 @@ def main() -> None:
     results = {}
     with ServerProcess(repo, log_path=os.path.join(tmp, "tritonserver.log")) as triton, \
             OpenAIServerProcess(triton.http_url, model_dir, log_path=os.path.join(tmp, "openai.log"),
-                                env={"PYTHONPATH": os.pathsep.join(PATHS)}) as api:
+                                env={"PYTHONPATH": os.pathsep.join(PATHS)}) as api, contextlib.ExitStack() as stack:
         paths = {
             "triton": lambda http, item, record: triton_stream(http, f"http://{triton.http_url}", item, record),
             "openai": lambda http, item, record: openai_stream(http, api.base_url, model, item, record),
         }
+        server_pids = {"triton": None, "openai": api.process.pid}
         interval = f"openai-{args.stream_interval}"
         if args.stream_interval:
             paths[interval] = lambda http, item, record: openai_stream(
                 http, api.base_url, model, item, record, {"stream_interval": args.stream_interval})
+            server_pids[interval] = api.process.pid
+        if args.floor:
+            floor_url, server_pids["floor"] = stack.enter_context(
+                floor_server(triton.http_url, os.path.join(tmp, "floor.log")))
+            paths["floor"] = lambda http, item, record: openai_stream(http, floor_url, model, item, record)
         highest = max(args.concurrency)
 
         def workload(concurrency: int):
@@ -250,18 +291,18 @@ def main() -> None:
             for r in range(args.rounds):
                 order = list(paths) if r % 2 == 0 else list(reversed(paths))
                 for name in order:
-                    wait_quiet([triton.process.pid, api.process.pid])
-                    before = cpu_seconds(triton, api)
+                    wait_quiet([triton.process.pid, *filter(None, server_pids.values())])
+                    before = cpu_seconds(triton, server_pids[name])
                     records = asyncio.run(run(paths[name], items, concurrency))
                     summary = summarize(records)
                     assert summary["errors"] == 0, [rec.error for rec in records if rec.error][:3]
                     summary.update({f"{part}_cpu_s": after - before[part]
-                                    for part, after in cpu_seconds(triton, api).items()})
+                                    for part, after in cpu_seconds(triton, server_pids[name]).items()})
                     summary["ttfts_ms"] = [rec.ttft * 1000 for rec in records]
                     rounds[name].append(summary)
                     print(f"  c={concurrency} round {r + 1} {name:8s} {summary['generated_tokens_per_s']:7.1f} tok/s "
-                          f"TTFT p50 {summary['ttft']['p50'] * 1000:7.1f} ms, OpenAI server CPU "
-                          f"{summary['openai_server_cpu_s']:.2f} s of {summary['makespan_s']:.1f} s",
+                          f"TTFT p50 {summary['ttft']['p50'] * 1000:7.1f} ms, server CPU "
+                          f"{summary['server_cpu_s']:.2f} s of {summary['makespan_s']:.1f} s",
                           file=sys.stderr, flush=True)
             results[concurrency] = rounds
         transports = compare_transports(triton, workload(highest), highest, args.rounds)
@@ -273,7 +314,7 @@ def main() -> None:
         ttft = {name: [s["ttft"]["p50"] * 1000 for s in runs] for name, runs in rounds.items()}
         ratio = statistics.median(o / t for o, t in zip(tps["openai"], tps["triton"]))
         added = statistics.median(o - t for o, t in zip(ttft["openai"], ttft["triton"]))
-        cpu = statistics.median(s["openai_server_cpu_s"] / s["generated_tokens"] * 1000 for s in rounds["openai"])
+        cpu = statistics.median(s["server_cpu_s"] / s["generated_tokens"] * 1000 for s in rounds["openai"])
         # few requests per run at one stream: the p50 of all rounds' requests is the steadier figure
         pooled = {name: statistics.median(t for s in runs for t in s["ttfts_ms"]) for name, runs in rounds.items()}
         report[concurrency] = {"tokens_per_s": tps, "ttft_p50_ms": ttft, "ratio": ratio, "added_ttft_ms": added,
@@ -298,6 +339,19 @@ def main() -> None:
         row = report[concurrency]["cpu_ms_per_token"] = cpu_per_token(rounds)
         print_cpu_split(concurrency, row)
     for concurrency, rounds in results.items():
+        if "floor" not in rounds:
+            continue
+        tps = {name: [s["generated_tokens_per_s"] for s in runs] for name, runs in rounds.items()}
+        row = report[concurrency]["floor"] = {
+            "tokens_per_s": tps["floor"],
+            "ratio_to_triton": statistics.median(f / t for f, t in zip(tps["floor"], tps["triton"])),
+            "ratio_to_openai": statistics.median(o / f for o, f in zip(tps["openai"], tps["floor"])),
+            "added_ttft_ms": statistics.median(f["ttft"]["p50"] * 1000 - t["ttft"]["p50"] * 1000
+                                               for f, t in zip(rounds["floor"], rounds["triton"]))}
+        print(f"the floor at {concurrency} streams: {statistics.median(tps['floor']):.1f} tok/s, "
+              f"{row['ratio_to_triton']:.3f}x Triton's directly; the OpenAI server {row['ratio_to_openai']:.3f}x "
+              f"the floor's; the floor's added TTFT p50 {row['added_ttft_ms']:.1f} ms")
+    for concurrency, rounds in results.items():
         if interval not in rounds:
             continue
         tps = {name: [s["generated_tokens_per_s"] for s in runs] for name, runs in rounds.items()}
@@ -307,7 +361,7 @@ def main() -> None:
             "ratio_to_openai": statistics.median(i / o for i, o in zip(tps[interval], tps["openai"])),
             "ttft_p50_ms": statistics.median(s["ttft"]["p50"] * 1000 for s in rounds[interval]),
             "openai_server_cpu_ms_per_token": statistics.median(
-                s["openai_server_cpu_s"] / s["generated_tokens"] * 1000 for s in rounds[interval])}
+                s["server_cpu_s"] / s["generated_tokens"] * 1000 for s in rounds[interval])}
         print(f"OpenAI server with stream_interval {args.stream_interval} at {concurrency} streams: "
               f"{statistics.median(tps[interval]):.1f} tok/s, {row['ratio_to_triton']:.3f}x Triton's directly (at 1), "
               f"{row['ratio_to_openai']:.3f}x the OpenAI server at 1; TTFT p50 {row['ttft_p50_ms']:.1f} ms; "
