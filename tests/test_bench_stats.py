@@ -64,3 +64,24 @@ def test_paused_stops_a_process_tree_for_the_block_and_continues_it_after():
         subprocess.run(["pkill", "-KILL", "-P", str(parent.pid)])
         parent.kill()
         parent.wait()
+
+
+def test_machine_busy_seconds_counts_a_busy_process_and_no_more_than_the_cores():
+    # bench-openai splits a token's CPU with it (perf/openai_bench.py)
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from perf.quiet import machine_busy_seconds, tree_cpu_seconds
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)
+        start, own, machine = time.monotonic(), tree_cpu_seconds(busy.pid), machine_busy_seconds()
+        time.sleep(0.6)
+        spun, counted = tree_cpu_seconds(busy.pid) - own, machine_busy_seconds() - machine
+        wall = time.monotonic() - start
+        assert spun > 0.3 and spun - 0.05 <= counted <= wall * os.cpu_count() + 0.05
+    finally:
+        busy.kill()
+        busy.wait()
