@@ -118,15 +118,17 @@ def floor_server(triton_url: str, log_path: str):
         process.wait(timeout=30)
 
 
+def median_ratio(a: list[float], b: list[float]) -> float:
+    """The median over rounds of a / b."""
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
 def cpu_per_token(rounds: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
     """Per path, medians over rounds of each part's CPU ms per generated token, and of the share of
     the machine's cores that were busy."""
     parts = ("machine", "tritonserver", "server", "client")
     split = {}
-    for name in ("triton", "openai", "floor"):
-        if name not in rounds:
-            continue
-        runs = rounds[name]
+    for name, runs in rounds.items():
         split[name] = {part: statistics.median(s[f"{part}_cpu_s"] / s["generated_tokens"] * 1000 for s in runs)
                        for part in parts}
         split[name]["busy"] = statistics.median(s["machine_cpu_s"] / (s["makespan_s"] * os.cpu_count())
@@ -312,16 +314,17 @@ def main() -> None:
     for concurrency, rounds in results.items():
         tps = {name: [s["generated_tokens_per_s"] for s in runs] for name, runs in rounds.items()}
         ttft = {name: [s["ttft"]["p50"] * 1000 for s in runs] for name, runs in rounds.items()}
-        ratio = statistics.median(o / t for o, t in zip(tps["openai"], tps["triton"]))
+        ratio = median_ratio(tps["openai"], tps["triton"])
         added = statistics.median(o - t for o, t in zip(ttft["openai"], ttft["triton"]))
-        cpu = statistics.median(s["server_cpu_s"] / s["generated_tokens"] * 1000 for s in rounds["openai"])
+        split = cpu_per_token(rounds)
         # few requests per run at one stream: the p50 of all rounds' requests is the steadier figure
         pooled = {name: statistics.median(t for s in runs for t in s["ttfts_ms"]) for name, runs in rounds.items()}
         report[concurrency] = {"tokens_per_s": tps, "ttft_p50_ms": ttft, "ratio": ratio, "added_ttft_ms": added,
                                "pooled_ttft_p50_ms": pooled,
                                "pooled_added_ttft_ms": pooled["openai"] - pooled["triton"],
                                "requests_per_run": len(rounds["openai"][0]["ttfts_ms"]),
-                               "openai_server_cpu_ms_per_token": cpu}
+                               "openai_server_cpu_ms_per_token": split["openai"]["server"],
+                               "cpu_ms_per_token": split}
         print(f"{concurrency:>7}  {statistics.median(tps['triton']):>12.1f}  {statistics.median(tps['openai']):>12.1f}  "
               f"{ratio:>6.3f}  {statistics.median(ttft['triton']):>12.1f} ms  "
               f"{statistics.median(ttft['openai']):>12.1f} ms  {added:>5.1f} ms")
@@ -335,39 +338,34 @@ def main() -> None:
     for concurrency, row in report.items():
         print(f"OpenAI server CPU at {concurrency} streams: {row['openai_server_cpu_ms_per_token']:.3f} ms per "
               f"generated token")
-    for concurrency, rounds in results.items():
-        row = report[concurrency]["cpu_ms_per_token"] = cpu_per_token(rounds)
-        print_cpu_split(concurrency, row)
-    for concurrency, rounds in results.items():
-        if "floor" not in rounds:
+    for concurrency, row in report.items():
+        print_cpu_split(concurrency, row["cpu_ms_per_token"])
+    for concurrency, entry in report.items():
+        tps, ttft = entry["tokens_per_s"], entry["ttft_p50_ms"]
+        if "floor" not in tps:
             continue
-        tps = {name: [s["generated_tokens_per_s"] for s in runs] for name, runs in rounds.items()}
-        row = report[concurrency]["floor"] = {
-            "tokens_per_s": tps["floor"],
-            "ratio_to_triton": statistics.median(f / t for f, t in zip(tps["floor"], tps["triton"])),
-            "ratio_to_openai": statistics.median(o / f for o, f in zip(tps["openai"], tps["floor"])),
-            "added_ttft_ms": statistics.median(f["ttft"]["p50"] * 1000 - t["ttft"]["p50"] * 1000
-                                               for f, t in zip(rounds["floor"], rounds["triton"]))}
+        row = entry["floor"] = {
+            "tokens_per_s": tps["floor"], "ratio_to_triton": median_ratio(tps["floor"], tps["triton"]),
+            "ratio_to_openai": median_ratio(tps["openai"], tps["floor"]),
+            "added_ttft_ms": statistics.median(f - t for f, t in zip(ttft["floor"], ttft["triton"]))}
         print(f"the floor at {concurrency} streams: {statistics.median(tps['floor']):.1f} tok/s, "
               f"{row['ratio_to_triton']:.3f}x Triton's directly; the OpenAI server {row['ratio_to_openai']:.3f}x "
               f"the floor's; the floor's added TTFT p50 {row['added_ttft_ms']:.1f} ms")
-    for concurrency, rounds in results.items():
-        if interval not in rounds:
+    for concurrency, entry in report.items():
+        tps = entry["tokens_per_s"]
+        if interval not in tps:
             continue
-        tps = {name: [s["generated_tokens_per_s"] for s in runs] for name, runs in rounds.items()}
-        row = report[concurrency]["stream_interval"] = {
-            "tokens_per_s": tps[interval],
-            "ratio_to_triton": statistics.median(i / t for i, t in zip(tps[interval], tps["triton"])),
-            "ratio_to_openai": statistics.median(i / o for i, o in zip(tps[interval], tps["openai"])),
-            "ttft_p50_ms": statistics.median(s["ttft"]["p50"] * 1000 for s in rounds[interval]),
-            "openai_server_cpu_ms_per_token": statistics.median(
-                s["server_cpu_s"] / s["generated_tokens"] * 1000 for s in rounds[interval])}
+        row = entry["stream_interval"] = {
+            "tokens_per_s": tps[interval], "ratio_to_triton": median_ratio(tps[interval], tps["triton"]),
+            "ratio_to_openai": median_ratio(tps[interval], tps["openai"]),
+            "ttft_p50_ms": statistics.median(entry["ttft_p50_ms"][interval]),
+            "openai_server_cpu_ms_per_token": entry["cpu_ms_per_token"][interval]["server"]}
         print(f"OpenAI server with stream_interval {args.stream_interval} at {concurrency} streams: "
               f"{statistics.median(tps[interval]):.1f} tok/s, {row['ratio_to_triton']:.3f}x Triton's directly (at 1), "
               f"{row['ratio_to_openai']:.3f}x the OpenAI server at 1; TTFT p50 {row['ttft_p50_ms']:.1f} ms; "
               f"server CPU {row['openai_server_cpu_ms_per_token']:.3f} ms per token")
     grpc_ms, http_ms = (statistics.median(transports[name]) for name in ("grpc", "http"))
-    ratio = statistics.median(g / h for g, h in zip(transports["grpc"], transports["http"]))
+    ratio = median_ratio(transports["grpc"], transports["http"])
     print(f"reading {highest} streams from Triton, client CPU per token: gRPC (tritonclient.grpc.aio) "
           f"{grpc_ms:.3f} ms, HTTP generate_stream (aiohttp, the OpenAI server's) {http_ms:.3f} ms: "
           f"gRPC/HTTP {ratio:.2f}x")
