@@ -41,7 +41,7 @@ sys.path[:0] = PATHS
 
 from inflight.serving.launch import ServerProcess, free_port, make_repository  # noqa: E402
 from inflight_client.openai_server.process import OpenAIServerProcess  # noqa: E402
-from inflight_client.openai_server.triton import LLMResponse, TritonLLM  # noqa: E402
+from inflight_client.openai_server.triton import LLMResponse, Prompt, TritonLLM  # noqa: E402
 from inflight_client.streams import grpc_inputs, grpc_responses  # noqa: E402
 from perf import workloads  # noqa: E402
 from perf.bench_stats import RequestRecord, summarize  # noqa: E402
@@ -209,7 +209,7 @@ async def http_transport(url: str, items, sampling, concurrency: int) -> int:
     async def one(item):
         nonlocal tokens
         async with slots:
-            async for response in llm.generate(item.prompt_token_ids, sampling(item)):
+            async for response in llm.generate(Prompt(item.prompt_token_ids), sampling(item)):
                 tokens += sum(response.num_output_tokens)
     try:
         await asyncio.gather(*(one(item) for item in items))

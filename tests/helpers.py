@@ -1,6 +1,7 @@
 """Helpers for tests that talk to a real server, or to the serving loop in-process."""
 import asyncio
 import os
+import re
 import threading
 import time
 
@@ -17,6 +18,31 @@ def openai_server(triton_url: str, tmp_path, *extra) -> OpenAIServerProcess:
     """The OpenAI server for the test model in front of `triton_url`; started and stopped by `with`."""
     return OpenAIServerProcess(triton_url, DEFAULT_MODEL, extra=list(extra), env=SOURCE_PATH_ENV,
                                log_path=str(tmp_path / f"openai-{time.monotonic_ns()}.log"))
+
+
+# Triton's vLLM backend's tensors (src/model.py there, _auto_complete_inputs_and_outputs), less the
+# image and embedding_request inputs, which `llm` does not serve
+VLLM_BACKEND_INPUTS = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output", "return_finish_reason",
+                       "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
+                       "return_num_output_tokens")
+VLLM_BACKEND_OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
+                        "num_output_tokens")
+
+
+def as_vllm_backend(repository: str) -> str:
+    """Declare in the repository's `llm` exactly the vLLM backend's tensors (text_input required,
+    as there): Triton then refuses every input of inflight's own, as it would for that backend, so
+    the model stands in for it in tests of its clients."""
+    path = os.path.join(repository, "llm", "config.pbtxt")
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if not (m := re.match(r'\s*\{ name: "(\w+)"', line))
+            or m.group(1) in VLLM_BACKEND_INPUTS + VLLM_BACKEND_OUTPUTS]
+    text = re.sub(r",(\s*\])", r"\1", "".join(kept))          # the comma a dropped last entry left
+    text = re.sub(r'(name: "text_input" [^}]*?) optional: true', r"\1", text)
+    with open(path, "w") as f:
+        f.write(text)
+    return repository
 
 
 def run_streams(server, requests: list[dict]) -> list[Completion]:

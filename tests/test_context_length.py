@@ -49,6 +49,19 @@ def test_the_server_reports_the_engines_context_length(tmp_path, name):
     assert checkpoint_max_len(directory) == expected
 
 
+def test_a_config_without_max_position_embeddings_gets_the_engines_default(tmp_path):
+    """transformers' config class fills the key in for the engine; the server reads it the same way."""
+    directory = make_random_checkpoint(str(tmp_path / "ckpt"), "llama", **SMALL)
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    del config["max_position_embeddings"]
+    with open(path, "w") as f:
+        json.dump(config, f)
+    engine = LLMEngine.from_pretrained(directory, EngineConfig(dtype="float32", num_kv_blocks=64))
+    assert checkpoint_max_len(directory) == engine.max_model_len == 2048     # LlamaConfig's default
+
+
 def test_without_a_config_the_server_reports_none(tmp_path):
     assert checkpoint_max_len(str(tmp_path)) is None
 

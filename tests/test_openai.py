@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import time
 
 import httpx
@@ -335,26 +336,6 @@ def test_n_seeds_and_stop_strings(client, reference_engine, tokenizer):
                                                extra_body={"stop_token_ids": [token], "ignore_eos": True})
         ends = [c.choices[0] for c in reply if c.choices and c.choices[0].finish_reason] if stream else reply.choices
         assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in ends] == [("stop", token)]
-
-
-def test_inflights_own_inputs_go_only_to_a_model_that_takes_them(server):
-    """Triton refuses an input a model does not declare (the vLLM backend has no
-    return_stop_reason or queue_heartbeat): the server reads the model's metadata once and sends
-    them only where they are declared (inflight's `llm`; not the `ensemble`, standing in for such
-    a model)."""
-    from inflight_client.openai_server.triton import TritonLLM
-    own = ("return_stop_reason", "queue_heartbeat")
-
-    async def asks(model: str) -> list[bool]:
-        triton = TritonLLM(server.http_url, model)
-        await triton.start()
-        try:
-            await triton._check_inputs()
-            return [name in triton.payload("x", {}) for name in own]
-        finally:
-            await triton.close()
-    assert asyncio.run(asks("llm")) == [True, True]
-    assert asyncio.run(asks("ensemble")) == [False, False]
 
 
 def test_with_n_each_streamed_choice_ends_once(client):
@@ -1257,6 +1238,21 @@ def test_vllms_name_path_form_of_lora_modules_is_refused_with_the_reason(capsys)
     assert "'sql-lora=/adapters/sql' is vLLM's name=path form; give the names alone" in capsys.readouterr().err
     settings, _ = parse_args(["--model-dir", DEFAULT_MODEL, "--lora-modules", "sql-lora"])
     assert "sql-lora" in settings.lora_names
+
+
+def test_a_tokenizer_directory_without_a_config_needs_the_context_length(tmp_path, capsys):
+    """Without a context length nothing would bound a text prompt before it is tokenized, nor cut
+    max_tokens to the room the prompt leaves: the server refuses to start rather than guess."""
+    from inflight_client.openai_server.cli import parse_args
+    for name in os.listdir(DEFAULT_MODEL):
+        if name.startswith("tokenizer"):
+            shutil.copy(os.path.join(DEFAULT_MODEL, name), tmp_path)
+    with pytest.raises(SystemExit):
+        parse_args(["--tokenizer", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "the context length is unknown" in err and "give --max-model-len" in err
+    settings, _ = parse_args(["--tokenizer", str(tmp_path), "--max-model-len", "512"])
+    assert settings.max_model_len == 512
 
 
 def test_a_default_max_tokens_below_one_is_refused(capsys):

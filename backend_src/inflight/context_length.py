@@ -1,10 +1,8 @@
-"""The context length a Llama-family checkpoint supports, from its config alone (no torch): the
+"""The context length a Llama-family checkpoint supports, from its config alone (no weights): the
 engine bounds max_model_len by it, and the OpenAI server reports it without loading the engine."""
 from __future__ import annotations
 
-import json
 import os
-from types import SimpleNamespace
 
 # rope types whose max_position_embeddings already is the extended length (vLLM's list)
 _EXTENDED_ALREADY = ("llama3", "longrope", "su")
@@ -39,13 +37,14 @@ def context_length(config) -> int:
 
 
 def checkpoint_max_len(directory: str) -> int | None:
-    """The context length the engine gives a checkpoint, from its config.json; None without one
-    that names max_position_embeddings."""
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
+    """The context length the engine gives a checkpoint, from its config.json read as the engine
+    reads it (transformers' config class, so a file without max_position_embeddings gets the
+    class's default, as in the engine); None without a config.json transformers can read."""
+    if not os.path.isfile(os.path.join(directory, "config.json")):
         return None
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    if not isinstance(config.get("max_position_embeddings"), int):
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(directory)
+    except Exception:       # whatever transformers raises for a config it cannot read: the engine refuses it too
         return None
-    return context_length(SimpleNamespace(**config))
+    return context_length(config)

@@ -38,12 +38,12 @@ class Settings:
     triton_url: str
     tokenizer_dir: str
     served_model_name: str
+    max_model_len: int                      # the context length `llm` runs with
     triton_model: str = "llm"
     chat_template: str | None = None
     default_max_tokens: int | None = None     # None: 16 for completions, the context for chats
     lora_names: tuple[str, ...] = ()        # the LoRA adapters `llm` serves, each a model id
     disable_any_whitespace: bool = False
-    max_model_len: int | None = None
     trust_request_chat_template: bool = False
 
 
@@ -129,7 +129,7 @@ def create_app(settings: Settings) -> FastAPI:
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
     ctx = Context(TritonLLM(settings.triton_url, settings.triton_model), tokenizer,
                   ChatTemplate(tokenizer, settings.chat_template, settings.trust_request_chat_template),
-                  ServedModels(settings.served_model_name, settings.lora_names, settings.max_model_len),
+                  ServedModels(settings.served_model_name, settings.max_model_len, settings.lora_names),
                   settings.default_max_tokens, settings.disable_any_whitespace, bytes_per_token(tokenizer))
 
     @contextlib.asynccontextmanager

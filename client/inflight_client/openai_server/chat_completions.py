@@ -20,7 +20,7 @@ from .schemas import ChatCompletionRequest
 from .sse import event, sse_response
 from .structured import blame, request_constraints, single
 from .tools import ToolCallText, called_function, tool_constraint, tool_message
-from .triton import LLMResponse
+from .triton import LLMResponse, Prompt
 
 
 async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, request_id: str, large: bool):
@@ -31,7 +31,8 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     prompt, prompt_ids = await ctx.offload(large, _prompt, body, tools, ctx)
     sampling = ctx.fit(chat_sampling(body, ctx.chat_max_tokens, constraint, lora_name), prompt_ids, "messages")
-    calls = [ctx.triton.generate(prompt_ids, sampling)]
+    text = None if body.truncate_prompt_tokens is not None else ctx.text_input(prompt, bool(body.add_special_tokens))
+    calls = [ctx.triton.generate(Prompt(prompt_ids, text, "truncate_prompt_tokens"), sampling)]
     head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
             "model": body.model or ctx.models.name}
     top_n = body.top_logprobs or 0

@@ -38,8 +38,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                              "its tokens, as vLLM's structured-outputs option of that name: a small model may "
                              "otherwise spend max_tokens on whitespace the schema allows")
     parser.add_argument("--max-model-len", type=int,
-                        help="the context length `llm` runs with, reported by /tokenize (default: the checkpoint's, "
-                             "from config.json)")
+                        help="the context length `llm` runs with (default: the checkpoint's, from config.json; "
+                             "needed with a --tokenizer directory without one)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--log-level", default="info")
@@ -58,9 +58,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
         if "=" in module or module.lstrip().startswith("{"):
             parser.error(f"--lora-modules: {module!r} is vLLM's name=path form; give the names alone: `llm` "
                          "loads the adapters, from the paths in its multi_lora.json")
-    settings = Settings(args.triton_url, directory, name, args.triton_model, args.chat_template,
+    max_model_len = args.max_model_len or checkpoint_max_len(directory)
+    if max_model_len is None:
+        parser.error(f"the context length is unknown: {directory!r} has no config.json transformers can read; give "
+                     "--max-model-len, the max_model_len `llm` runs with (it bounds prompts and max_tokens)")
+    if max_model_len < 2:
+        parser.error(f"--max-model-len must be at least 2 (a prompt token and an output token), got {max_model_len}")
+    settings = Settings(args.triton_url, directory, name, max_model_len, args.triton_model, args.chat_template,
                         args.default_max_tokens, tuple(args.lora_modules), args.disable_any_whitespace,
-                        args.max_model_len or checkpoint_max_len(directory), args.trust_request_chat_template)
+                        args.trust_request_chat_template)
     return settings, args
 
 

@@ -21,18 +21,19 @@ from .sampling import completion_sampling
 from .schemas import CompletionRequest
 from .sse import event, sse_response
 from .structured import blame, request_constraints, single
+from .triton import Prompt
 
 
 async def create_completion(body: CompletionRequest, ctx: Context, request_id: str, large: bool):
     lora_name = ctx.models.check(body.model)
     constraint = single(request_constraints(body), ctx.disable_any_whitespace)
     sampling = completion_sampling(body, ctx.completion_max_tokens, constraint, lora_name)
-    prompts, echoes = await ctx.offload(large, _prompts, body, ctx)
+    sent, echoes = await ctx.offload(large, _prompts, body, ctx)
+    prompts = [prompt.ids for prompt in sent]
     echoed = None               # with echo and logprobs: (prompt i, its prompt_logprobs) -> positions
     if body.echo and body.logprobs is not None:
         echoed = functools.partial(_echoed, ctx.tokenizer, prompts)
-    calls = [ctx.triton.generate(prompt, ctx.fit(sampling, prompt if isinstance(prompt, list) else None, "prompt"))
-             for prompt in prompts]
+    calls = [ctx.triton.generate(prompt, ctx.fit(sampling, prompt.ids, "prompt")) for prompt in sent]
     head = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or ctx.models.name}
     try:
@@ -47,21 +48,30 @@ async def create_completion(body: CompletionRequest, ctx: Context, request_id: s
     return JSONResponse({**head, "choices": choices, "usage": usage.body()})
 
 
-def _prompts(body: CompletionRequest, ctx: Context) -> tuple[list[str | list[int]], list[str]]:
-    """The prompts as `llm` gets them (text, or token ids where this server needs them), and
-    what each echoes."""
-    prompts = body.prompts()
+def _prompts(body: CompletionRequest, ctx: Context) -> tuple[list[Prompt], list[str]]:
+    """The prompts as `llm` gets them, and what each echoes."""
+    given = body.prompts()
     if body.truncate_prompt_tokens is not None:
         prompts = [ctx.truncate(p, body.truncate_prompt_tokens, body.truncation_side, body.add_special_tokens)
-                   for p in prompts]
+                   for p in given]
     else:
-        for prompt in prompts:
+        for prompt in given:
             ctx.check_size(prompt, "prompt")
+        prompts = given
     echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]
-    if ctx.models.max_model_len is not None or body.return_token_ids or (body.echo and body.logprobs is not None) \
-            or not body.add_special_tokens:         # `llm` tokenizes a text prompt with them
-        prompts = [ctx.tokenize(p, body.add_special_tokens) for p in prompts]
-    return prompts, echoes
+    return [_as_sent(body, g, ctx.tokenize(p, body.add_special_tokens)) for g, p in zip(given, prompts)], echoes
+
+
+def _as_sent(body: CompletionRequest, given: str | list[int], ids: list[int]) -> Prompt:
+    """Token ids (which fit() counts), and for a model that takes text only the text, where the
+    request left it as that model would tokenize it."""
+    if not isinstance(given, str):
+        return Prompt(ids, None, "prompt")
+    if body.truncate_prompt_tokens is not None:
+        return Prompt(ids, None, "truncate_prompt_tokens")
+    if body.add_special_tokens is False:
+        return Prompt(ids, None, "add_special_tokens")
+    return Prompt(ids, given)
 
 
 def _echoed(tokenizer, prompts: list[list[int]], i: int, prompt_logprobs: list) -> list[dict]:

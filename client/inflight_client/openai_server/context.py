@@ -45,11 +45,8 @@ class Context:
     @property
     def chat_max_tokens(self) -> int:
         """For a chat that gives none: the whole context, which fit() cuts to the room the prompt
-        leaves (a reply runs to its end, as from vLLM's server and OpenAI's API); a completion's
-        default where the context length is unknown."""
-        if self.default_max_tokens is not None:
-            return self.default_max_tokens
-        return self.models.max_model_len or OPENAI_DEFAULT_MAX_TOKENS
+        leaves (a reply runs to its end, as from vLLM's server and OpenAI's API)."""
+        return self.models.max_model_len if self.default_max_tokens is None else self.default_max_tokens
 
     def prompt_text(self, prompt: str | list[int]) -> str:
         """A prompt as text (for echo): a token prompt decoded with its special tokens, as vLLM
@@ -61,7 +58,7 @@ class Context:
     def check_size(self, prompt: str | list[int], field: str) -> None:
         """Refuse a text prompt too long for the context before the tokenizer spends seconds on it
         (`llm`'s bound, for the prompts this server tokenizes itself)."""
-        if isinstance(prompt, list) or self.models.max_model_len is None:
+        if isinstance(prompt, list):
             return
         try:
             check_text_size(prompt, self.models.max_model_len, self.bytes_per_token, field)
@@ -74,6 +71,16 @@ class Context:
             return prompt
         return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
+    def text_input(self, text: str, add_special_tokens: bool) -> str:
+        """A rendered chat prompt for a model that takes text only and tokenizes it with its
+        special tokens (the vLLM backend): where the tokenizer adds a BOS and the template already
+        wrote one, the template's is dropped, so the model does not read two."""
+        bos = self.tokenizer.bos_token
+        if add_special_tokens or not bos or not text.startswith(bos):
+            return text
+        adds_bos = self.tokenizer("")["input_ids"][:1] == [self.tokenizer.bos_token_id]
+        return text[len(bos):] if adds_bos else text
+
     def truncate(self, prompt: str | list[int], keep: int, side: str | None = None,
                  add_special_tokens: bool = True) -> list[int]:
         """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens, or with `side` "right"
@@ -81,9 +88,6 @@ class Context:
         is cut as the tokenizer truncates, which vLLM asks of it: the special tokens it adds (a
         BOS) stay."""
         if keep == -1:
-            if self.models.max_model_len is None:
-                raise APIError(400, "'truncate_prompt_tokens' -1 needs the context length, which this server does "
-                               "not know (start it with --max-model-len)", "truncate_prompt_tokens")
             keep = self.models.max_model_len - 1
         right = side == "right"
         ids = self.tokenize(prompt, add_special_tokens)
@@ -96,15 +100,12 @@ class Context:
             return ids[:keep] if right else ids[-keep:]
         return ids[:start] + (bare[:room] if right else bare[-room:]) + ids[start + len(bare):]
 
-    def fit(self, sampling: dict, prompt_ids: list[int] | None, field: str) -> dict:
+    def fit(self, sampling: dict, prompt_ids: list[int], field: str) -> dict:
         """`sampling` with max_tokens cut to the room the context leaves after the prompt, as vLLM's
         server cuts it (a long prompt with the default or a large max_tokens still runs, and stops
         with finish_reason "length"). A prompt that leaves no room is refused in the words clients
-        look for ("maximum context length", code context_length_exceeded). Without the context
-        length (or the prompt's ids), `llm` checks the sum and names the fields."""
+        look for ("maximum context length", code context_length_exceeded)."""
         limit = self.models.max_model_len
-        if limit is None or prompt_ids is None:
-            return sampling
         if len(prompt_ids) >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt "
                            f"contains {len(prompt_ids)} input tokens, which leaves no room for output. Please "

@@ -10,7 +10,7 @@ from .errors import APIError
 
 
 class ServedModels:
-    def __init__(self, name: str, lora_names: list[str] = (), max_model_len: int | None = None):
+    def __init__(self, name: str, max_model_len: int, lora_names: list[str] = ()):
         if name in lora_names:
             raise ValueError(f"the LoRA adapter name {name!r} is also the served model name")
         self.name = name

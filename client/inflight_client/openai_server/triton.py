@@ -24,6 +24,15 @@ from .errors import APIError, from_triton
 
 
 @dataclass(slots=True)
+class Prompt:
+    """A request's prompt as `llm` gets it: token ids, or for a model that takes text only (the
+    vLLM backend) the same prompt as text, which it tokenizes with its special tokens."""
+    ids: list[int]
+    text: str | None = None     # None where only the ids say it: a token prompt, a cut one
+    only_ids: str = "prompt"    # the request field that made it ids only, named in that model's refusal
+
+
+@dataclass(slots=True)
 class LLMResponse:
     """One `llm` response; one list element per output (`n`)."""
     texts: list[str]                      # new text (a stream) or all of it
@@ -95,32 +104,48 @@ class TritonLLM:
 
     async def _check_inputs(self) -> None:
         """Read the model's input names once from its metadata: inflight's `llm` also takes
-        return_stop_reason and queue_heartbeat, which the vLLM backend would refuse."""
+        input_ids, return_prompt_logprobs, return_stop_reason and queue_heartbeat, which the vLLM
+        backend would refuse."""
         async with self.session.get(f"/v2/models/{self.model}") as response:
             if response.status == 200:
                 self.inputs = {tensor["name"] for tensor in (await response.json()).get("inputs", [])}
 
-    def payload(self, prompt: str | list[int], sampling: dict) -> dict:
-        """The inputs Triton's OpenAI frontend sends the vLLM backend (plus `input_ids` for
-        token prompts, `return_prompt_logprobs` when asked, and inflight's `return_stop_reason` and
-        `queue_heartbeat` where the model takes them):
+    def _takes(self, name: str) -> bool:
+        return self.inputs is None or name in self.inputs      # unknown: inflight's `llm`
+
+    def payload(self, prompt: Prompt, sampling: dict) -> dict:
+        """The inputs Triton's OpenAI frontend sends the vLLM backend, with inflight's where the
+        model takes them: the prompt as `input_ids` (else as `text_input`, where the request left
+        its text whole), `return_prompt_logprobs` when asked, `return_stop_reason` and
+        `queue_heartbeat`. A model without an input the request needs is a 400 naming its field;
         the prompt is never repeated (echo is this server's job). `llm` streams whether or not the
         client does (gather joins the pieces; prompt_logprobs come in the first response): Triton's
         HTTP frontend learns that a request's connection closed only when it writes a response, so
         without one per step a request whose client left, or that this server gave up, ran to its
         end."""
-        payload = {("text_input" if isinstance(prompt, str) else "input_ids"): prompt, "stream": True,
-                   "sampling_parameters": json.dumps(sampling), "exclude_input_in_output": True,
+        payload = {"stream": True, "sampling_parameters": json.dumps(sampling), "exclude_input_in_output": True,
                    "return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
                    "return_logprobs": "logprobs" in sampling}
+        if self._takes("input_ids"):
+            payload["input_ids"] = prompt.ids
+        elif prompt.text is not None:
+            payload["text_input"] = prompt.text
+        else:
+            raise APIError(400, f"'{prompt.only_ids}': Triton's model '{self.model}' takes a prompt as text only "
+                           "(`text_input`, as the vLLM backend does), and this request's prompt is token ids (a "
+                           "token prompt, truncate_prompt_tokens, or add_special_tokens false)", prompt.only_ids)
         if "prompt_logprobs" in sampling:
+            if not self._takes("return_prompt_logprobs"):
+                raise APIError(400, f"'prompt_logprobs': Triton's model '{self.model}' returns no prompt "
+                               "log-probabilities (no `return_prompt_logprobs` input, as the vLLM backend; echo "
+                               "with logprobs asks for them too)", "prompt_logprobs")
             payload["return_prompt_logprobs"] = True
         for name in ("return_stop_reason", "queue_heartbeat"):
             if self.inputs and name in self.inputs:
                 payload[name] = True
         return payload
 
-    async def generate(self, prompt: str | list[int], sampling: dict) -> AsyncIterator[LLMResponse]:
+    async def generate(self, prompt: Prompt, sampling: dict) -> AsyncIterator[LLMResponse]:
         """The request's responses; raises APIError for an error response or a failed call.
         Closing the iterator early cancels the request."""
         try:
