@@ -3,6 +3,7 @@ only; no input_ids, return_prompt_logprobs, return_stop_reason or queue_heartbea
 config.pbtxt that declares only those stands in for the vLLM backend, whose Triton refuses every
 other input. The server sends the prompt as text there, and refuses by name what needs token ids."""
 import asyncio
+import json
 import os
 
 import openai
@@ -105,6 +106,8 @@ TEXT_ONLY = "takes a prompt as text only"
     (dict(prompt=PROMPTS[0], extra_body={"truncate_prompt_tokens": 2}), "truncate_prompt_tokens", TEXT_ONLY),
     (dict(prompt=PROMPTS[0], extra_body={"add_special_tokens": False}), "add_special_tokens", TEXT_ONLY),
     (dict(prompt=PROMPTS[0], echo=True, logprobs=1), "prompt_logprobs", "returns no prompt log-probabilities"),
+    (dict(prompt=PROMPTS[0], extra_body={"priority": 1}), "priority", "take no 'priority'"),
+    (dict(prompt=PROMPTS[0], extra_body={"cache_salt": "tenant-a"}), "cache_salt", "take no 'cache_salt'"),
 ])
 def test_what_needs_inflights_inputs_is_a_400_naming_the_field(client, case, field, reason):
     with pytest.raises(openai.BadRequestError) as error:
@@ -118,3 +121,18 @@ def test_a_cut_chat_prompt_is_a_400_naming_truncate_prompt_tokens(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}],
                                        max_tokens=4, extra_body={"truncate_prompt_tokens": 3})
     assert error.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_constraints_go_as_the_json_text_the_vllm_backend_parses(client):
+    """The vLLM backend json.loads sampling_parameters' structured_outputs (TritonSamplingParams
+    .from_dict): an object there fails every constrained request. `llm` takes either form."""
+    from inflight_client.openai_server.sampling import completion_sampling
+    from inflight_client.openai_server.schemas import CompletionRequest
+    from inflight_client.openai_server.structured import request_constraints, single
+    choices = ["yes", "no", "maybe"]
+    body = CompletionRequest.model_validate({"model": MODEL, "prompt": PROMPTS[0], "guided_choice": choices})
+    sent = completion_sampling(body, 16, single(request_constraints(body)))["structured_outputs"]
+    assert json.loads(sent) == {"choice": choices}
+    reply = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
+                                      extra_body={"guided_choice": choices})
+    assert reply.choices[0].text in choices

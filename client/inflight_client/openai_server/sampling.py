@@ -6,6 +6,8 @@ request named (models.py), and the request's output constraint (`response_format
 """
 from __future__ import annotations
 
+import json
+
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .structured import Constraint
 
@@ -18,8 +20,8 @@ PASSED = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "stop"
 
 def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None, lora_name: str | None) -> dict:
     params = {"max_tokens": max_tokens}
-    if constraint is not None:
-        params["structured_outputs"] = constraint.structured_outputs
+    if constraint is not None:      # as JSON text: the vLLM backend json.loads this key (`llm` takes either)
+        params["structured_outputs"] = json.dumps(constraint.structured_outputs)
     if lora_name is not None:
         params["lora_name"] = lora_name
     for name in PASSED:

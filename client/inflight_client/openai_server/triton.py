@@ -23,6 +23,10 @@ import aiohttp
 from .errors import APIError, from_triton
 
 
+# sampling_parameters keys of inflight's `llm` that vLLM's SamplingParams, and so the vLLM backend, lacks
+INFLIGHT_SAMPLING = ("priority", "cache_salt")
+
+
 @dataclass(slots=True)
 class Prompt:
     """A request's prompt as `llm` gets it: token ids, or for a model that takes text only (the
@@ -128,12 +132,9 @@ class TritonLLM:
                    "return_logprobs": "logprobs" in sampling}
         if self._takes("input_ids"):
             payload["input_ids"] = prompt.ids
-        elif prompt.text is not None:
-            payload["text_input"] = prompt.text
         else:
-            raise APIError(400, f"'{prompt.only_ids}': Triton's model '{self.model}' takes a prompt as text only "
-                           "(`text_input`, as the vLLM backend does), and this request's prompt is token ids (a "
-                           "token prompt, truncate_prompt_tokens, or add_special_tokens false)", prompt.only_ids)
+            self._check_text_only(prompt, sampling)
+            payload["text_input"] = prompt.text
         if "prompt_logprobs" in sampling:
             if not self._takes("return_prompt_logprobs"):
                 raise APIError(400, f"'prompt_logprobs': Triton's model '{self.model}' returns no prompt "
@@ -144,6 +145,18 @@ class TritonLLM:
             if self.inputs and name in self.inputs:
                 payload[name] = True
         return payload
+
+    def _check_text_only(self, prompt: Prompt, sampling: dict) -> None:
+        """A model that takes its prompt as text only has the vLLM backend's tensors, so vLLM's
+        SamplingParams: refuse by name what it cannot serve."""
+        if prompt.text is None:
+            raise APIError(400, f"'{prompt.only_ids}': Triton's model '{self.model}' takes a prompt as text only "
+                           "(`text_input`, as the vLLM backend does), and this request's prompt is token ids (a "
+                           "token prompt, truncate_prompt_tokens, or add_special_tokens false)", prompt.only_ids)
+        for name in INFLIGHT_SAMPLING:
+            if name in sampling:
+                raise APIError(400, f"'{name}': Triton's model '{self.model}' has the vLLM backend's tensors, whose "
+                               f"sampling_parameters (vLLM's SamplingParams) take no '{name}'", name)
 
     async def generate(self, prompt: Prompt, sampling: dict) -> AsyncIterator[LLMResponse]:
         """The request's responses; raises APIError for an error response or a failed call.
