@@ -88,6 +88,14 @@ def test_priority_takes_the_classes_or_vllms_integers(given, expected):
     assert as_input.priority == as_knob.priority == expected
 
 
+def test_priority_and_cache_salt_given_both_ways_take_the_tensors_value():
+    """The rule for every knob (the vLLM backend's own test client sends them both ways)."""
+    knobs = text(json.dumps({"priority": "low", "cache_salt": "knob"}))
+    req = parse_request({"text_input": text(), "priority": text("high"), "cache_salt": text("tensor"),
+                         "sampling_parameters": knobs}, {})
+    assert (req.priority, req.cache_salt) == ("high", "tensor")
+
+
 @pytest.mark.parametrize("inputs, parameters, message", BAD)
 def test_malformed_requests_name_the_field(inputs, parameters, message):
     with pytest.raises(RequestError) as info:

@@ -252,6 +252,11 @@ def test_n_outputs_are_elements_of_every_tensor_with_seed_plus_index(server):
     for i in range(3):                        # output i is the request with seed + i, alone
         [(alone, _)] = llm(server, grpc_inputs(PROMPT, False, {**sampling, "n": 1, "seed": 11 + i}, **flags))
         assert strings(alone["text_output"]) == [texts[i]]
+    # from the largest seed, seed + i wraps to 0, 1, ... (the error had named a seed never sent)
+    [(top, _)] = llm(server, grpc_inputs(PROMPT, False, {**sampling, "seed": 2**64 - 1}, **flags))
+    for i, seed in enumerate((2**64 - 1, 0, 1)):
+        [(alone, _)] = llm(server, grpc_inputs(PROMPT, False, {**sampling, "n": 1, "seed": seed}, **flags))
+        assert strings(alone["text_output"]) == [strings(top["text_output"])[i]]
 
 
 def test_stream_interval_sends_a_streams_tokens_n_at_a_time_as_vllm(server):

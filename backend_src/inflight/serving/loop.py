@@ -134,9 +134,11 @@ class EngineLoop:
     def _make_sample(self, request_id: str, params: SamplingParams, index: int, request: GenerateRequest,
                      prompt_ids: list[int]) -> Sample:
         """Output `index` of n runs with seed + index (vLLM's rule): n seeded outputs differ from
-        each other, and the same seed gives the same n outputs again."""
+        each other, and the same seed gives the same n outputs again. Past the largest seed a
+        request may give (2**64 - 1) the sum wraps to 0, 1, ..."""
         if index and params.seed is not None:
-            params = _replace(params, seed=params.seed + index)
+            seed = params.seed + index
+            params = _replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
         if index and params.prompt_logprobs is not None:
             params = _replace(params, prompt_logprobs=None)     # the outputs share one prompt: scored once
         stops = StopStrings(params.stop, request.include_stop_str_in_output) if params.stop else None

@@ -281,9 +281,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
     sampling = inputs.get("sampling_parameters")
     knobs = _knobs(None if sampling is None else _string_input("sampling_parameters", sampling), parameters)
     priority = knobs.pop("priority", None)
-    if "priority" in inputs:
-        if priority is not None:
-            raise RequestError("'priority' is given both as an input and as a parameter")
+    if "priority" in inputs:            # the tensor wins, as for every knob given both ways
         priority = _coerce("priority", "priority", _string_input("priority", inputs["priority"]))
     cache_salt = knobs.pop("cache_salt", None)
     if "cache_salt" in inputs:
