@@ -1113,6 +1113,14 @@ BAD = [
      "'moderation' is not supported", "moderation"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "chat_template": "{{ messages }}"}, 400,
      "'chat_template': this server does not render templates sent with requests", "chat_template"),
+    # a misspelt key inside an object: a user turn rendered empty, a schema option lost
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "contnet": "What is a list?"}]}, 400,
+     "'messages': a 'user' message needs 'content' (this one has 'role', 'contnet')", "messages"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "system", "content": None}, *ONE_USER]}, 400,
+     "'messages': a 'system' message needs 'content'", "messages"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}, "strcit": True}}}, 400,
+     "'response_format.json_schema.strcit': unknown parameter", "response_format"),
 ]
 
 

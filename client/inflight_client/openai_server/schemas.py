@@ -61,13 +61,20 @@ class Body(BaseModel):
         return self
 
 
+class JSONSchemaFormat(Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None                   # accepted: the output always follows the schema
+
+
 class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None              # {"name", "schema", "strict", "description"}
+    json_schema: JSONSchemaFormat | None = None
 
     @model_validator(mode="after")
     def _check_schema(self):
-        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema"), dict):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
             raise APIError(400, "'response_format' of type 'json_schema' needs 'json_schema.schema' (an object)",
                            "response_format")
         return self
@@ -212,9 +219,21 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")     # name, tool_call_id, ...: handed to the template
+    """Any role (templates have their own, such as Llama 3.1's ipython); other keys (name,
+    tool_call_id, tool_calls, ...) are handed to the template, which reads its own."""
+    model_config = ConfigDict(extra="allow")
+    NEEDS_CONTENT: ClassVar[tuple[str, ...]] = ("system", "developer", "user", "tool")     # OpenAI's rule
     role: str
     content: str | list[dict] | None = None
+
+    @model_validator(mode="after")
+    def _check_content(self):
+        """A misspelt `content` would otherwise render an empty turn."""
+        if self.content is None and self.role in self.NEEDS_CONTENT:
+            keys = ", ".join(f"'{key}'" for key in ("role", *(self.model_extra or {})))
+            raise APIError(400, f"'messages': a '{self.role}' message needs 'content' (this one has {keys})",
+                           "messages")
+        return self
 
 
 class FunctionDefinition(Body):

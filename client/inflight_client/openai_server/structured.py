@@ -29,7 +29,7 @@ def _from_response_format(body: SamplingFields) -> dict | None:
         return None
     if fmt.type == "json_object":
         return {"json_object": True}
-    return {"json": fmt.json_schema["schema"]}
+    return {"json": fmt.json_schema.schema_}
 
 
 def request_constraints(body: SamplingFields) -> list[Constraint]:
