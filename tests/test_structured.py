@@ -254,9 +254,75 @@ SHAPE_ERRORS = [
      "uses 'if' at /anyOf/1"),
     ({"json": {"type": "array", "items": {"type": "string", "format": "date", "minLength": 10}}},
      "combines 'format' with 'minLength' at /items"),
+    ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"required": ["a"]}]}},
+     "uses 'required' without a 'type' at /anyOf/0"),
+    ({"json": {"allOf": [{"type": "integer"}, {"type": "integer", "minimum": 5}]}}, "uses 'allOf' of 2 schemas"),
+    ({"json": {"type": "object", "required": ["a"]}},
+     "requires 'a' at the top level, which its 'properties' do not define"),
+    ({"json": {"$defs": {"X": {"type": "integer"}}, "$ref": "#/$defs/X", "minimum": 5}},
+     "gives 'minimum' next to '$ref' at the top level"),
     ("[1]", "'structured_outputs' must be an object with one of the keys"),
     ("{oops", "'structured_outputs' is not valid JSON"),
 ]
+
+
+# each schema refused as compiled away, with an output that breaks it and xgrammar (the pinned
+# version) would let through: the measurement behind the refusal
+COMPILED_AWAY = [
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, "8.5"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "3"),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, '{"a": 1}'),
+    ({"type": "object", "required": ["a"]}, "{}"),
+    ({"type": "object", "required": ["a"], "additionalProperties": {"type": "integer"}}, "{}"),
+    ({"minimum": 5}, "3"),
+    ({"maxLength": 2}, '"abcd"'),
+    ({"$defs": {"X": {"type": "integer"}}, "$ref": "#/$defs/X", "maximum": 5}, "9"),
+]
+
+
+@pytest.mark.parametrize("schema, breaking", COMPILED_AWAY, ids=[json.dumps(s)[:50] for s, _ in COMPILED_AWAY])
+def test_what_xgrammar_compiles_away_is_refused(schema, breaking):
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(breaking), schema)
+    assert _is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False), breaking)
+    with pytest.raises(ValueError, match="which xgrammar would not enforce"):
+        SamplingParams(structured_outputs={"json": schema})
+
+
+def test_the_schemas_pydantic_and_openai_examples_write_are_served():
+    """What the added checks must not refuse: pydantic 2's shapes ($defs, a $ref with a
+    description, Optional as anyOf with null, enums, defaults), pydantic 1's one-schema allOf
+    around a $ref, and OpenAI's function-calling example."""
+    from enum import Enum
+
+    from pydantic import BaseModel, Field
+
+    class Size(str, Enum):
+        small = "S"
+        large = "L"
+
+    class Address(BaseModel):
+        city: str = Field(max_length=20)
+        zip: str | None = Field(None, pattern=r"^[0-9]{5}$")
+
+    class Order(BaseModel):
+        size: Size = Size.small
+        address: Address = Field(description="where to ship")
+        items: list[int] = Field(min_length=1)
+        note: str | None = None
+
+    pydantic_1 = {"title": "Order", "type": "object", "definitions": {"Size": {"enum": ["S", "L"], "type": "string"}},
+                  "properties": {"size": {"description": "d", "default": "S", "allOf": [{"$ref": "#/definitions/Size"}]}},
+                  "required": ["size"]}
+    weather = {"type": "object", "properties": {"location": {"type": "string"},
+                                                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+               "required": ["location"], "additionalProperties": False}
+    for schema in (Order.model_json_schema(), pydantic_1, weather):
+        SamplingParams(structured_outputs={"json": schema})
 
 
 @pytest.mark.parametrize("value, message", SHAPE_ERRORS, ids=[m[:60] for _, m in SHAPE_ERRORS])

@@ -130,19 +130,46 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "d
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _SUBSCHEMAS = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames",
                "unevaluatedItems", "unevaluatedProperties")
+# keywords that say what a value is: without one of these xgrammar takes a schema as any value,
+# dropping the type-specific keywords below
+_TYPING = ("type", "$ref", "enum", "const", "anyOf", "oneOf", "allOf", "properties", "additionalProperties",
+           "patternProperties", "items", "prefixItems")
+_TYPE_SPECIFIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
+                  "maxLength", "pattern", "format", "required", "minProperties", "maxProperties", "minItems",
+                  "maxItems", "uniqueItems", "contains")
+# what may stand next to a "$ref" (or a one-schema "allOf") without being dropped: notes, not rules
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                          "writeOnly", "$schema", "$id", "$defs", "definitions"})
 
 
 def unenforced(schema, path: str = "") -> str | None:
     """What in a JSON schema xgrammar would compile away (measured: it accepts output that breaks
     it), with where it is; None if nothing. Checked: `not` and `if`/`then`/`else` (ignored), a
     `format` outside XGRAMMAR_FORMATS (any string), a `pattern` or `format` with `minLength` or
-    `maxLength` (the lengths dropped)."""
+    `maxLength` (the lengths dropped), an `allOf` of several schemas (any value), a rule next to a
+    `$ref` or a one-schema `allOf` (dropped), a type-specific keyword without anything that types
+    the schema (any value), a `required` name its `properties` lack (not enforced)."""
     if not isinstance(schema, dict):
         return None
     where = path or "the top level"
     for keyword in ("not", "if", "then", "else"):
         if keyword in schema:
             return f"uses '{keyword}' at {where}"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"uses 'allOf' of {len(schema['allOf'])} schemas at {where} (merge them into one)"
+    for keyword in ("$ref", "allOf"):
+        rules = sorted(set(schema) - _ANNOTATIONS - {keyword})
+        if keyword in schema and rules:
+            return f"gives {', '.join(repr(r) for r in rules)} next to '{keyword}' at {where}"
+    if not any(k in schema for k in _TYPING):
+        untyped = [k for k in _TYPE_SPECIFIC if k in schema]
+        if untyped:
+            return f"uses '{untyped[0]}' without a 'type' at {where}"
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = schema["required"] if isinstance(schema.get("required"), list) else []
+    missing = [name for name in required if isinstance(name, str) and name not in properties]
+    if missing:
+        return f"requires {missing[0]!r} at {where}, which its 'properties' do not define"
     if "format" in schema and schema["format"] not in XGRAMMAR_FORMATS:
         return f"uses the format {schema['format']!r} at {where} (known: {', '.join(sorted(XGRAMMAR_FORMATS))})"
     lengths = [k for k in ("minLength", "maxLength") if k in schema]
