@@ -2,6 +2,7 @@
 a checkpoint given with --model is served through llm and the ensemble, each broken checkpoint
 ends the launcher within 30 s with one line naming the cause and the path, and the tokenizing
 ensemble steps run without torch."""
+import http.client
 import json
 import os
 import re
@@ -37,8 +38,9 @@ class Launcher:
                f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
                f"--openai-port={self.openai_port}", *args]
         self.started = time.monotonic()
+        # its own process group, which a test may signal as a terminal's Ctrl-C does
         self.process = subprocess.Popen(cmd, env={**ENV, **(env or {})}, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT)
+                                        stderr=subprocess.STDOUT, start_new_session=True)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -142,6 +144,46 @@ def test_the_launcher_ends_when_tritonserver_dies_and_never_prints_the_admin_key
     assert code != 0
     assert not os.path.exists(f"/proc/{openai_server}"), "the OpenAI server was left running"
     assert "admin-key=***" in launcher.lines[0] and not any(key in line for line in launcher.lines)
+
+
+def test_after_an_engine_failure_the_launcher_exits_with_a_failure(served_checkpoint):
+    """The failed engine shuts tritonserver down cleanly (exit 0); a supervisor that restarts only
+    what fails (systemd on-failure, docker on-failure) must still see one."""
+    launcher = Launcher("--model", served_checkpoint, "--engine", "dtype=float32", "--engine", "max_num_seqs=2",
+                        "--engine", "cpu_threads=1", "--engine", "max_model_len=128",
+                        env={"INFLIGHT_FAULT_AFTER_STEPS": "3"})
+    try:
+        launcher.wait_for("inflight: ready", 120)
+        body = json.dumps({"text_input": "x", "max_tokens": 8}).encode()
+        request = urllib.request.Request(f"http://localhost:{launcher.http_port}/v2/models/llm/generate", body)
+        try:            # the error response, or the connection closing as the server stops
+            urllib.request.urlopen(request, timeout=60).read()
+            pytest.fail("a request succeeded on an engine that fails after 3 steps")
+        except (OSError, http.client.HTTPException):
+            pass
+        code, _ = launcher.wait(90)
+    finally:
+        if launcher.process.poll() is None:
+            launcher.process.send_signal(signal.SIGINT)
+    assert code == 1
+    assert any("tritonserver stopped on its own" in line for line in launcher.lines), "\n".join(launcher.lines[-20:])
+
+
+def test_ctrl_c_stops_the_openai_server_once_and_cleanly(served_checkpoint):
+    """A terminal's Ctrl-C signals the whole process group, the launcher forwards it: the OpenAI
+    server must not get a second SIGINT, which uvicorn takes as "stop now" (a traceback)."""
+    launcher = Launcher("--model", served_checkpoint, "--engine", "dtype=float32", "--engine", "max_num_seqs=2",
+                        "--engine", "cpu_threads=1", "--engine", "max_model_len=128")
+    try:
+        launcher.wait_for("inflight: ready", 120)
+        os.killpg(launcher.process.pid, signal.SIGINT)
+        code, _ = launcher.wait(60)
+    finally:
+        if launcher.process.poll() is None:
+            launcher.process.send_signal(signal.SIGINT)
+    assert code == 0
+    output = "\n".join(launcher.lines)
+    assert "Application shutdown complete" in output and "Traceback" not in output, output[-3000:]
 
 
 def _broken(kind: str, good: str, root) -> tuple[list[str], str, str]:

@@ -384,11 +384,14 @@ class Children:
         return process
 
     def signal(self, signum: int) -> None:
+        """Stop every child. The companions get SIGTERM whatever the launcher got: a terminal's
+        Ctrl-C has already sent SIGINT to the whole process group, and uvicorn takes a second
+        SIGINT as "stop now" (its shutdown skipped, a traceback printed)."""
         triton, *companions = self.processes
         request_shutdown(self.flag, triton, signum)
         for process in companions:
             if process.poll() is None:
-                process.send_signal(signum)
+                process.terminate()
 
     def wait(self) -> int:
         """tritonserver's exit code, once every child has exited. The companions serve nothing
@@ -526,7 +529,7 @@ def serve(server: Server, model_repository: str, endpoints: Endpoints, extra: li
         if not start_openai_server(children, model_repository, endpoints):
             endpoints.openai_port = None
         elif stopping:                  # asked to stop while it started
-            children.processes[-1].send_signal(stopping[0])
+            children.processes[-1].terminate()
     if ready:
         print("\n".join(endpoints.banner(served_model(model_repository), model_names(model_repository))),
               flush=True)
@@ -535,6 +538,11 @@ def serve(server: Server, model_repository: str, endpoints: Endpoints, extra: li
     if not ready and not stopping:
         print("\n".join(failure_summary(output.causes, note)), flush=True)
         return code if code > 0 else 1
+    if ready and not stopping and code == 0:
+        # nobody asked it to stop: an engine failure shuts tritonserver down cleanly, and a
+        # supervisor that restarts only what fails must still see a failure
+        print("inflight: tritonserver stopped on its own (the cause is above); exiting with 1", flush=True)
+        return 1
     return code
 
 
