@@ -252,6 +252,11 @@ def test_the_cli_streams_the_text_and_ctrl_c_cancels_the_request(server, protoco
     whole = subprocess.run([*cli, "--max-tokens", "24", "--no-stream", PROMPTS[0]], capture_output=True, text=True,
                            timeout=60)
     assert whole.stdout == expected + "\n" and "[1 responses," in whole.stderr
+    for extra in ([], ["--no-stream"]):     # the ensemble, streamed or not: the completion alone, as llm's
+        ensemble = subprocess.run([*cli, "--model", "ensemble", "--max-tokens", "24", *extra, PROMPTS[0]],
+                                  capture_output=True, text=True, timeout=60)
+        assert ensemble.returncode == 0 and ensemble.stdout == expected + "\n", ensemble.stdout
+        assert "finish_reason" not in ensemble.stderr       # the ensemble returns none
     cancelled_before = server.metric("inflight_requests_total", finish_reason="cancelled")
     # Ctrl-C's default action restored in the child: a suite started as a background job (`cmd &`)
     # inherits SIGINT ignored, and Python then never installs its KeyboardInterrupt handler

@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {out.error}", file=sys.stderr)
         return 1
     ttft = f"{out.ttft * 1000:.0f} ms" if out.ttft is not None else "-"
-    state = "cancelled" if out.cancelled else f"finish_reason={out.finish_reason}"
-    print(f"[{len(out.chunks)} responses, first after {ttft}, {state}]", file=sys.stderr)
+    state = ", cancelled" if out.cancelled else "" if out.finish_reason is None else f", finish_reason={out.finish_reason}"
+    print(f"[{len(out.chunks)} responses, first after {ttft}{state}]", file=sys.stderr)      # the ensemble has none
     return 0
 
 
@@ -97,7 +97,8 @@ def _http_payload(model: str, prompt: str, sampling: dict, stream: bool) -> dict
     if model == "ensemble":     # TensorRT-LLM-style tensors
         names = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                  "seed": "seed", "priority": "priority"}
-        return {"text_input": prompt, "stream": stream, **{names[k]: v for k, v in sampling.items()}}
+        return {"text_input": prompt, "stream": stream, "exclude_input_in_output": True,
+                **{names[k]: v for k, v in sampling.items()}}
     return {"text_input": prompt, "stream": stream, "exclude_input_in_output": True,
             "return_finish_reason": True, **sampling}
 
@@ -117,7 +118,8 @@ def _ensemble_inputs(prompt: str, sampling: dict, stream: bool):
     import tritonclient.grpc as grpcclient
     kinds = {"max_tokens": ("INT32", np.int32), "temperature": ("FP32", np.float32), "top_p": ("FP32", np.float32),
              "top_k": ("INT32", np.int32), "seed": ("UINT64", np.uint64)}
-    values = {"text_input": ("BYTES", np.array([prompt.encode()], dtype=object)), "stream": ("BOOL", np.array([stream]))}
+    values = {"text_input": ("BYTES", np.array([prompt.encode()], dtype=object)), "stream": ("BOOL", np.array([stream])),
+              "exclude_input_in_output": ("BOOL", np.array([True]))}    # the completion alone, as from llm
     for key, value in sampling.items():
         if key in kinds:
             dtype, np_type = kinds[key]
