@@ -2,9 +2,9 @@
 either); choice i * n + j is prompt i's output j. `echo` prepends the prompt here, so a stream
 can echo too (`llm` never repeats a prompt in a stream, as the vLLM backend); with `logprobs` the
 prompt's tokens come first in them (what lm-evaluation-harness's loglikelihood reads), scored by
-`llm` (prompt_logprobs): a text prompt is tokenized here then, to know its first token, as it is
-for vLLM's `return_token_ids` (each choice's prompt_token_ids, and token_ids: the sampled tokens
-of its log-probability positions, which `llm` then returns with N = 0 if the request gave none).
+`llm` (prompt_logprobs). Every prompt is tokenized here, to fit max_tokens to the context and for
+vLLM's `return_token_ids` (each choice's prompt_token_ids, and token_ids: the sampled tokens of
+its log-probability positions, which `llm` then returns with N = 0 if the request gave none).
 `max_tokens` 0 with `echo` answers the prompt alone, streamed or not."""
 from __future__ import annotations
 
