@@ -361,8 +361,9 @@ def main() -> None:
             "ttft_p50_ms": statistics.median(entry["ttft_p50_ms"][interval]),
             "openai_server_cpu_ms_per_token": entry["cpu_ms_per_token"][interval]["server"]}
         print(f"OpenAI server with stream_interval {args.stream_interval} at {concurrency} streams: "
-              f"{statistics.median(tps[interval]):.1f} tok/s, {row['ratio_to_triton']:.3f}x Triton's directly (at 1), "
-              f"{row['ratio_to_openai']:.3f}x the OpenAI server at 1; TTFT p50 {row['ttft_p50_ms']:.1f} ms; "
+              f"{statistics.median(tps[interval]):.1f} tok/s, {row['ratio_to_triton']:.3f}x Triton's directly "
+              f"(a token a response), {row['ratio_to_openai']:.3f}x the OpenAI server at a token a response; "
+              f"TTFT p50 {row['ttft_p50_ms']:.1f} ms; "
               f"server CPU {row['openai_server_cpu_ms_per_token']:.3f} ms per token")
     grpc_ms, http_ms = (statistics.median(transports[name]) for name in ("grpc", "http"))
     ratio = median_ratio(transports["grpc"], transports["http"])
