@@ -1061,9 +1061,14 @@ BAD = [
      "needs 'json_schema.schema'", "response_format"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}, 400,
-     "'structured_outputs.json' is not a valid JSON schema", "response_format"),
+     "'response_format.json_schema.schema' is not a valid JSON schema", "response_format"),
     ("completions", {"model": MODEL, "prompt": "x", "guided_regex": "(ab"}, 400,
-     "'structured_outputs.regex' is not a valid regex", "guided_regex"),
+     "'guided_regex' is not a valid regex", "guided_regex"),
+    # a tool's schema: the message names the tool, not llm's field
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": [*TOOLS, {"type": "function", "function": {
+        "name": "bad", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}],
+        "tool_choice": {"type": "function", "function": {"name": "bad"}}}, 400,
+     f"'tools[{len(TOOLS)}].function.parameters' is not a valid JSON schema", "tool_choice"),
     ("completions", {"model": MODEL, "prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, 400,
      "at most one output constraint; got 'guided_regex', 'guided_choice'", "guided_choice"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "response_format": {"type": "json_object"},
@@ -1113,6 +1118,8 @@ BAD = [
      "'moderation' is not supported", "moderation"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "chat_template": "{{ messages }}"}, 400,
      "'chat_template': this server does not render templates sent with requests", "chat_template"),
+    ("chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400,
+     "'messages[0].role': Field required", "messages"),
     # a misspelt key inside an object: a user turn rendered empty, a schema option lost
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "contnet": "What is a list?"}]}, 400,
      "'messages': a 'user' message needs 'content' (this one has 'role', 'contnet')", "messages"),

@@ -293,6 +293,22 @@ def test_what_xgrammar_compiles_away_is_refused(schema, breaking):
         SamplingParams(structured_outputs={"json": schema})
 
 
+@pytest.mark.parametrize("string", [{"type": "string"}, {"type": "string", "maxLength": 8},
+                                    {"type": "string", "minLength": 1}, {"type": "string", "pattern": "^.+$"}])
+def test_constrained_json_strings_hold_no_raw_control_character(string):
+    """xgrammar 0.2.9 let U+0000-U+001F into length-bounded strings: a tool call's arguments came
+    back as JSON that json.loads refuses (a random model picked one in 240 calls)."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from inflight.structured import json_schema_grammar
+    schema = {"type": "object", "properties": {"tz": string}, "required": ["tz"]}
+    grammar = xgr.Grammar.from_ebnf(json_schema_grammar(json.dumps(schema), any_whitespace=False))
+    assert _is_grammar_accept_string(grammar, '{"tz": "UTC+1"}')
+    for code in range(0x20):
+        assert not _is_grammar_accept_string(grammar, '{"tz": "a%sb"}' % chr(code)), hex(code)
+
+
 def test_the_schemas_pydantic_and_openai_examples_write_are_served():
     """What the added checks must not refuse: pydantic 2's shapes ($defs, a $ref with a
     description, Optional as anyOf with null, enums, defaults), pydantic 1's one-schema allOf

@@ -184,6 +184,20 @@ def unenforced(schema, path: str = "") -> str | None:
     return next(filter(None, (unenforced(sub, sub_path) for sub_path, sub in children)), None)
 
 
+# xgrammar 0.2.9 writes a string with minLength/maxLength as a run of this character class, which
+# lets raw control characters (U+0000-U+001F but CR and LF) into the JSON: text json.loads refuses
+# (mlc-ai/xgrammar#286); its other strings exclude them, as below
+_BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
+_JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_schema_grammar(schema: str, any_whitespace: bool) -> str:
+    """xgrammar's EBNF for a JSON schema, its length-bounded strings' characters made JSON's."""
+    import xgrammar as xgr
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
+    return ebnf.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
+
+
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar matching exactly one of the strings (JSON string escapes are EBNF's)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -257,7 +271,7 @@ class StructuredOutputs:
         try:
             if spec.kind in ("json", "json_object"):
                 schema = spec.text if spec.kind == "json" else '{"type": "object"}'
-                return compiler.compile_json_schema(schema, any_whitespace=spec.any_whitespace)
+                return compiler.compile_grammar(json_schema_grammar(schema, spec.any_whitespace))
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.text)
             if spec.kind == "choice":

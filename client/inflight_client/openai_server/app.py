@@ -58,12 +58,13 @@ def _validation_error(error: ValidationError) -> APIError:
     loc = [str(part) for part in first["loc"]]
     name = loc[0] if loc else None
     unknown = first["type"] == "extra_forbidden"
-    # the field and any list positions, and for an unknown key the fields down to it and the key
-    # itself; not union member names (prompt.list[int], tool_choice.NamedToolChoice), which say
-    # nothing to a user
+    # the field and any list positions, and for an unknown or missing key the fields down to it and
+    # the key itself; not union member names (prompt.list[int], tool_choice.NamedToolChoice), which
+    # say nothing to a user
+    keyed = unknown or first["type"] == "missing"
     where = (name or "") + "".join(
         f"[{part}]" if part.isdigit() else f".{part}" for i, part in enumerate(loc[1:], start=2)
-        if part.isdigit() or (unknown and (FIELD_NAME.fullmatch(part) or i == len(loc))))
+        if part.isdigit() or (keyed and (FIELD_NAME.fullmatch(part) or i == len(loc))))
     message = "unknown parameter" if unknown else first["msg"]
     return APIError(400, f"'{where}': {message}" if where else message, name)
 

@@ -9,11 +9,13 @@ most one; `llm` checks the constraint itself (a bad schema is its error, naming
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .errors import APIError
 from .schemas import SamplingFields
 
+_LLM_FIELD = re.compile(r"'structured_outputs\.[a-z_]+'")
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -21,6 +23,7 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 class Constraint:
     structured_outputs: dict
     source: str                 # the request field it came from
+    written_at: str | None = None   # where the request wrote the schema (or regex, ...), for `llm`'s errors
 
 
 def _from_response_format(body: SamplingFields) -> dict | None:
@@ -37,13 +40,13 @@ def request_constraints(body: SamplingFields) -> list[Constraint]:
     found = []
     response_format = _from_response_format(body)
     if response_format is not None:
-        found.append(Constraint(response_format, "response_format"))
+        found.append(Constraint(response_format, "response_format", "response_format.json_schema.schema"))
     if body.structured_outputs is not None:
         found.append(Constraint(body.structured_outputs, "structured_outputs"))
     for field, kind in GUIDED.items():
         value = getattr(body, field)
         if value is not None:
-            found.append(Constraint({kind: value}, field))
+            found.append(Constraint({kind: value}, field, field))
     return found
 
 
@@ -58,11 +61,15 @@ def single(constraints: list[Constraint], disable_any_whitespace: bool = False) 
     constraint = constraints[0]
     if not disable_any_whitespace:
         return constraint
-    return Constraint({"disable_any_whitespace": True, **constraint.structured_outputs}, constraint.source)
+    return Constraint({"disable_any_whitespace": True, **constraint.structured_outputs}, constraint.source,
+                      constraint.written_at)
 
 
 def blame(error: APIError, constraint: Constraint | None) -> APIError:
-    """`llm`'s error about the constraint, with `param` set to the request field it came from."""
+    """`llm`'s error about the constraint, with `param` set to the request field it came from and
+    the message naming where the request wrote it (`llm` names its own 'structured_outputs.json')."""
     if constraint is not None and "'structured_outputs" in error.message:
         error.param = constraint.source
+        if constraint.written_at is not None:
+            error.message = _LLM_FIELD.sub(f"'{constraint.written_at}'", error.message)
     return error

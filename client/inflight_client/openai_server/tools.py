@@ -49,11 +49,11 @@ def _required_schema(tools, parallel: bool) -> dict:
 def tool_constraint(body: ChatCompletionRequest) -> Constraint | None:
     """The constraint a named or "required" tool_choice puts on the output ("none": none)."""
     if isinstance(body.tool_choice, NamedToolChoice):
-        tool = next(t for t in body.tools if t.function.name == body.tool_choice.function.name)
-        return Constraint({"json": _parameters(tool)}, "tool_choice")
+        i, tool = next((i, t) for i, t in enumerate(body.tools) if t.function.name == body.tool_choice.function.name)
+        return Constraint({"json": _parameters(tool)}, "tool_choice", f"tools[{i}].function.parameters")
     if body.tool_choice == "required":
         return Constraint({"json": _required_schema(body.tools, body.parallel_tool_calls is not False)},
-                          "tool_choice")
+                          "tool_choice", "tools")
     return None
 
 
