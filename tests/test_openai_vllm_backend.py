@@ -65,11 +65,11 @@ def test_completions_streamed_or_not_are_the_engines_greedy_text(client, referen
     assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == expected
     assert whole.usage.prompt_tokens == sum(len(tokenizer(p)["input_ids"]) for p in PROMPTS)
     assert whole.usage.completion_tokens == 24
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, n=2,
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0,
                                             stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True}))
     for index in (0, 1):
-        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index) == expected[0]
+        assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index) == expected[index]
     assert chunks[-1].usage.completion_tokens == 24
 
 
@@ -108,6 +108,7 @@ TEXT_ONLY = "takes a prompt as text only"
     (dict(prompt=PROMPTS[0], echo=True, logprobs=1), "prompt_logprobs", "returns no prompt log-probabilities"),
     (dict(prompt=PROMPTS[0], extra_body={"priority": 1}), "priority", "take no 'priority'"),
     (dict(prompt=PROMPTS[0], extra_body={"cache_salt": "tenant-a"}), "cache_salt", "take no 'cache_salt'"),
+    (dict(prompt=PROMPTS[0], n=2), "n", "mixes their text"),
 ])
 def test_what_needs_inflights_inputs_is_a_400_naming_the_field(client, case, field, reason):
     with pytest.raises(openai.BadRequestError) as error:

@@ -157,6 +157,9 @@ class TritonLLM:
             if name in sampling:
                 raise APIError(400, f"'{name}': Triton's model '{self.model}' has the vLLM backend's tensors, whose "
                                f"sampling_parameters (vLLM's SamplingParams) take no '{name}'", name)
+        if sampling.get("n", 1) > 1:        # its stream (this server streams from it) sends a child per response
+            raise APIError(400, f"'n': Triton's model '{self.model}' has the vLLM backend's tensors, whose stream of "
+                           "n > 1 outputs sends one output a response and mixes their text; send n requests", "n")
 
     async def generate(self, prompt: Prompt, sampling: dict) -> AsyncIterator[LLMResponse]:
         """The request's responses; raises APIError for an error response or a failed call.
