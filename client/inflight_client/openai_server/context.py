@@ -18,6 +18,12 @@ OPENAI_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for a completion, and vLL
 LARGE_BODY_BYTES = 256 * 1024       # a request body over this has its prompt work done on the large pool
 
 
+def added_bos(tokenizer) -> str | None:
+    """The BOS text the tokenizer puts before every text it encodes; None if it puts none."""
+    bos = tokenizer.bos_token
+    return bos if bos and tokenizer("")["input_ids"][:1] == [tokenizer.bos_token_id] else None
+
+
 @dataclass(slots=True)
 class Context:
     triton: TritonLLM
@@ -27,6 +33,7 @@ class Context:
     default_max_tokens: int | None               # --default-max-tokens; None: vLLM's defaults, below
     disable_any_whitespace: bool = False         # added to every output constraint (structured.py)
     bytes_per_token: int = MAX_BYTES_PER_TOKEN   # protocol.bytes_per_token of the tokenizer
+    added_bos: str | None = None                 # added_bos() of the tokenizer
     large_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(thread_name_prefix="large"))
 
     async def offload(self, large: bool, fn, *args):
@@ -75,11 +82,10 @@ class Context:
         """A rendered chat prompt for a model that takes text only and tokenizes it with its
         special tokens (the vLLM backend): where the tokenizer adds a BOS and the template already
         wrote one, the template's is dropped, so the model does not read two."""
-        bos = self.tokenizer.bos_token
-        if add_special_tokens or not bos or not text.startswith(bos):
+        bos = self.added_bos
+        if add_special_tokens or bos is None or not text.startswith(bos):
             return text
-        adds_bos = self.tokenizer("")["input_ids"][:1] == [self.tokenizer.bos_token_id]
-        return text[len(bos):] if adds_bos else text
+        return text[len(bos):]
 
     def truncate(self, prompt: str | list[int], keep: int, side: str | None = None,
                  add_special_tokens: bool = True) -> list[int]:
