@@ -40,11 +40,13 @@ def shape_bucket(rows: int) -> int:
     """rows rounded up to one of 8 sizes per power of two (at most 12.5% more; every size up to 16).
 
     oneDNN builds (JIT-compiles) a matmul for each new number of rows it is given, and keeps the
-    last 1,024 it built: a step whose token count it has not seen pays that on every linear shape
-    of the model (a [500, 512] x [512, 3072] bf16 linear: 4-5 ms the first time, 1 ms after, on 2
-    cores of a Xeon with AMX; in float32 ~0.6 ms over 5). Serving meets every count from 1 to
-    max_num_batched_tokens, so the runner pads a bf16 CPU step's tokens and its sampled rows to
-    these sizes, about 70 up to 2,048 (the offline bench model's bf16 run 8.1 -> 7.4 s)."""
+    last 1,024 it built, ~0.7 MB each: a step whose token count it has not seen pays that on every
+    linear shape of the model (a [500, 512] x [512, 3072] bf16 linear: 4-5 ms the first time, 1 ms
+    after, on 2 cores of a Xeon with AMX). Serving meets every count from 1 to
+    max_num_batched_tokens: with exact shapes a float32 engine's cache filled (~700 MB of built
+    matmuls, memray) and kept rebuilding what it had evicted. So the runner pads a CPU step's
+    tokens and its sampled rows to these sizes, about 70 up to 2,048 (the offline bench model's
+    bf16 run 8.1 -> 7.4 s; its float32 run on a Zen 5 4-7% faster, RSS 1,550 -> 1,232 MB)."""
     step = 1 << max(0, rows.bit_length() - 4)
     return -(-rows // step) * step
 

@@ -104,10 +104,10 @@ class ModelRunner:
             with torch.no_grad():
                 self.model.load_hf_weights((n, t.to(self.dtype)) for n, t in iter_checkpoint(model_dir))
         self.model.eval()
-        # CPU: weights in oneDNN's layout once, not on every call; bf16 steps padded to a few shapes
-        # (a new shape's first call costs ~3 ms in bf16, ~0.6 in float32, where padding would cost more)
+        # CPU: weights in oneDNN's layout once, not on every call; steps padded to a few shapes, for
+        # which oneDNN keeps its built matmuls (packed_linear.shape_bucket)
         packed = self.device.type == "cpu" and pack_linears(self.model) > 0
-        self.bucket = shape_bucket if packed and self.dtype == torch.bfloat16 else None
+        self.bucket = shape_bucket if packed else None
         self.lora = None     # LoraWeights when enable_lora: every adapter's weights, in resident slots
         if config.enable_lora:
             self.lora = load_lora_weights(lora_modules or {}, self.spec, config.max_loras, config.max_lora_rank,
