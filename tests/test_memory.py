@@ -8,6 +8,7 @@ would fill on its own schedule."""
 import ctypes
 import gc
 import random
+import statistics
 import time
 
 import pytest
@@ -21,8 +22,8 @@ from .helpers import RecordingSink
 
 pytestmark = pytest.mark.stress
 WORDS = "the assert statement class object import module raise exception with block value a is to it".split()
-ROUND = 400          # requests a round: ~30 s on 2 cores
-LEAK_MB = 12         # over two rounds: catches ~15 KB left behind per request
+ROUND = 400          # requests a round: ~15 s on 2 cores
+LEAK_MB = 4          # a round's growth, the median of three: catches ~10 KB left behind per request
 
 
 def resident_mb() -> float:
@@ -71,22 +72,23 @@ def run_round(loop: EngineLoop, tokenizer, rng: random.Random, count: int) -> No
 
 
 def test_native_memory_stays_flat_over_rounds_of_mixed_requests(tokenizer):
+    """A leak grows the RSS every round; a one-time step (glibc taking a new heap for a rare large
+    step, seen at +10-13 MB once in a run) does not, so the median of the rounds' growth is read."""
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float64", max_num_seqs=32,
                                                                    num_kv_blocks=100, cpu_threads=1))
     loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05).start()
     rng = random.Random(0)
     try:
-        run_round(loop, tokenizer, rng, ROUND // 2 + ROUND)     # the allocators' caches fill up
+        run_round(loop, tokenizer, rng, ROUND + ROUND // 2)     # the allocators' caches fill up
         gc.collect()
-        baseline = resident_mb()
-        after = []
-        for _ in range(2):
+        resident = [resident_mb()]
+        for _ in range(3):
             run_round(loop, tokenizer, rng, ROUND)
             gc.collect()
-            after.append(resident_mb())
+            resident.append(resident_mb())
     finally:
         loop.shutdown()
     assert engine.kv.num_used_blocks == 0 and not engine.requests
-    growth = max(after) - baseline
-    assert growth < LEAK_MB, (f"RSS grew {growth:.1f} MB over {2 * ROUND} requests after warm-up "
-                              f"({baseline:.0f} -> {', '.join(f'{mb:.0f}' for mb in after)} MB)")
+    growth = statistics.median(after - before for before, after in zip(resident, resident[1:]))
+    assert growth < LEAK_MB, (f"RSS grew {growth:.1f} MB a round of {ROUND} requests (median of three; "
+                              f"{' -> '.join(f'{mb:.1f}' for mb in resident)} MB)")
