@@ -14,6 +14,7 @@ import torch
 from inflight import EngineConfig, LLMEngine, SamplingParams
 from inflight.lora import GROUPS, LoraAdapter, LoraError, LoraModule, LoraWeights, module_shapes
 from inflight.models import ModelSpec
+from inflight.packed_linear import shape_bucket
 from inflight.testing import make_random_adapter, make_random_checkpoint
 
 
@@ -303,11 +304,14 @@ ODD_SPEC = dataclasses.replace(SPEC, hidden_size=88, num_heads=4, head_dim=22, i
 @pytest.mark.parametrize("spec", [SPEC, ODD_SPEC], ids=["vectors", "tails"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", ["qkv", "o", "gate_up", "down"])
-def test_the_compiled_cpu_kernel_matches_float64(group, dtype, spec):
+def test_the_compiled_cpu_kernel_matches_float64(group, dtype, spec, monkeypatch):
     """A mixed step: base rows, a run of 130 tokens (over CPU_KERNEL_MAX_TOKENS) through the matmul
-    pair, runs of 5 and 9 tokens (register blocks of four and remainders) through the compiled
+    pair on a window of a shape bucket's rows (144, reaching into the next runs, which it must not
+    touch), runs of 5 and 9 tokens (register blocks of four and remainders) through the compiled
     kernel, into a strided view of the fused output; against float64 products."""
     from inflight.lora import CPU_KERNEL_MAX_TOKENS
+    matmul_rows, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: matmul_rows.append(len(a)) or mm(a, b))
     weights = LoraWeights(synthetic_adapters(dtype, spec), spec, dtype, torch.device("cpu"), kernels="cpu")
     assert weights.cpu_kernels is not None
     row_slots = np.array([-1, -1, 1, 0, 1, 1, 2, 1, 2])        # grouped by slot below, as the runner packs them
@@ -330,6 +334,7 @@ def test_the_compiled_cpu_kernel_matches_float64(group, dtype, spec):
     assert [e - s for _, s, e in batch.short_segments.tolist()] == [5, 9]
     got = y.clone()
     batch.layer(0).add(group, x, got[:, 8:])
+    assert matmul_rows == [shape_bucket(130)] == [144]
     assert torch.equal(got[:4], y[:4]) and torch.equal(got[:, :8], y[:, :8]), "base rows and other columns unchanged"
     assert not torch.equal(got, y)
     short = slice(134, 148)

@@ -44,6 +44,7 @@ import torch
 
 from .batch_table import BatchTable
 from .models.llama import ModelSpec
+from .packed_linear import shape_bucket
 from .scheduler import SchedulerOutput
 
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -384,8 +385,16 @@ class LoraBatch:
             self.weights.cpu_kernels.lora_add(x, weights.a, weights.b, out, self.short_segments, self.weights.rank,
                                               weights.module_cols)
         for slot, start, end in self.long_segments:
-            h = torch.mm(x[start:end], weights.a[slot])
-            out[start:end].addmm_(h, weights.b[slot])
+            if self.weights.cpu_kernels is None:
+                out[start:end].addmm_(torch.mm(x[start:end], weights.a[slot]), weights.b[slot])
+                continue
+            # oneDNN builds a matmul for every new row count (packed_linear.shape_bucket): the pair
+            # runs on a window of a bucket's rows around the run, and keeps the run's rows
+            rows = min(shape_bucket(end - start), len(x))
+            first = min(start, len(x) - rows)
+            window = out[first:first + rows].clone()
+            window.addmm_(torch.mm(x[first:first + rows], weights.a[slot]), weights.b[slot])
+            out[start:end] = window[start - first:end - first]
 
     def _add_kernels(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
         from .kernels.lora import lora_expand, lora_shrink
