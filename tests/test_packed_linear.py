@@ -72,8 +72,8 @@ def test_shape_buckets_are_few_and_add_at_most_an_eighth():
 
 
 def test_the_cpu_runner_pads_steps_and_sampled_rows_to_buckets(tiny_checkpoint, monkeypatch):
-    """With buckets on, every forward and LM head call sees a bucket's row count, and the tokens are
-    those of an unpadded run."""
+    """With buckets on, every forward and LM head call (sampled rows, and scored prompt positions)
+    sees a bucket's row count, and the tokens and prompt logprobs are those of an unpadded run."""
     def run(bucketed):
         engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float32", num_kv_blocks=64))
         engine.runner.bucket = shape_bucket if bucketed else None    # float32 here: bf16 is CPU-dependent
@@ -89,14 +89,19 @@ def test_the_cpu_runner_pads_steps_and_sampled_rows_to_buckets(tiny_checkpoint, 
         monkeypatch.setattr(engine.runner.model, "forward", spy(forward))
         monkeypatch.setattr(engine.runner.model.lm_head, "forward", spy(lm_head))
         prompts = [list(range(5, 5 + n)) for n in (3, 17, 41)]
-        outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-        return [o.token_ids for o in outs], seen
+        outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=0))
+        scored = [[entry[token].logprob for entry, token in zip(o.prompt_logprobs[1:], p[1:])]
+                  for o, p in zip(outs, prompts)]
+        return [o.token_ids for o in outs], scored, seen
 
-    tokens, seen = run(bucketed=True)
+    tokens, scored, seen = run(bucketed=True)
     assert all(shape_bucket(n) == n for n in seen)
     assert 64 in seen and 61 not in seen        # the prompts' 3 + 17 + 41 tokens ran as 64 rows
-    plain_tokens, plain_seen = run(bucketed=False)
-    assert 61 in plain_seen and tokens == plain_tokens
+    assert 60 in seen and 58 not in seen        # their 2 + 16 + 40 scored positions as 60
+    plain_tokens, plain_scored, plain_seen = run(bucketed=False)
+    assert 61 in plain_seen and 58 in plain_seen and tokens == plain_tokens
+    for got, expected in zip(scored, plain_scored):
+        assert got == pytest.approx(expected, abs=1e-4)
 
 
 def test_packed_cpu_runners_take_buckets_and_float64_ones_do_not(tiny_checkpoint):

@@ -239,7 +239,7 @@ class LLMEngine:
 
     def _score_prompt(self, prompt: PromptPositions, table) -> list[tuple[Request, TokenLogprobs]]:
         """The prompt tokens this step reached, scored: (request, entry) per position."""
-        entries = prompt_logprobs(prompt, table.num_prompt_logprobs[prompt.rows], self.runner.model.compute_logits)
+        entries = prompt_logprobs(prompt, table.num_prompt_logprobs[prompt.rows], self.runner.compute_logits)
         return [(table.requests[row], entry) for row, entry in zip(prompt.rows.tolist(), entries)]
 
     @staticmethod

@@ -247,10 +247,16 @@ class ModelRunner:
         hidden = self.forward(input_ids, positions, meta, lora)
         if prompt is not None:
             prompt.hidden = hidden[self.to_device(prompt.index)]
-        rows = len(logits_index)
-        if self.bucket is not None and rows:      # the LM head's rows padded too, with copies of the last
-            logits_index = torch.cat([logits_index, logits_index[-1:].expand(self.bucket(rows) - rows)])
-        return self.model.compute_logits(hidden[logits_index])[:rows], prompt
+        return self.compute_logits(hidden[logits_index]), prompt
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits of these rows; on a bucketed runner it runs on a shape bucket's rows
+        (copies of the last), as the steps do, and sampled rows and scored prompt positions come
+        in every count."""
+        rows = len(hidden)
+        if self.bucket is not None and rows:
+            hidden = torch.cat([hidden, hidden[-1:].expand(self.bucket(rows) - rows, -1)])
+        return self.model.compute_logits(hidden)[:rows]
 
 
 @dataclass(slots=True)
