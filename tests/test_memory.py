@@ -73,7 +73,7 @@ def run_round(loop: EngineLoop, tokenizer, rng: random.Random, count: int) -> No
 
 def test_native_memory_stays_flat_over_rounds_of_mixed_requests(tokenizer):
     """A leak grows the RSS every round; a one-time step (glibc taking a new heap for a rare large
-    step, seen at +10-13 MB once in a run) does not, so the median of the rounds' growth is read."""
+    step, seen at +10-16 MB once in a run) does not, so the median of the rounds' growth is read."""
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float64", max_num_seqs=32,
                                                                    num_kv_blocks=100, cpu_threads=1))
     loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05).start()

@@ -45,8 +45,9 @@ def shape_bucket(rows: int) -> int:
     after, on 2 cores of a Xeon with AMX). Serving meets every count from 1 to
     max_num_batched_tokens: with exact shapes a float32 engine's cache filled (~700 MB of built
     matmuls, memray) and kept rebuilding what it had evicted. So the runner pads a CPU step's
-    tokens and its sampled rows to these sizes, about 70 up to 2,048 (the offline bench model's
-    bf16 run 8.1 -> 7.4 s; its float32 run on a Zen 5 4-7% faster, RSS 1,550 -> 1,232 MB)."""
+    tokens and the LM head's rows to these sizes, about 70 up to 2,048, and LoRA runs its long
+    runs' matmuls on windows of them (the offline bench model's bf16 run 8.1 -> 7.4 s; its float32
+    run on a Zen 5 4-7% faster, RSS 1,550 -> 1,232 MB)."""
     step = 1 << max(0, rows.bit_length() - 4)
     return -(-rows // step) * step
 

@@ -250,9 +250,9 @@ class ModelRunner:
         return self.compute_logits(hidden[logits_index]), prompt
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head's logits of these rows; on a bucketed runner it runs on a shape bucket's rows
-        (copies of the last), as the steps do, and sampled rows and scored prompt positions come
-        in every count."""
+        """The LM head's logits of these rows (sampled rows, or scored prompt positions: any count);
+        a bucketed runner runs it on a shape bucket's rows, padded with copies of the last, as it
+        runs the steps."""
         rows = len(hidden)
         if self.bucket is not None and rows:
             hidden = torch.cat([hidden, hidden[-1:].expand(self.bucket(rows) - rows, -1)])
