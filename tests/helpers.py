@@ -91,6 +91,12 @@ class RecordingSink:
         return "".join(s[1] for s in self.sends)
 
 
+def rss_mib(pid: int) -> float:
+    """The resident memory of a process, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) / 1024
+
+
 def child_processes(pid: int) -> dict[int, str]:
     """pid -> command line of each child process of pid (from /proc)."""
     children = {}

@@ -21,7 +21,7 @@ from inflight.serving.launch import ServerProcess, failure_cause, failure_summar
 from inflight_client.streams import http_generate
 
 from .conftest import DEFAULT_MODEL, REPO, TEST_ENGINE
-from .helpers import SOURCE_PATH_ENV, child_processes
+from .helpers import SOURCE_PATH_ENV, child_processes, rss_mib
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # a subprocess imports this checkout's code, not an installed copy
@@ -258,11 +258,6 @@ def stub_processes(model_repository: str) -> dict[str, int]:
         if argv[0].endswith("triton_python_backend_stub") and argv[1].startswith(model_repository + os.sep):
             stubs[os.path.relpath(argv[1], model_repository).split(os.sep)[0]] = int(pid)
     return stubs
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) / 1024
 
 
 # ---- without a server -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ ones are oneDNN's, whose cache of built matmuls (up to 1,024, bounded; packed_li
 would fill on its own schedule."""
 import ctypes
 import gc
+import os
 import random
 import statistics
 import time
@@ -18,7 +19,7 @@ from inflight.serving.loop import EngineLoop
 from inflight.serving.protocol import GenerateRequest
 
 from .conftest import DEFAULT_MODEL
-from .helpers import RecordingSink
+from .helpers import RecordingSink, rss_mib
 
 pytestmark = pytest.mark.stress
 WORDS = "the assert statement class object import module raise exception with block value a is to it".split()
@@ -29,8 +30,7 @@ LEAK_MB = 4          # a round's growth, the median of three: catches ~10 KB lef
 def resident_mb() -> float:
     """This process's RSS once glibc has handed its free memory back to the system."""
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+    return rss_mib(os.getpid())
 
 
 def mixed_request(rng: random.Random, tokenizer) -> tuple[GenerateRequest, bool]:

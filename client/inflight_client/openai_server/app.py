@@ -18,12 +18,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from inflight.serving.protocol import LONE_SURROGATE, bytes_per_token, lone_surrogate_field
+from inflight.serving.protocol import LONE_SURROGATE, lone_surrogate_field
 
 from .chat_completions import create_chat_completion
 from .chat_template import ChatTemplate
 from .completions import create_completion
-from .context import LARGE_BODY_BYTES, Context, added_bos
+from .context import LARGE_BODY_BYTES, Context
 from .errors import APIError
 from .models import ServedModels
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -131,8 +131,7 @@ def create_app(settings: Settings) -> FastAPI:
     ctx = Context(TritonLLM(settings.triton_url, settings.triton_model), tokenizer,
                   ChatTemplate(tokenizer, settings.chat_template, settings.trust_request_chat_template),
                   ServedModels(settings.served_model_name, settings.max_model_len, settings.lora_names),
-                  settings.default_max_tokens, settings.disable_any_whitespace, bytes_per_token(tokenizer),
-                  added_bos(tokenizer))
+                  settings.default_max_tokens, settings.disable_any_whitespace)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -7,7 +7,7 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from inflight.serving.protocol import MAX_BYTES_PER_TOKEN, RequestError, check_text_size
+from inflight.serving.protocol import RequestError, bytes_per_token, check_text_size
 
 from .chat_template import ChatTemplate
 from .errors import APIError
@@ -32,9 +32,13 @@ class Context:
     models: ServedModels
     default_max_tokens: int | None               # --default-max-tokens; None: vLLM's defaults, below
     disable_any_whitespace: bool = False         # added to every output constraint (structured.py)
-    bytes_per_token: int = MAX_BYTES_PER_TOKEN   # protocol.bytes_per_token of the tokenizer
-    added_bos: str | None = None                 # added_bos() of the tokenizer
     large_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(thread_name_prefix="large"))
+    bytes_per_token: int = field(init=False)     # protocol.bytes_per_token of the tokenizer
+    added_bos: str | None = field(init=False)    # added_bos() of the tokenizer
+
+    def __post_init__(self) -> None:
+        self.bytes_per_token = bytes_per_token(self.tokenizer)
+        self.added_bos = added_bos(self.tokenizer)
 
     async def offload(self, large: bool, fn, *args):
         """fn(*args) on a thread (templates and tokenizing take seconds on a long prompt, which
