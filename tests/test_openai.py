@@ -668,6 +668,14 @@ def test_every_vllm_field_at_its_default_changes_nothing_and_request_id_names_th
     assert len({client.completions.create(model=MODEL, prompt="x", max_tokens=1).id for _ in range(2)}) == 2
 
 
+def test_an_empty_prompt_starts_from_the_bos_as_in_vllm(client, reference_engine, tokenizer):
+    empty = client.completions.create(model=MODEL, prompt="", max_tokens=6, temperature=0,
+                                      extra_body={"return_token_ids": True})
+    assert empty.choices[0].model_extra["prompt_token_ids"] == [tokenizer.bos_token_id]
+    assert empty.choices[0].text == reference(reference_engine, tokenizer, [[tokenizer.bos_token_id]], 6)[0]
+    assert empty.usage.prompt_tokens == 1
+
+
 def test_vllm_tokenization_fields_and_the_rendered_prompt(client, reference_engine, tokenizer):
     """add_special_tokens false tokenizes a completion's text prompt without its BOS;
     truncation_side "right" keeps a prompt's first N tokens; a chat's return_prompt_text returns
@@ -1029,7 +1037,9 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "'logprobs'", "logprobs"),
     ("completions", {"model": MODEL, "prompt": "x", "temprature": 0}, 400, "'temprature': unknown parameter",
      "temprature"),
-    ("completions", {"model": MODEL, "prompt": ""}, 400, "'prompt' must not be empty", "prompt"),
+    ("completions", {"model": MODEL, "prompt": []}, 400, "'prompt' must not be empty", "prompt"),
+    ("completions", {"model": MODEL, "prompt": ["x", ""], "add_special_tokens": False}, 400,
+     "'prompt' is empty, and without a BOS", "prompt"),
     ("completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "'prompt': token id 99999", "prompt"),
     ("completions", {"model": MODEL, "prompt": [[1], [2, 10**12]]}, 400,
      "'prompt': token id 1000000000000 at position 1 is outside the vocabulary", "prompt"),

@@ -49,7 +49,6 @@ def test_stop_and_bad_words():
 BAD = [
     ({}, {}, "'text_input' or 'input_ids'"),
     ({"text_input": text(), "input_ids": np.array([1], dtype=np.int32)}, {}, "not both"),
-    ({"text_input": text("")}, {}, "'text_input' is empty"),
     ({"text_input": text(b"\xff\xfe")}, {}, "'text_input' is not valid UTF-8"),
     ({"text_input": np.array([b"a", b"b"], dtype=object)}, {}, "'text_input' must hold exactly one"),
     ({"input_ids": np.array([], dtype=np.int32)}, {}, "'input_ids' is empty"),

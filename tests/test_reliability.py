@@ -66,7 +66,6 @@ for _ in range(600):
     DEEP_SCHEMA = {"type": "array", "items": DEEP_SCHEMA}
 HTTP_LLM = [
     ({"max_tokens": 4}, "'text_input' or 'input_ids'"),
-    ({"text_input": "", "max_tokens": 4}, "'text_input' is empty"),
     ({"text_input": "hi", "input_ids": [1, 2]}, "not both"),
     ({"text_input": "word " * 1100, "max_tokens": 4}, "max_model_len"),
     ({"text_input": "x" * 110000}, "'text_input' is 110000 bytes, more than the context of 1024 tokens"),
@@ -503,5 +502,29 @@ def test_the_serving_loop_keeps_nothing_of_requests_that_ended(tokenizer):
             time.sleep(0.05)
         assert (loop._jobs, loop._samples, loop._owner) == ({}, {}, {})
         assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
+    finally:
+        loop.shutdown()
+
+
+def test_an_empty_text_input_without_a_bos_is_refused_by_name():
+    """"" is the BOS alone (as in vLLM); a tokenizer that adds no BOS leaves no token to start from."""
+    from transformers import AutoTokenizer
+
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+
+    from .helpers import RecordingSink
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=2, num_kv_blocks=64,
+                                                                   cpu_threads=1))
+    loop = EngineLoop(engine, AutoTokenizer.from_pretrained(DEFAULT_MODEL, add_bos_token=False)).start()
+    try:
+        refused, served = RecordingSink(), RecordingSink()
+        loop.submit(GenerateRequest("", None, SamplingParams(max_tokens=2)), refused)
+        loop.submit(GenerateRequest("The", None, SamplingParams(max_tokens=2)), served)
+        assert refused.finished.wait(30) and served.finished.wait(30)
+        assert refused.sends[-1][3] == "input 'text_input' is empty, and this tokenizer adds no BOS to start from"
+        assert served.sends[-1][3] is None
+        assert engine.kv.num_used_blocks == 0
     finally:
         loop.shutdown()

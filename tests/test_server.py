@@ -55,6 +55,13 @@ def test_http_generate_and_generate_stream_give_the_grpc_text(server):
     assert streamed.error is None and streamed.text == grpc_text and len(streamed.chunks) > 1
 
 
+def test_an_empty_text_input_starts_from_the_bos_as_the_vllm_backend(server, tokenizer):
+    """The vLLM backend tokenizes "" to the BOS alone and generates from it."""
+    empty = http_generate(server.http_url, "llm", {"text_input": "", "return_num_input_tokens": True, **greedy()})
+    from_bos = http_generate(server.http_url, "llm", {"input_ids": [tokenizer.bos_token_id], **greedy()})
+    assert empty["num_input_tokens"] == 1 and empty["text_output"] == from_bos["text_output"] != ""
+
+
 def test_ensemble_streams_the_same_text_as_llm(server):
     import numpy as np
     import tritonclient.grpc as grpcclient
@@ -133,7 +140,6 @@ def test_http_disconnect_aborts_the_request_and_frees_its_blocks(server):
 
 ERRORS = [
     ({"max_tokens": 4}, "'text_input' or 'input_ids'"),
-    ({"text_input": "", "max_tokens": 4}, "'text_input' is empty"),
     ({"text_input": "hi", "input_ids": [1, 2], "max_tokens": 4}, "not both"),
     ({"text_input": "word " * 1100, "max_tokens": 4}, "max_model_len"),
     ({"text_input": "hi", "max_tokens": 0}, "'max_tokens'"),

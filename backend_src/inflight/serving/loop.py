@@ -100,6 +100,8 @@ class EngineLoop:
         else:
             check_text_size(request.prompt_text, self.engine.max_model_len, self.bytes_per_token)
             prompt_ids = self.tokenizer(request.prompt_text)["input_ids"]
+            if not prompt_ids:
+                raise RequestError("input 'text_input' is empty, and this tokenizer adds no BOS to start from")
         params = request.params
         if request.bad_words:
             params = _replace(params, bad_words_ids=params.bad_words_ids + self._bad_words_ids(request.bad_words))

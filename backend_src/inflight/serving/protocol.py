@@ -268,9 +268,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
         raise RequestError("one of 'text_input' or 'input_ids' is required")
     prompt_text = prompt_ids = None
     if text is not None:
-        prompt_text = _string_input("text_input", text)
-        if not prompt_text:
-            raise RequestError("input 'text_input' is empty")
+        prompt_text = _string_input("text_input", text)     # "" is the BOS alone, as in vLLM
     else:
         if ids.dtype.kind not in "iu":
             raise RequestError(f"input 'input_ids' must be INT32, got {ids.dtype}")

@@ -59,7 +59,11 @@ def _prompts(body: CompletionRequest, ctx: Context) -> tuple[list[Prompt], list[
             ctx.check_size(prompt, "prompt")
         prompts = given
     echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]
-    return [_as_sent(body, g, ctx.tokenize(p, body.add_special_tokens)) for g, p in zip(given, prompts)], echoes
+    ids = [ctx.tokenize(p, body.add_special_tokens) for p in prompts]
+    if not all(ids):
+        raise APIError(400, "'prompt' is empty, and without a BOS ('add_special_tokens' false, or a tokenizer "
+                       "that adds none) there is no token to start from", "prompt")
+    return [_as_sent(body, g, i) for g, i in zip(given, ids)], echoes
 
 
 def _as_sent(body: CompletionRequest, given: str | list[int], ids: list[int]) -> Prompt:

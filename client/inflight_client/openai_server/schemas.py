@@ -190,7 +190,7 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check_completion(self):
-        if self.prompt == "" or self.prompt == [] or any(p == "" or p == [] for p in self.prompts()):
+        if self.prompt == [] or any(p == [] for p in self.prompts()):     # "" is the BOS alone, as in vLLM
             raise APIError(400, "'prompt' must not be empty", "prompt")
         for prompt in self.prompts():
             # `llm` checks ids against its vocabulary, but its input_ids are INT32: Triton would wrap
