@@ -81,6 +81,13 @@ def test_include_stop_str_in_output_keeps_the_earliest_stop_string():
     assert out == "Hello wo" and s.stopped
 
 
+def test_include_stop_str_in_output_holds_nothing_back_as_vllm_streams_it():
+    """Text before a stop string that is kept anyway goes out at once; the search still looks
+    back into what was sent, for a stop string split across pieces."""
+    s = StopStrings(["STOP"], include=True)
+    assert [s.feed(p) for p in ["abcST", "O", "Pxyz"]] == ["abcST", "O", "P"] and s.matched == "STOP"
+
+
 def test_stop_strings_hold_back_only_a_possible_prefix():
     s = StopStrings(["STOP"])
     assert s.feed("abcdef") == "abc"          # 'def' could begin 'STOP'? held: 3 chars
@@ -89,17 +96,23 @@ def test_stop_strings_hold_back_only_a_possible_prefix():
     assert not s.stopped
 
 
-def test_random_streams_with_stop_strings_equal_the_truncated_full_text():
+@pytest.mark.parametrize("include", [False, True])
+def test_random_streams_with_stop_strings_equal_the_truncated_full_text(include):
+    """Pieces fed before min_tokens (search=False) are passed; a stop string must end after them."""
     rng = random.Random(0)
     alphabet = "ab cSTOP"
-    for _ in range(300):
+    for _ in range(500):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
         cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, 4)))
         pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-        s = StopStrings(["STOP", "cc"])
-        out = "".join(s.feed(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces))
-        ends = [i for i in (text.find("STOP"), text.find("cc")) if i >= 0]
-        assert out == (text[:min(ends)] if ends else text)
+        unsearched = rng.randint(0, len(pieces) - 1)        # the first pieces, before min_tokens
+        s = StopStrings(["STOP", "cc"], include=include)
+        out = "".join(s.feed(p, final=i == len(pieces) - 1, search=i >= unsearched) for i, p in enumerate(pieces))
+        free = len("".join(pieces[:unsearched]))            # a match must end after these characters
+        ends = [(i, len(stop)) for stop in ("STOP", "cc") for i in [text.find(stop, max(free - len(stop) + 1, 0))]
+                if i >= 0]
+        start, length = min(ends) if ends else (len(text), 0)
+        assert out == text[:start + length if include else start], (pieces, unsearched)
 
 
 def byte_token_ids(tokenizer) -> list[int]:

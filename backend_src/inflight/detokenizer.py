@@ -140,17 +140,20 @@ class IncrementalDetokenizer:
 
 class StopStrings:
     """Cuts streamed text before the earliest stop string (after it with include=True, vLLM's
-    include_stop_str_in_output). The last len(longest) - 1 characters are held back until the
-    request ends, so a stop string can only begin inside held text. Text fed with search=False
-    (before min_tokens, as vLLM checks stop strings only after it) passes: a stop string may begin
-    in its held tail but must end in text fed with search=True, as vLLM's look-back allows."""
+    include_stop_str_in_output). The search looks back len(longest) - 1 characters, where a stop
+    string may begin. Without include those characters are held back until the request ends,
+    since they may be cut; with include nothing is (as vLLM streams it), and the look-back reads
+    text already sent. Text fed with search=False (before min_tokens, as vLLM checks stop strings
+    only after it) passes: a stop string may begin in it but must end in text fed with
+    search=True, as vLLM's look-back allows."""
 
     def __init__(self, stop: Sequence[str], include: bool = False):
         self.stop = tuple(stop)
         self.include = include
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.pending = ""
-        self.unsearched = 0         # leading characters of `pending` fed with search=False
+        self.look_back = max((len(s) for s in self.stop), default=1) - 1
+        self.sent_tail = ""         # include only: the look-back's part of the text already sent
+        self.pending = ""           # text not sent yet
+        self.unsearched = 0         # leading characters of sent_tail + pending fed with search=False
         self.matched: str | None = None     # the stop string that ended the text
 
     @property
@@ -160,16 +163,20 @@ class StopStrings:
     def feed(self, text: str, final: bool = False, search: bool = True) -> str:
         if self.stopped:
             return ""
-        pending = self.pending + text
+        sent = len(self.sent_tail)
+        window = self.sent_tail + self.pending + text
         hits = []
         if search:
-            found = ((pending.find(s, max(self.unsearched - len(s) + 1, 0)), s) for s in self.stop)
+            found = ((window.find(s, max(self.unsearched - len(s) + 1, 0)), s) for s in self.stop)
             hits = [(i, len(s), s) for i, s in found if i >= 0]
         if hits:
             start, length, self.matched = min(hits)
-            self.pending = ""
-            return pending[:start + length if self.include else start]
-        cut = len(pending) if final else max(len(pending) - self.hold, 0)
-        self.pending = pending[cut:]
-        self.unsearched = max((self.unsearched if search else len(pending)) - cut, 0)
-        return pending[:cut]
+            end = start + length if self.include else start
+            assert end >= sent, "a stop string ends in text searched before"
+            self.sent_tail = self.pending = ""
+            return window[sent:end]
+        cut = len(window) if final or self.include else max(len(window) - self.look_back, sent)
+        kept = max(cut - self.look_back, 0) if self.include else cut     # where the next window begins
+        self.sent_tail, self.pending = window[kept:cut], window[cut:]
+        self.unsearched = max((self.unsearched if search else len(window)) - kept, 0)
+        return window[sent:cut]
