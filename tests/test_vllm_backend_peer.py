@@ -6,6 +6,8 @@ requests Triton's OpenAI frontend builds read the same from both."""
 import asyncio
 import json
 import math
+import os
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +17,8 @@ from inflight_client.streams import grpc_inputs, grpc_responses
 
 from .conftest import DEFAULT_MODEL
 from .test_vllm_contract import openai_frontend_request, read_like_the_openai_frontend
-from .vllm_peer import PEER_ENGINE, PEER_MODEL, vllm_backend_server
+from .helpers import wait_for_metric
+from .vllm_peer import PEER_ENGINE, PEER_MODEL, REPORT_CUSTOM_METRICS, vllm_backend_server
 
 pytestmark = pytest.mark.peer
 
@@ -36,6 +39,8 @@ def ours(tmp_path_factory):
     engine = {"dtype": "float32", "max_model_len": PEER_ENGINE["max_model_len"],
               "max_num_seqs": PEER_ENGINE["max_num_seqs"], "cpu_threads": 1}
     repository = make_repository(str(tmp_path_factory.mktemp("llm")), DEFAULT_MODEL, engine, models=("llm",))
+    with open(os.path.join(repository, "llm", "config.pbtxt"), "a") as f:
+        f.write(REPORT_CUSTOM_METRICS)
     with ServerProcess(repository) as server:
         yield server
 
@@ -191,3 +196,38 @@ def test_the_requests_tritons_openai_frontend_builds_read_the_same(ours, peer, t
                     client, model, openai_frontend_request(prompt, stream, sampling, logprobs=True))]
         read.append(read_like_the_openai_frontend(asyncio.run(main()), stream))
     assert read[0] == read[1] and read[0][2] > 0
+
+
+def vllm_samples(server) -> dict[tuple[str, tuple[str, ...]], float]:
+    """Every `vllm:` sample: (name, its labels but model and version) -> value."""
+    samples = {}
+    for line in server.metrics_text().splitlines():
+        if line.startswith("vllm:"):
+            name, labels, value = re.match(r"^([^{]+)\{(.*)\} (\S+)$", line).groups()
+            kept = tuple(sorted(label for label in re.findall(r'\w+="[^"]*"', labels)
+                                if not label.startswith(("model=", "version="))))
+            samples[(name, kept)] = float(value)
+    return samples
+
+
+def test_the_vllm_metrics_have_the_same_names_buckets_and_counts(ours, peer):
+    """REPORT_CUSTOM_METRICS on both: the same families and histogram buckets, and the same
+    requests add the same token counts and the same number of observations (times differ)."""
+    requests = [(PROMPT, False, greedy(max_tokens=8)), ("Hi", True, greedy(max_tokens=12, ignore_eos=True)),
+                (PROMPT, True, greedy(max_tokens=30, stop=["non"]))]
+    deltas = []
+    for server, model in ((peer, PEER_MODEL), (ours, "llm")):
+        before = vllm_samples(server)
+        delivered = before.get(("vllm:generation_tokens_total", ()), 0.0)
+        for prompt, stream, sampling in requests:
+            out = responses(server, model, grpc_inputs(prompt, stream, sampling, return_num_output_tokens=True))
+            delivered += sum(values["num_output_tokens"] for values, _ in out)
+        assert wait_for_metric(server, "vllm:generation_tokens_total", delivered, model=model) == delivered
+        wait_for_metric(server, "vllm:e2e_request_latency_seconds_count",
+                        before.get(("vllm:e2e_request_latency_seconds_count", ()), 0.0) + len(requests), model=model)
+        after = vllm_samples(server)
+        deltas.append({key: value - before.get(key, 0.0) for key, value in after.items()
+                       if "seconds" not in key[0] or key[0].endswith("_count")})
+    theirs, ours_ = deltas
+    assert theirs.keys() - ours_.keys() == set() and ours_.keys() - theirs.keys() == set()
+    assert theirs == ours_ and theirs[("vllm:request_params_n_count", ())] == len(requests)

