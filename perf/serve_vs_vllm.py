@@ -156,8 +156,10 @@ def side_by_side(servers: dict, builds: dict, make_items, rounds: int, requests:
     return records
 
 
-def report(records: dict, sides: list[str], rounds: int) -> dict:
-    """Prints and returns load -> side -> pooled figures (tok/s: the median of the rounds')."""
+def report(records: dict, sides: list[str], args, started: float, path: str) -> None:
+    """Prints load -> side -> pooled figures (tok/s: the median of the rounds'), then each load's
+    first side against its second, and writes them with the arguments as JSON to `path`."""
+    rounds = args.rounds
     results = {}
     width = max(map(len, sides)) + 2
     print(f"\n{'load':14s}{'server':{width}s}{'tok/s':>9s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'TPOT p50':>10s}"
@@ -173,7 +175,15 @@ def report(records: dict, sides: list[str], rounds: int) -> dict:
                   f"{pooled['ttft']['p99']:10.2f}{pooled['tpot']['p50'] * 1e3:9.1f}m{pooled['tpot']['p99'] * 1e3:9.1f}m"
                   f"{pooled['errors']:8d}")
     print(f"(tok/s: median of {rounds} rounds; latency percentiles: all rounds' requests; m = ms)")
-    return results
+    ours, theirs = sides[:2]
+    for label in LOADS:
+        a, b = results[label][ours], results[label][theirs]
+        print(f"{label}: {ours}/{theirs} tokens/s {a['generated_tokens_per_s'] / b['generated_tokens_per_s']:.2f}x; "
+              f"TTFT p99 {a['ttft']['p99']:.3f} vs {b['ttft']['p99']:.3f} s; "
+              f"TPOT p99 {a['tpot']['p99'] * 1e3:.1f} vs {b['tpot']['p99'] * 1e3:.1f} ms")
+    with open(path, "w") as f:
+        json.dump({"args": vars(args), "results": results, "seconds": time.monotonic() - started}, f, indent=1)
+    print(f"wrote {path} in {time.monotonic() - started:.0f} s")
 
 
 def main() -> None:
@@ -203,17 +213,7 @@ def main() -> None:
                                    args.rounds, args.requests)
     finally:
         vllm.stop()
-    results = report(records, list(builds), args.rounds)
-    burst = results["burst 64"]
-    ratio = burst["inflight"]["generated_tokens_per_s"] / burst["vllm"]["generated_tokens_per_s"]
-    print(f"burst: inflight/vLLM tokens/s = {ratio:.2f}x")
-    for label in ("Poisson 2/s", "Poisson 4/s"):
-        a, b = results[label]["inflight"], results[label]["vllm"]
-        print(f"{label}: TTFT p99 inflight {a['ttft']['p99']:.3f} s vs vLLM {b['ttft']['p99']:.3f} s; "
-              f"TPOT p99 {a['tpot']['p99'] * 1e3:.1f} ms vs {b['tpot']['p99'] * 1e3:.1f} ms")
-    with open(os.path.join(args.out, "serve_vs_vllm.json"), "w") as f:
-        json.dump({"args": vars(args), "results": results, "seconds": time.monotonic() - started}, f, indent=1)
-    print(f"wrote {args.out}/serve_vs_vllm.json in {time.monotonic() - started:.0f} s")
+    report(records, list(builds), args, started, os.path.join(args.out, "serve_vs_vllm.json"))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from inflight.serving.launch import ServerProcess, make_repository  # noqa: E402
 from perf import vllm_backend, workloads  # noqa: E402
 from perf.engine_bench import VLLM_ENV  # noqa: E402
 from perf.serve_bench import build_serve_model  # noqa: E402
-from perf.serve_vs_vllm import LIMITS, LOADS, report, side_by_side  # noqa: E402
+from perf.serve_vs_vllm import LIMITS, report, side_by_side  # noqa: E402
 
 SIDES = {"inflight": "llm", "vLLM backend": vllm_backend.MODEL_NAME}
 
@@ -84,15 +84,7 @@ def main() -> None:
                                lambda n, seed, **kw: text_items(workloads.uniform(n, len(tokenizer), seed=seed, **kw),
                                                                 tokenizer),
                                args.rounds, args.requests)
-    results = report(records, list(SIDES), args.rounds)
-    for label in LOADS:
-        a, b = results[label]["inflight"], results[label]["vLLM backend"]
-        print(f"{label}: inflight/vLLM backend tokens/s {a['generated_tokens_per_s'] / b['generated_tokens_per_s']:.2f}x; "
-              f"TTFT p99 {a['ttft']['p99']:.3f} vs {b['ttft']['p99']:.3f} s; "
-              f"TPOT p99 {a['tpot']['p99'] * 1e3:.1f} vs {b['tpot']['p99'] * 1e3:.1f} ms")
-    with open(os.path.join(args.out, "triton_vs_vllm_backend.json"), "w") as f:
-        json.dump({"args": vars(args), "results": results, "seconds": time.monotonic() - started}, f, indent=1)
-    print(f"wrote {args.out}/triton_vs_vllm_backend.json in {time.monotonic() - started:.0f} s")
+    report(records, list(SIDES), args, started, os.path.join(args.out, "triton_vs_vllm_backend.json"))
 
 
 if __name__ == "__main__":
