@@ -6,6 +6,7 @@ requests Triton's OpenAI frontend builds read the same from both."""
 import asyncio
 import json
 import math
+import random
 import os
 import re
 
@@ -232,3 +233,50 @@ def test_the_vllm_metrics_have_the_same_names_buckets_and_counts(ours, peer):
     theirs, ours_ = deltas
     assert theirs.keys() - ours_.keys() == set() and ours_.keys() - theirs.keys() == set()
     assert theirs == ours_ and theirs[("vllm:request_params_n_count", ())] == len(requests)
+
+
+def random_request(rng: random.Random, texts: list[str]) -> tuple[str, bool, dict, dict]:
+    """A greedy request with a random mix of the knobs and outputs both models take."""
+    text = rng.choice(texts)
+    start = rng.randrange(max(1, len(text) - 200))
+    sampling = {"temperature": 0, "max_tokens": rng.randint(1, 60)}
+    optional = {
+        "min_tokens": lambda: rng.randint(0, sampling["max_tokens"]),
+        "ignore_eos": lambda: True,
+        "stop": lambda: rng.sample(["\n", ".", " the", "\n\n", "a", "es", "()", ":"], rng.randint(1, 3)),
+        "include_stop_str_in_output": lambda: rng.random() < 0.5,
+        "stop_token_ids": lambda: [rng.randrange(3, 4096) for _ in range(rng.randint(1, 30))],
+        "logprobs": lambda: rng.randint(0, 5),
+        "repetition_penalty": lambda: rng.choice([1.1, 1.5]),
+        "presence_penalty": lambda: rng.choice([0.5, -0.5]),
+        "frequency_penalty": lambda: rng.choice([0.5, 1.0]),
+        "bad_words": lambda: [rng.choice(["the", " is", "ing", "--", "()"])],
+        "skip_special_tokens": lambda: False,
+        "allowed_token_ids": lambda: rng.sample(range(4096), 20) + [1, 2],
+        "top_k": lambda: rng.randint(1, 20),
+        "min_p": lambda: 0.05,
+    }
+    for knob, value in optional.items():
+        if rng.random() < 0.35:
+            sampling[knob] = value()
+    flags = {name: True for name in ALL_OUTPUTS if rng.random() < 0.6}
+    if "return_cumulative_logprob" in flags:
+        sampling.setdefault("logprobs", 0)       # without it, NaN there (the difference pinned above)
+    stream = rng.random() < 0.5
+    if not stream and rng.random() < 0.5:
+        flags["exclude_input_in_output"] = True
+    return text[start:start + rng.randint(0, 300)], stream, sampling, flags
+
+
+def test_random_greedy_requests_get_the_same_responses(ours, peer):
+    """150 seeded requests mixing the knobs above on Python's documentation (550 in two scratch
+    runs before this test: no difference; llm's stop-string hold-back with include, fixed today,
+    fails it)."""
+    from pydoc_data.topics import topics
+    rng = random.Random(5)
+    texts = list(topics.values())
+    for i in range(150):
+        prompt, stream, sampling, flags = random_request(rng, texts)
+        inputs = grpc_inputs(prompt, stream, sampling, **flags)
+        assert_same(responses(ours, "llm", inputs), responses(peer, PEER_MODEL, inputs),
+                    f"request {i} ({stream=}, {sampling}, {flags})")
