@@ -47,21 +47,25 @@ def ours(tmp_path_factory):
         yield server
 
 
-def responses(server, model: str, inputs) -> list:
-    """Every response of one request as plain values: (outputs, final) with the logprobs JSON
-    parsed, or ("error", message)."""
+def raw_responses(server, model: str, inputs) -> list[tuple[dict, bool, str | None]]:
+    """Every response of one request: (outputs as numpy arrays, final, error)."""
     import tritonclient.grpc.aio as grpcclient
-
-    def plain(array: np.ndarray):
-        values = [v.decode() if isinstance(v, bytes) else v.item() for v in array.reshape(-1)]
-        return values[0] if array.size == 1 else values
 
     async def main():
         async with grpcclient.InferenceServerClient(server.grpc_url) as client:
             return [r async for r in grpc_responses(client, model, inputs)]
+    return asyncio.run(main())
+
+
+def responses(server, model: str, inputs) -> list:
+    """Every response of one request as plain values: (outputs, final) with the logprobs JSON
+    parsed, or ("error", message)."""
+    def plain(array: np.ndarray):
+        values = [v.decode() if isinstance(v, bytes) else v.item() for v in array.reshape(-1)]
+        return values[0] if array.size == 1 else values
 
     out = []
-    for outputs, final, error in asyncio.run(main()):
+    for outputs, final, error in raw_responses(server, model, inputs):
         if error is not None:
             out.append(("error", error))
             continue
@@ -190,13 +194,9 @@ def test_the_requests_tritons_openai_frontend_builds_read_the_same(ours, peer, t
                     "temperature": 0.0, "top_p": 1, "max_tokens": 16, "logprobs": 2}
     read = []
     for server, model in ((peer, PEER_MODEL), (ours, "llm")):
-        import tritonclient.grpc.aio as grpcclient
-
-        async def main():
-            async with grpcclient.InferenceServerClient(server.grpc_url) as client:
-                return [(o, f) async for o, f, e in grpc_responses(
-                    client, model, openai_frontend_request(prompt, stream, sampling, logprobs=True))]
-        read.append(read_like_the_openai_frontend(asyncio.run(main()), stream))
+        raw = raw_responses(server, model, openai_frontend_request(prompt, stream, sampling, logprobs=True))
+        assert all(error is None for _, _, error in raw), raw
+        read.append(read_like_the_openai_frontend([(outputs, final) for outputs, final, _ in raw], stream))
     assert read[0] == read[1] and read[0][2] > 0
 
 
