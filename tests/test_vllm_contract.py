@@ -406,12 +406,13 @@ def test_the_vllm_backends_metrics_with_report_custom_metrics(tmp_path, tokenize
     engine has stepped on — one gap observation per token after the first, one of each per-request
     histogram per output; a request refused before the engine counts as an error."""
     from inflight.serving.launch import ServerProcess, make_repository
+    from perf.vllm_backend import REPORT_CUSTOM_METRICS
 
     from .conftest import TEST_ENGINE
     from .helpers import wait_for_metric
     repo = make_repository(str(tmp_path / "repo"), DEFAULT_MODEL, TEST_ENGINE, models=("llm",))
     with open(tmp_path / "repo" / "llm" / "config.pbtxt", "a") as f:
-        f.write('\nparameters: { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n')
+        f.write("\n" + REPORT_CUSTOM_METRICS)
     with ServerProcess(repo) as server:
         ref = decode(tokenizer, tokenizer(PROMPT)["input_ids"])
         requests = [{"max_tokens": 6, "temperature": 0, "ignore_eos": True},
