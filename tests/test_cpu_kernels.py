@@ -109,7 +109,7 @@ def decode_code(request, kernels):
 
 def test_bf16_decode_takes_the_amx_tiles_where_the_cpu_has_them(kernels):
     from inflight.cpu_features import cpu_flags
-    assert kernels.amx_decode == ({"amx_tile", "amx_bf16"} <= cpu_flags())
+    assert kernels.amx_tiles == ({"amx_tile", "amx_bf16"} <= cpu_flags())
 
 
 @pytest.mark.parametrize("decode_code, dtype", [("vector", torch.float32), ("vector", torch.bfloat16),

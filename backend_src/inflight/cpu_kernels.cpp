@@ -8,9 +8,10 @@
 // over OpenMP threads; each item is computed by one thread in a fixed order, so results do not
 // depend on the thread count or the schedule.
 //
-// On a CPU with AMX-BF16 (Xeon Sapphire Rapids and later), bf16 decodes of head dims of whole 32s,
-// groups dividing 16 and block sizes of whole 16s run both products on the AMX tiles instead
-// (decode_amx): 1.4x faster on the bench's 64-sequence layer, as fast as vLLM-CPU's AMX kernel.
+// On a CPU with AMX-BF16 (Xeon Sapphire Rapids and later), bf16 attention with head dims of whole
+// 32s and block sizes of whole 16s takes the AMX tiles: decodes (groups dividing 16) run both
+// products on them (decode_amx: 1.4x faster on the bench's 64-sequence layer, as fast as vLLM-CPU's
+// AMX kernel), and the prefill kernel its scores.
 //
 // paged_prefill_attention: the sequences with several query tokens (prefill chunks), a tile of
 // tokens at a time, so that each K/V row read serves the whole tile (see prefill_tile). Sized for
@@ -536,7 +537,7 @@ bool amx_permitted() {      // Linux hands a process the tiles' state only on re
     return ok;
 }
 
-bool amx_on = true;         // inflight_amx_decode(0): the benchmark times the vector code beside the tiles
+bool amx_on = true;         // inflight_amx_tiles(0): the benchmark times the vector code beside the tiles
 
 inline bool amx_decode_fits(int group, int dim, int block_size) {
     return amx_on && dim % 32 == 0 && 16 % group == 0 && block_size % 16 == 0 && amx_permitted();
@@ -875,6 +876,22 @@ void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRo
         }
     }
     const int last = first_pos + tokens - 1;
+#ifdef INFLIGHT_AMX
+    // scores on the AMX tiles where they fit: per 16 keys (of one block), K read in place as A
+    // against Q's pairs (qt, already the B layout) for each 16-row vector, the scores key-major as
+    // the softmax below reads them
+    bool tile_scores = false;
+    if constexpr (PAIRS) {
+        tile_scores = amx_on && dim % 32 == 0 && k_row.block_size % 16 == 0 && amx_permitted();
+        if (tile_scores) {
+            TileConfig config;
+            config.set(0, 16, 64);
+            config.set(1, 16, 64);
+            for (int v = 0; v < RV; ++v) config.set(2 + v, 16, 64);
+            _tile_loadconfig(&config);
+        }
+    }
+#endif
     for (int first = 0; first <= last; first += PREFILL_KEYS) {
         const int n = last + 1 - first < PREFILL_KEYS ? last + 1 - first : PREFILL_KEYS;
         const int n4 = (n + 3) / 4 * 4;          // keys past n (n < PREFILL_KEYS) lie past `last`: masked below
@@ -882,6 +899,39 @@ void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRo
             k_rows[t] = k_row(first + (t < n ? t : n - 1));
             v_rows[t] = v_row(first + (t < n ? t : n - 1));
         }
+#ifdef INFLIGHT_AMX
+        if (tile_scores) {
+            for (int t = 0; t < n; ++t) prefetch_row(v_rows[t], dim);
+            const int64_t k_bytes = k_row.slot_stride * (int64_t)sizeof(T);
+            for (int sub = 0; sub < n; sub += 16) {
+                const T *k = k_rows[sub];
+                // tile numbers are immediates: the row vectors' accumulators are tiles 2 to 5
+                _tile_zero(2);
+                if (RV > 1) _tile_zero(3);
+                if (RV > 2) _tile_zero(4);
+                if (RV > 3) _tile_zero(5);
+                for (int c = 0; c < dim / 32; ++c) {
+                    _tile_loadd(1, k + 32 * c, k_bytes);
+                    _tile_loadd(0, &qt[16 * c][0], PREFILL_ROWS * 4);
+                    _tile_dpbf16ps(2, 1, 0);
+                    if (RV > 1) { _tile_loadd(0, &qt[16 * c][16], PREFILL_ROWS * 4); _tile_dpbf16ps(3, 1, 0); }
+                    if (RV > 2) { _tile_loadd(0, &qt[16 * c][32], PREFILL_ROWS * 4); _tile_dpbf16ps(4, 1, 0); }
+                    if (RV > 3) { _tile_loadd(0, &qt[16 * c][48], PREFILL_ROWS * 4); _tile_dpbf16ps(5, 1, 0); }
+                }
+                _tile_stored(2, &scores[sub][0], PREFILL_ROWS * 4);
+                if (RV > 1) _tile_stored(3, &scores[sub][16], PREFILL_ROWS * 4);
+                if (RV > 2) _tile_stored(4, &scores[sub][32], PREFILL_ROWS * 4);
+                if (RV > 3) _tile_stored(5, &scores[sub][48], PREFILL_ROWS * 4);
+            }
+            for (int t = 0; t < n4; ++t)
+                for (int v = 0; v < RV; ++v) {
+                    v16f x = load16(&scores[t][16 * v]) * scale;
+                    if (first + t > first_pos)          // causal (and the slots past `last`, whatever they hold)
+                        x = ((v16i){} + (first + t)) > position[v] ? (v16f){} - INFINITY : x;
+                    memcpy(&scores[t][16 * v], &x, 64);
+                }
+        } else
+#endif
         // scores, four keys against every row vector at a time
         for (int t = 0; t < n4; t += 4) {
             if (t + 4 < n) {
@@ -1000,6 +1050,9 @@ void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRo
                 for (int v = 0; v < RV; ++v) memcpy(&acc[d + i][16 * v], &o[i][v], 64);
         }
     }
+#ifdef INFLIGHT_AMX
+    if (tile_scores) _tile_release();
+#endif
     int lane[MAX_DIM];
     for (int d = 0; d < dim; ++d) lane[d] = PAIRS ? pv_lane(d) : d;
     for (int v = 0; v < RV; ++v) {
@@ -1483,9 +1536,9 @@ int inflight_kernel_limits(int *max_dim, int *max_group) {
     return 0;
 }
 
-// whether bf16 decodes (of the shapes amx_decode_fits takes) run on the AMX tiles; setting 0 or 1
-// turns them off or on first, -1 only asks
-int inflight_amx_decode(int setting) {
+// whether bf16 attention takes the AMX tiles (decodes of the shapes amx_decode_fits takes, and the
+// prefill kernel's scores); setting 0 or 1 turns them off or on first, -1 only asks
+int inflight_amx_tiles(int setting) {
 #ifdef INFLIGHT_AMX
     if (setting >= 0) amx_on = setting == 1;
     return amx_on && amx_permitted();

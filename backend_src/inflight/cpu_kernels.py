@@ -65,15 +65,16 @@ class CpuKernels:
                 self.fns[op, dtype] = fn
         self.argmax_f32 = lib.argmax_rows_f32
         self.argmax_f32.argtypes, self.argmax_f32.restype = [p, i64, p, i64, i64, i32], None
-        lib.inflight_amx_decode.argtypes, lib.inflight_amx_decode.restype = [i32], i32
-        self.amx_decode = bool(lib.inflight_amx_decode(-1))
+        lib.inflight_amx_tiles.argtypes, lib.inflight_amx_tiles.restype = [i32], i32
+        self.amx_tiles = bool(lib.inflight_amx_tiles(-1))
 
     def use_amx(self, on: bool) -> bool:
-        """Whether bf16 decodes run on the AMX tiles from now on (on a CPU with AMX-BF16, for head
-        dims of whole 32s, groups dividing 16 and block sizes of whole 16s); False elsewhere. For the
-        benchmark, which times the vector code beside them."""
-        self.amx_decode = bool(self.lib.inflight_amx_decode(int(on)))
-        return self.amx_decode
+        """Whether bf16 attention takes the AMX tiles from now on (on a CPU with AMX-BF16, for head
+        dims of whole 32s and block sizes of whole 16s: decodes with groups dividing 16, and the
+        prefill kernel's scores); False elsewhere. For the benchmark, which times the vector code
+        beside them."""
+        self.amx_tiles = bool(self.lib.inflight_amx_tiles(int(on)))
+        return self.amx_tiles
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         return (dtype in DTYPES and head_dim <= self.max_dim and num_heads % num_kv_heads == 0
