@@ -841,6 +841,79 @@ inline void dot_four_bf16(__m512 (*a)[RV], const uint32_t (*rows)[PREFILL_ROWS],
 }
 #endif
 
+#ifdef INFLIGHT_AMX
+// the 16 x 16 32-bit elements of rows[i][0, 16) transposed into out[j][i] (4 rounds of shuffles)
+inline void transpose16(const uint32_t (*rows)[MAX_DIM], uint32_t (*out)[16]) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(rows[i]);
+    for (int i = 0; i < 16; i += 2) {          // in each 128-bit lane, pairs of rows interleaved
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {          // r[i + c]: column 4L + c of rows i..i+3, lane L
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)            // lanes 0, 2 then 1, 3 of row groups i and i + 4
+        for (int c = 0; c < 4; ++c) {
+            t[h + c] = _mm512_shuffle_i32x4(r[h + c], r[h + 4 + c], 0x88);
+            t[h + 4 + c] = _mm512_shuffle_i32x4(r[h + c], r[h + 4 + c], 0xdd);
+        }
+    for (int c = 0; c < 8; ++c) {              // columns c and 8 + c
+        _mm512_store_si512(out[c], _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88));
+        _mm512_store_si512(out[8 + c], _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd));
+    }
+}
+
+// the prefill tile's P V for one chunk of keys on the AMX tiles: acc (the output transposed, dims
+// in pv_lane order x rows) is already C's layout, and p_pairs (pairs of keys x rows) already B's, so
+// only V is transposed, 16 dims at a time, into A (dims x pairs of keys); pairs past `pairs` are
+// zeroed in both (stale values there could be NaN). The tiles' config is prefill_tile's.
+template <int RV>
+void prefill_pv_tiles(uint32_t (*v_pairs)[MAX_DIM], uint32_t (*p_pairs)[PREFILL_ROWS], int pairs, int out_dims,
+                      const v16f *correction, float (*acc)[PREFILL_ROWS]) {
+    for (int u = pairs; u < PREFILL_KEYS / 2; ++u) {
+        memset(v_pairs[u], 0, out_dims * sizeof(uint32_t));
+        memset(p_pairs[u], 0, sizeof(p_pairs[u]));
+    }
+    for (int d = 0; d < out_dims; ++d)
+        for (int v = 0; v < RV; ++v) _mm512_store_ps(&acc[d][16 * v], _mm512_load_ps(&acc[d][16 * v]) * (__m512)correction[v]);
+    alignas(64) uint32_t v_rows[MAX_DIM / 16][16][16];      // [16 dims][dim][pair of keys]
+    for (int t = 0; t < out_dims / 16; ++t) {
+        uint32_t (*block)[MAX_DIM] = (uint32_t (*)[MAX_DIM])&v_pairs[0][16 * t];
+        transpose16(block, v_rows[t]);
+    }
+    // B: the row vectors' probabilities in tiles 4 to 7; A: tile 0; C: tiles 1 and 2 by turns
+    _tile_loadd(4, &p_pairs[0][0], PREFILL_ROWS * 4);
+    if (RV > 1) _tile_loadd(5, &p_pairs[0][16], PREFILL_ROWS * 4);
+    if (RV > 2) _tile_loadd(6, &p_pairs[0][32], PREFILL_ROWS * 4);
+    if (RV > 3) _tile_loadd(7, &p_pairs[0][48], PREFILL_ROWS * 4);
+    for (int t = 0; t < out_dims / 16; ++t) {
+        _tile_loadd(0, v_rows[t], 64);
+        _tile_loadd(1, &acc[16 * t][0], PREFILL_ROWS * 4);
+        _tile_dpbf16ps(1, 0, 4);
+        _tile_stored(1, &acc[16 * t][0], PREFILL_ROWS * 4);
+        if (RV > 1) {
+            _tile_loadd(2, &acc[16 * t][16], PREFILL_ROWS * 4);
+            _tile_dpbf16ps(2, 0, 5);
+            _tile_stored(2, &acc[16 * t][16], PREFILL_ROWS * 4);
+        }
+        if (RV > 2) {
+            _tile_loadd(1, &acc[16 * t][32], PREFILL_ROWS * 4);
+            _tile_dpbf16ps(1, 0, 6);
+            _tile_stored(1, &acc[16 * t][32], PREFILL_ROWS * 4);
+        }
+        if (RV > 3) {
+            _tile_loadd(2, &acc[16 * t][48], PREFILL_ROWS * 4);
+            _tile_dpbf16ps(2, 0, 7);
+            _tile_stored(2, &acc[16 * t][48], PREFILL_ROWS * 4);
+        }
+    }
+}
+#endif
+
 template <typename T, bool PAIRS, int RV, typename KRow, typename VRow>
 void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRow k_row, VRow v_row, int dim,
                   int group, int kv_head, int tokens, int first_pos, float scale, T *out,
@@ -884,10 +957,8 @@ void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRo
     if constexpr (PAIRS) {
         tile_scores = amx_on && dim % 32 == 0 && k_row.block_size % 16 == 0 && amx_permitted();
         if (tile_scores) {
-            TileConfig config;
-            config.set(0, 16, 64);
-            config.set(1, 16, 64);
-            for (int v = 0; v < RV; ++v) config.set(2 + v, 16, 64);
+            TileConfig config;             // every tile 16 rows of 64 bytes, in both products
+            for (int t = 0; t < 8; ++t) config.set(t, 16, 64);
             _tile_loadconfig(&config);
         }
     }
@@ -1018,6 +1089,12 @@ void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRo
                     _mm512_store_si512(&p_pairs[u][16 * v], _mm512_permutexvar_epi16(interleave, (__m512i)both));
                 }
             }
+#ifdef INFLIGHT_AMX
+            if (tile_scores) {
+                prefill_pv_tiles<RV>(v_pairs, p_pairs, pairs, out_dims, correction, acc);
+                continue;
+            }
+#endif
             for (int d = 0; d < out_dims; d += 4) {
                 __m512 o[4][RV];
                 for (int i = 0; i < 4; ++i)
