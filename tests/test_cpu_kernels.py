@@ -67,12 +67,13 @@ def test_random_mixed_steps_match_the_reference(kernels, seed, prefill_route):
     torch.testing.assert_close(run(kernels, step).double(), reference(step), atol=ATOL[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("attention_code, dtype", [("vector", torch.float32), ("vector", torch.bfloat16),
+                                                    ("amx-tiles", torch.bfloat16)], indirect=["attention_code"])
 @pytest.mark.parametrize("group, head_dim", [(1, 64), (4, 128), (16, 256), (2, 24)])
-def test_long_prefill_chunks_match_the_reference(kernels, dtype, group, head_dim, prefill_route):
+def test_long_prefill_chunks_match_the_reference(kernels, attention_code, dtype, group, head_dim, prefill_route):
     """Prefill chunks over many of the prefill kernel's tiles (64 query rows, 32 keys): fresh,
     after a context, ending mid-tile, next to decodes; blocks of 24 slots with head dim 24 (a block
-    size that is not a power of two)."""
+    size that is not a power of two, so the vector code even where the CPU has AMX)."""
     cases = [(1, 40), (200, 200), (1, 333), (97, 400), (95, 95 + 33), (3, 3), (2, 700)]
     step = make_step(cases, 2 * group, 2, head_dim, 24 if head_dim == 24 else 16, dtype, seed=group,
                      strided=group == 4)
@@ -97,8 +98,8 @@ def test_results_are_bitwise_the_same_with_any_thread_count(kernels, prefill_rou
 
 
 @pytest.fixture
-def decode_code(request, kernels):
-    """bf16 decodes on the AMX tiles (where the CPU has AMX-BF16) or on the vector dot products."""
+def attention_code(request, kernels):
+    """bf16 attention on the AMX tiles (where the CPU has AMX-BF16) or on the vector dot products."""
     on = request.param == "amx-tiles"
     if on and not kernels.use_amx(True):
         pytest.skip("no AMX-BF16 on this CPU (the vector code is the one that runs)")
@@ -107,16 +108,16 @@ def decode_code(request, kernels):
     kernels.use_amx(True)
 
 
-def test_bf16_decode_takes_the_amx_tiles_where_the_cpu_has_them(kernels):
+def test_bf16_attention_takes_the_amx_tiles_where_the_cpu_has_them(kernels):
     from inflight.cpu_features import cpu_flags
     assert kernels.amx_tiles == ({"amx_tile", "amx_bf16"} <= cpu_flags())
 
 
-@pytest.mark.parametrize("decode_code, dtype", [("vector", torch.float32), ("vector", torch.bfloat16),
-                                                 ("amx-tiles", torch.bfloat16)], indirect=["decode_code"])
+@pytest.mark.parametrize("attention_code, dtype", [("vector", torch.float32), ("vector", torch.bfloat16),
+                                                    ("amx-tiles", torch.bfloat16)], indirect=["attention_code"])
 @pytest.mark.parametrize("group, head_dim, block_size", [(1, 64, 16), (4, 64, 32), (8, 128, 16), (16, 32, 64),
                                                          (2, 256, 128), (4, 96, 16), (3, 64, 16), (4, 48, 16)])
-def test_decodes_ignore_the_slots_past_each_sequence(kernels, decode_code, dtype, group, head_dim, block_size):
+def test_decodes_ignore_the_slots_past_each_sequence(kernels, attention_code, dtype, group, head_dim, block_size):
     """Decodes of lengths around the tiles' 16 and 32 keys, against the reference, with every slot
     past a sequence's length in its last block holding NaN (a freed block's stale values can be
     anything): none of it reaches the output. The AMX code takes head dims of whole 32s, groups
