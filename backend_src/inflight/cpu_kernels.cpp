@@ -892,24 +892,17 @@ void prefill_pv_tiles(uint32_t (*v_pairs)[MAX_DIM], uint32_t (*p_pairs)[PREFILL_
     if (RV > 3) _tile_loadd(7, &p_pairs[0][48], PREFILL_ROWS * 4);
     for (int t = 0; t < out_dims / 16; ++t) {
         _tile_loadd(0, v_rows[t], 64);
-        _tile_loadd(1, &acc[16 * t][0], PREFILL_ROWS * 4);
-        _tile_dpbf16ps(1, 0, 4);
-        _tile_stored(1, &acc[16 * t][0], PREFILL_ROWS * 4);
-        if (RV > 1) {
-            _tile_loadd(2, &acc[16 * t][16], PREFILL_ROWS * 4);
-            _tile_dpbf16ps(2, 0, 5);
-            _tile_stored(2, &acc[16 * t][16], PREFILL_ROWS * 4);
-        }
-        if (RV > 2) {
-            _tile_loadd(1, &acc[16 * t][32], PREFILL_ROWS * 4);
-            _tile_dpbf16ps(1, 0, 6);
-            _tile_stored(1, &acc[16 * t][32], PREFILL_ROWS * 4);
-        }
-        if (RV > 3) {
-            _tile_loadd(2, &acc[16 * t][48], PREFILL_ROWS * 4);
-            _tile_dpbf16ps(2, 0, 7);
-            _tile_stored(2, &acc[16 * t][48], PREFILL_ROWS * 4);
-        }
+        // row vector V's 16 dims t: C tile C += A . B tile B (tile numbers are immediates)
+#define INFLIGHT_PV(C, B, V) do {                                                  \
+            _tile_loadd(C, &acc[16 * t][16 * (V)], PREFILL_ROWS * 4);              \
+            _tile_dpbf16ps(C, 0, B);                                               \
+            _tile_stored(C, &acc[16 * t][16 * (V)], PREFILL_ROWS * 4);             \
+        } while (0)
+        INFLIGHT_PV(1, 4, 0);
+        if (RV > 1) INFLIGHT_PV(2, 5, 1);
+        if (RV > 2) INFLIGHT_PV(1, 6, 2);
+        if (RV > 3) INFLIGHT_PV(2, 7, 3);
+#undef INFLIGHT_PV
     }
 }
 #endif
