@@ -539,8 +539,13 @@ bool amx_permitted() {      // Linux hands a process the tiles' state only on re
 
 bool amx_on = true;         // inflight_amx_tiles(0): the benchmark times the vector code beside the tiles
 
+// both kernels: 32 dims a tile row, 16 keys of one block a tile
+inline bool amx_fits(int dim, int block_size) {
+    return amx_on && dim % 32 == 0 && block_size % 16 == 0 && amx_permitted();
+}
+
 inline bool amx_decode_fits(int group, int dim, int block_size) {
-    return amx_on && dim % 32 == 0 && 16 % group == 0 && block_size % 16 == 0 && amx_permitted();
+    return 16 % group == 0 && amx_fits(dim, block_size);
 }
 
 // each lane of x (lane l holds head l % group) combined with the lanes of its head: max or sum
@@ -627,8 +632,21 @@ void decode_amx(const bf16 *q, int64_t q_head_stride, const bf16 *k_cache, const
             _tile_stored(2, scores + hh * row_scores + (int64_t)first * group, 4 * group);
         }
     }
-    float inverse_totals[MAX_GROUP * 16];     // [head][query head]
+    // then per KV head the softmax, and P V: tile 0 a chunk's probabilities (A), tiles 1 and 6 V's
+    // pairs of keys (B), tiles 2-5 the output's 16-dim columns (C), over 64 dims at a time
+    config = TileConfig();
+    config.set(0, group, 64);
+    config.set(1, 16, 64);
+    config.set(6, 16, 64);
+    for (int t = 2; t < 6; ++t) config.set(t, group, 64);
+    _tile_loadconfig(&config);
+    alignas(64) float acc[MAX_DIM / 16][16][16];        // [16 dims, pv_lane order][query head][dim]
+    // a chunk's operands are built with vector stores and read back by tile loads, which wait for those
+    // stores to reach L1: the tiles take chunk i - 1's operands while chunk i's are being built
+    alignas(64) bf16 probs[2][MAX_GROUP][32];
+    alignas(64) __m512i pairs[2][4][16];                 // [16 dims][pair of keys]
     for (int hh = 0; hh < heads; ++hh) {
+        const PagedRows<bf16> v_row(v_cache, v_strides, blocks, first_head + hh, block_size);
         float *s = scores + hh * row_scores;
         // the keys past seq_len (of the last block's slots, or never written) get no weight
         for (int64_t i = (int64_t)seq_len * group; i < row_scores; ++i) s[i] = -INFINITY;
@@ -646,25 +664,6 @@ void decode_amx(const bf16 *q, int64_t q_head_stride, const bf16 *k_cache, const
             sums += p[0] + p[1];
         }
         const v16f totals = (v16f)across_head_lanes<false>((__m512)sums, group);
-        for (int g = 0; g < group; ++g) inverse_totals[hh * group + g] = 1.0f / totals[g];
-    }
-
-    // P V: tile 0 a chunk's probabilities (A), tiles 1 and 6 V's pairs of keys (B), tiles 2-5 the
-    // output's 16-dim columns (C), over 64 dims at a time
-    config = TileConfig();
-    config.set(0, group, 64);
-    config.set(1, 16, 64);
-    config.set(6, 16, 64);
-    for (int t = 2; t < 6; ++t) config.set(t, group, 64);
-    _tile_loadconfig(&config);
-    alignas(64) float acc[MAX_DIM / 16][16][16];        // [16 dims, pv_lane order][query head][dim]
-    // a chunk's operands are built with vector stores and read back by tile loads, which wait for those
-    // stores to reach L1: the tiles take chunk i - 1's operands while chunk i's are being built
-    alignas(64) bf16 probs[2][MAX_GROUP][32];
-    alignas(64) __m512i pairs[2][4][16];                 // [16 dims][pair of keys]
-    for (int hh = 0; hh < heads; ++hh) {
-        const PagedRows<bf16> v_row(v_cache, v_strides, blocks, first_head + hh, block_size);
-        const float *s = scores + hh * row_scores;
         for (int first_dim = 0; first_dim < dim; first_dim += 64) {
             const int tiles = dim - first_dim >= 64 ? 4 : 2;
             auto multiply = [&](int buffer) {
@@ -717,7 +716,7 @@ void decode_amx(const bf16 *q, int64_t q_head_stride, const bf16 *k_cache, const
         }
         for (int g = 0; g < group; ++g) {
             bf16 *dst = out + (int64_t)((first_head + hh) * group + g) * out_head_stride;
-            const float inv = inverse_totals[hh * group + g];
+            const float inv = 1.0f / totals[g];
             for (int d = 0; d < dim; ++d) {
                 const int lane = pv_lane(d);
                 from_float(acc[lane / 16][g][lane % 16] * inv, dst + d);
@@ -946,10 +945,10 @@ void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRo
     // both products on the AMX tiles where they fit. Scores: per 16 keys (of one block), K read in
     // place as A against Q's pairs (qt, already the B layout) for each 16-row vector, the scores
     // key-major as the softmax below reads them; P V: prefill_pv_tiles
-    bool tile_scores = false;
+    bool on_tiles = false;
     if constexpr (PAIRS) {
-        tile_scores = amx_on && dim % 32 == 0 && k_row.block_size % 16 == 0 && amx_permitted();
-        if (tile_scores) {
+        on_tiles = amx_fits(dim, k_row.block_size);
+        if (on_tiles) {
             TileConfig config;             // every tile 16 rows of 64 bytes, in both products
             for (int t = 0; t < 8; ++t) config.set(t, 16, 64);
             _tile_loadconfig(&config);
@@ -964,7 +963,7 @@ void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRo
             v_rows[t] = v_row(first + (t < n ? t : n - 1));
         }
 #ifdef INFLIGHT_AMX
-        if (tile_scores) {
+        if (on_tiles) {
             for (int t = 0; t < n; ++t) prefetch_row(v_rows[t], dim);
             const int64_t k_bytes = k_row.slot_stride * (int64_t)sizeof(T);
             for (int sub = 0; sub < n; sub += 16) {
@@ -1083,7 +1082,7 @@ void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRo
                 }
             }
 #ifdef INFLIGHT_AMX
-            if (tile_scores) {
+            if (on_tiles) {
                 prefill_pv_tiles<RV>(v_pairs, p_pairs, pairs, out_dims, correction, acc);
                 continue;
             }
@@ -1121,7 +1120,7 @@ void prefill_tile(const T *q, int64_t q_token_stride, int64_t q_head_stride, KRo
         }
     }
 #ifdef INFLIGHT_AMX
-    if (tile_scores) _tile_release();
+    if (on_tiles) _tile_release();
 #endif
     int lane[MAX_DIM];
     for (int d = 0; d < dim; ++d) lane[d] = PAIRS ? pv_lane(d) : d;
