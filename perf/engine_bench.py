@@ -406,14 +406,20 @@ def time_split(engine, items) -> dict:
     return {**split, "seconds": run["seconds"], "generated_tokens": run["generated_tokens"]}
 
 
+def vs_vllm_engine(model_dir: str, dtype: str, **config) -> LLMEngine:
+    """inflight with 5.'s limits (and any other EngineConfig fields), warmed up."""
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(
+        dtype=dtype, max_num_seqs=VS_VLLM["max_num_seqs"], max_model_len=VS_VLLM["max_model_len"],
+        max_num_batched_tokens=VS_VLLM["max_num_batched_tokens"], kv_cache_gb=2.0, **config))
+    engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))                  # warm up
+    return engine
+
+
 def vs_vllm(python: str, model_dir: str, dtypes: list[str], rounds: int, compile_: bool = False) -> dict:
     """Per dtype: both engines loaded once, then rounds of fresh prompts, interleaved."""
     results = {}
     for dtype in dtypes:
-        engine = LLMEngine.from_pretrained(model_dir, EngineConfig(
-            dtype=dtype, max_num_seqs=VS_VLLM["max_num_seqs"], max_model_len=VS_VLLM["max_model_len"],
-            max_num_batched_tokens=VS_VLLM["max_num_batched_tokens"], kv_cache_gb=2.0))
-        engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))                  # warm up
+        engine = vs_vllm_engine(model_dir, dtype)
         vllm = VllmProcess(python, model_dir, dtype, compile_)
         runs = {"inflight": [], "vllm": []}
         try:
@@ -452,10 +458,7 @@ def amx_vs_vector(model_dir: str, rounds: int) -> dict:
     """5.'s bf16 workload through one engine, the attention kernels' AMX tiles on and off by turns
     (each round's prompts twice: prefix caching off, or the second run would find them cached)."""
     kernels = cpu_kernels.load()
-    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(
-        dtype="bfloat16", max_num_seqs=VS_VLLM["max_num_seqs"], max_model_len=VS_VLLM["max_model_len"],
-        max_num_batched_tokens=VS_VLLM["max_num_batched_tokens"], kv_cache_gb=2.0, enable_prefix_caching=False))
-    engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))                  # warm up
+    engine = vs_vllm_engine(model_dir, "bfloat16", enable_prefix_caching=False)
     runs = {"amx": [], "vector": []}
     try:
         for r in range(rounds):

@@ -6,8 +6,8 @@ requests Triton's OpenAI frontend builds read the same from both."""
 import asyncio
 import json
 import math
-import random
 import os
+import random
 import re
 
 import numpy as np
