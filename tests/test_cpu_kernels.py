@@ -254,6 +254,29 @@ def test_fused_layer_ops_match_their_torch_expressions(kernels, dtype, monkeypat
         torch.testing.assert_close(fused[2], expected[2], rtol=1e-6, atol=1e-7)
 
 
+def test_bf16_fused_ops_round_subnormal_results_as_torch(kernels, monkeypatch):
+    """Results under 2^-126, where AVX512-BF16's rounding instruction flushes to zero and torch
+    keeps the subnormal bf16: the same bits either way."""
+    from inflight.models.llama import RMSNorm, rotate, silu_and_mul
+    g = torch.Generator().manual_seed(7)
+    tiny = 3e-39                     # most products and sums below are subnormal in float32
+    norm = RMSNorm(64, 1e-5).to(torch.bfloat16)
+    x, residual = ((torch.randn(9, 64, generator=g) * tiny).bfloat16() for _ in range(2))
+    qk = (torch.randn(9, 4, 64, generator=g) * tiny).bfloat16()
+    cos, sin = (torch.randn(9, 1, 64, generator=g).bfloat16() for _ in range(2))
+    gate_up = torch.cat([torch.randn(9, 160, generator=g) * 4, torch.randn(9, 160, generator=g) * tiny], 1).bfloat16()
+
+    def ops():
+        return norm.add_forward(x, residual.clone())[1], rotate(qk, cos, sin), silu_and_mul(gate_up)
+    with torch.no_grad():
+        fused = ops()
+        torch_path(monkeypatch)
+        expected = ops()
+    for got, want in zip(fused, expected):
+        assert (want.float().abs() < 2 ** -126).logical_and(want != 0).sum() > 100     # the case is exercised
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kv_write_matches_the_torch_one(kernels, dtype):
     g = torch.Generator().manual_seed(6)
