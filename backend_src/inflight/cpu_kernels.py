@@ -131,7 +131,8 @@ class CpuKernels:
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [tokens, heads, dim] (any row/head strides), cos/sin [tokens, 1 or absent, dim]."""
         tokens, heads, dim = x.shape
-        cos, sin = cos.reshape(tokens, dim), sin.reshape(tokens, dim)
+        # each row's table read at its row stride, not reshaped (in every layer: reshapes cost more here)
+        assert cos.shape == sin.shape and cos.numel() == tokens * dim and cos.shape[0] == tokens
         assert x.stride(-1) == 1 and cos.dtype == sin.dtype == x.dtype and cos.stride() == sin.stride()
         assert cos.stride(-1) == 1
         out = x.new_empty((tokens, heads, dim))
