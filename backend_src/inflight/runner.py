@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import hugepages
+from . import heap, hugepages
 from .attention import AttentionMetadata, select_backend
 from .batch_table import BatchTable
 from .config import EngineConfig
@@ -108,6 +108,8 @@ class ModelRunner:
         # which oneDNN keeps its built matmuls (packed_linear.shape_bucket)
         packed = self.device.type == "cpu" and pack_linears(self.model) > 0
         self.bucket = shape_bucket if packed else None
+        if self.device.type == "cpu":
+            heap.keep_activations_mapped()      # no page faults for each step's activations
         self.lora = None     # LoraWeights when enable_lora: every adapter's weights, in resident slots
         if config.enable_lora:
             self.lora = load_lora_weights(lora_modules or {}, self.spec, config.max_loras, config.max_lora_rank,
