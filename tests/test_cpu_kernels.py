@@ -289,6 +289,32 @@ def test_fused_kv_write_matches_the_torch_one(kernels, dtype):
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+@pytest.mark.parametrize("dim", [64, 24])         # the vector path and the scalar one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_write_kv_is_the_rotations_and_the_kv_write(kernels, dtype, dim, monkeypatch):
+    """The CPU backend's one pass up to the attention gives the model's separate steps' results:
+    q rotated, K rotated and V in the caches at the slots; slot -1 and the rows past the slots
+    (padding) write nothing."""
+    from inflight.models.llama import Attention, ModelSpec
+    g = torch.Generator().manual_seed(8)
+    spec = ModelSpec(vocab_size=8, hidden_size=4 * dim, intermediate_size=8, num_layers=1, num_heads=4,
+                     num_kv_heads=2, head_dim=dim, rms_norm_eps=1e-5, qkv_bias=False, o_bias=False, mlp_bias=False,
+                     tie_word_embeddings=False, context_length=64)
+    layer = Attention(spec)
+    wide = torch.randn(11, 2 * 8 * dim, generator=g).to(dtype)
+    qkv = wide[:, :8 * dim]                                               # rows at a stride, as a view would be
+    cos, sin = (torch.randn(11, 1, dim, generator=g).to(dtype) for _ in range(2))
+    slots = torch.tensor([3, 70, -1, 0, 15, 16, -1, 33, 94])             # 9 real tokens, 2 of padding
+    caches = [torch.zeros(6, 16, 2, dim, dtype=dtype) for _ in range(4)]
+    q = kernels.rotary_write_kv(qkv, 4, 2, cos, sin, caches[0], caches[1], slots)
+    torch_path(monkeypatch)
+    want_q, want_k = layer.rotate_qk(qkv, cos, sin)
+    attention.write_kv(want_k[:9], qkv[:9, 6 * dim:].view(9, 2, dim), caches[2], caches[3], slots)
+    assert torch.equal(q, want_q)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].count_nonzero() == 7 * 2 * dim          # the 7 slots written, nothing else
+
+
 def test_argmax_matches_torch_with_ties_nan_and_infinities(kernels):
     g = torch.Generator().manual_seed(7)
     x = torch.randn(64, 8193, generator=g)[:, 1:]

@@ -47,10 +47,13 @@ class AttentionMetadata:
 @dataclass(frozen=True, slots=True)
 class AttentionBackend:
     """write_kv(key, value, k_cache, v_cache, slot_mapping) and
-    attention(q, k_cache, v_cache, out, meta, scale)."""
+    attention(q, k_cache, v_cache, out, meta, scale); where the backend has it,
+    rotary_write_kv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping) -> q:
+    the rotations and write_kv in one pass over the fused projection's output."""
     name: str
     write_kv: Callable
     attention: Callable
+    rotary_write_kv: Callable | None = None
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
@@ -68,7 +71,9 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> Atten
         raise ValueError("'attention_backend' 'triton' supports float16, bfloat16 and float32, not float64; "
                          "use 'torch'")
     if name == "cpu":
-        return AttentionBackend("cpu", compiled_write_kv, _compiled_backend(device, dtype))
+        attention = _compiled_backend(device, dtype)
+        # a decode step's rotation and K/V write were two calls a layer, ~30 µs of them the wrappers'
+        return AttentionBackend("cpu", compiled_write_kv, attention, cpu_kernels.load().rotary_write_kv)
     if name == "torch":
         return AttentionBackend("torch", write_kv, grouped_paged_attention)
     from .kernels import unified_attention, write_kv as triton_write_kv

@@ -1299,32 +1299,56 @@ void rms_norm(const T *x, int64_t x_stride, T *residual, int64_t residual_stride
     }
 }
 
-// x * cos + cat(-x2, x1) * sin per head: x [rows, heads, dim] (strides row, head), cos/sin [rows, dim]
+// one head's x * cos + cat(-x2, x1) * sin
+template <typename T>
+__attribute__((optimize("fp-contract=off")))
+inline void rotate_head(const T *src, const T *c, const T *s, T *dst, int dim) {
+    const int half = dim / 2;
+    if (half % 16 == 0) {
+        for (int d = 0; d < half; d += 16) {
+            const v16f x1 = load16(src + d), x2 = load16(src + half + d);
+            store16(dst + d, rounded16(x1 * load16(c + d), src) + rounded16(-x2 * load16(s + d), src));
+            store16(dst + half + d, rounded16(x2 * load16(c + half + d), src) + rounded16(x1 * load16(s + half + d), src));
+        }
+        return;
+    }
+    for (int d = 0; d < dim; ++d) {
+        const float rotated = d < half ? -to_float(src[d + half]) : to_float(src[d - half]);
+        from_float(rounded<T>(to_float(src[d]) * to_float(c[d])) + rounded<T>(rotated * to_float(s[d])), dst + d);
+    }
+}
+
+// every head rotated: x [rows, heads, dim] (strides row, head), cos/sin [rows, dim]
 template <typename T>
 __attribute__((optimize("fp-contract=off")))
 void rotary(const T *x, int64_t x_row_stride, int64_t x_head_stride, const T *cos, const T *sin,
             int64_t table_stride, T *out, int64_t rows, int heads, int dim, int num_threads) {
-    const int half = dim / 2;
 #pragma omp parallel for num_threads(num_threads) if (rows * heads * dim > PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; ++r)
+        for (int h = 0; h < heads; ++h)
+            rotate_head(x + r * x_row_stride + h * x_head_stride, cos + r * table_stride, sin + r * table_stride,
+                        out + (r * heads + h) * dim, dim);
+}
+
+// an attention layer's step up to the attention, in one pass over qkv [rows, (heads + 2 kv_heads) x
+// dim] (row stride given): the query heads rotated into q_out [rows, heads, dim], the key heads
+// rotated straight into k_cache and the value heads copied into v_cache at each row's slot (rows
+// from num_slots on, or at a slot < 0, are queries only). A row's slot is its own: rows run in parallel
+template <typename T>
+__attribute__((optimize("fp-contract=off")))
+void rotary_write_kv(const T *qkv, int64_t qkv_stride, const T *cos, const T *sin, int64_t table_stride, T *q_out,
+                     int64_t rows, int heads, int kv_heads, int dim, T *k_cache, T *v_cache,
+                     const int64_t *cache_strides, const int64_t *slots, int64_t num_slots, int block_size,
+                     int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * (heads + kv_heads) * dim > PARALLEL_MIN)
     for (int64_t r = 0; r < rows; ++r) {
-        const T *c = cos + r * table_stride, *s = sin + r * table_stride;
-        for (int h = 0; h < heads; ++h) {
-            const T *src = x + r * x_row_stride + h * x_head_stride;
-            T *dst = out + (r * heads + h) * dim;
-            if (half % 16 == 0) {
-                for (int d = 0; d < half; d += 16) {
-                    const v16f x1 = load16(src + d), x2 = load16(src + half + d);
-                    store16(dst + d, rounded16(x1 * load16(c + d), src) + rounded16(-x2 * load16(s + d), src));
-                    store16(dst + half + d, rounded16(x2 * load16(c + half + d), src) +
-                                                rounded16(x1 * load16(s + half + d), src));
-                }
-                continue;
-            }
-            for (int d = 0; d < dim; ++d) {
-                const float rotated = d < half ? -to_float(src[d + half]) : to_float(src[d - half]);
-                from_float(rounded<T>(to_float(src[d]) * to_float(c[d])) + rounded<T>(rotated * to_float(s[d])),
-                           dst + d);
-            }
+        const T *row = qkv + r * qkv_stride, *c = cos + r * table_stride, *s = sin + r * table_stride;
+        for (int h = 0; h < heads; ++h) rotate_head(row + h * dim, c, s, q_out + (r * heads + h) * dim, dim);
+        if (r >= num_slots || slots[r] < 0) continue;
+        const int64_t at = (slots[r] / block_size) * cache_strides[0] + (slots[r] % block_size) * cache_strides[1];
+        for (int h = 0; h < kv_heads; ++h) {
+            rotate_head(row + (heads + h) * dim, c, s, k_cache + at + h * cache_strides[2], dim);
+            memcpy(v_cache + at + h * cache_strides[2], row + (heads + kv_heads + h) * dim, dim * sizeof(T));
         }
     }
 }
@@ -1653,6 +1677,13 @@ ATTENTION_ENTRY(paged_prefill_attention, bf16, bf16)
     void rotary_##SUFFIX(const T *x, int64_t x_row_stride, int64_t x_head_stride, const T *cos, const T *sin,   \
                          int64_t table_stride, T *out, int64_t rows, int heads, int dim, int num_threads) {      \
         rotary<T>(x, x_row_stride, x_head_stride, cos, sin, table_stride, out, rows, heads, dim, num_threads);  \
+    }                                                                                                            \
+    void rotary_write_kv_##SUFFIX(const T *qkv, int64_t qkv_stride, const T *cos, const T *sin,                 \
+                                  int64_t table_stride, T *q_out, int64_t rows, int heads, int kv_heads, int dim,  \
+                                  T *k_cache, T *v_cache, const int64_t *cache_strides, const int64_t *slots,      \
+                                  int64_t num_slots, int block_size, int num_threads) {                            \
+        rotary_write_kv<T>(qkv, qkv_stride, cos, sin, table_stride, q_out, rows, heads, kv_heads, dim, k_cache,      \
+                           v_cache, cache_strides, slots, num_slots, block_size, num_threads);                     \
     }                                                                                                            \
     void silu_and_mul_##SUFFIX(const T *gate_up, int64_t in_stride, T *out, int64_t out_stride, int64_t rows,    \
                                int inner, int num_threads) {                                                     \

@@ -54,6 +54,7 @@ class CpuKernels:
         signatures = {"paged_decode_attention": attention, "paged_prefill_attention": attention,
                       "rms_norm": [p, i64, p, i64, p, p, i64, i64, i32, f32, i32],
                       "rotary": [p, i64, i64, p, p, i64, p, i64, i32, i32, i32],
+                      "rotary_write_kv": [p, i64, p, p, i64, p, i64, i32, i32, i32, p, p, p, p, i64, i32, i32],
                       "silu_and_mul": [p, i64, p, i64, i64, i32, i32],
                       "write_kv": [p, p, p, p, p, p, p, p, i64, i32, i32, i32],
                       "lora_add": [p, i64, p, i64, p, i64, i64, p, i64, p, i32, i32, i32, i32, p, i32]}
@@ -139,6 +140,27 @@ class CpuKernels:
         self.fns["rotary", x.dtype](x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
                                     cos.stride(0), out.data_ptr(), tokens, heads, dim, torch.get_num_threads())
         return out
+
+    def rotary_write_kv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> torch.Tensor:
+        """An attention layer's step up to the attention, one call: qkv [tokens, (num_heads + 2 x
+        num_kv_heads) x dim] (the fused projection's output, rows at any stride) -> the query heads
+        rotated [tokens, num_heads, dim]; the key heads rotated and the value heads written into the
+        caches at each token's slot (tokens past len(slot_mapping), or at slot -1, write none).
+        cos/sin as for rotary."""
+        tokens, dim = qkv.shape[0], k_cache.shape[-1]
+        assert qkv.stride(-1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * dim
+        assert cos.shape == sin.shape and cos.numel() == tokens * dim and cos.shape[0] == tokens
+        assert cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype == qkv.dtype and cos.stride() == sin.stride()
+        assert cos.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+        assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and len(slot_mapping) <= tokens
+        q = qkv.new_empty((tokens, num_heads, dim))
+        self.fns["rotary_write_kv", qkv.dtype](
+            qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), q.data_ptr(), tokens,
+            num_heads, num_kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(), _strides(k_cache, 3),
+            slot_mapping.data_ptr(), len(slot_mapping), k_cache.shape[1], torch.get_num_threads())
+        return q
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up [tokens, 2 * inner] (gate first)."""

@@ -137,14 +137,19 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if lora is not None:        # adapters' q/k/v terms, each into its columns of the fused output
             lora.add("qkv", x, qkv)
-        q, k = self.rotate_qk(qkv, cos, sin)
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         real = meta.num_real_tokens     # padding rows (static/dynamic policies) skip attention
+        if backend.rotary_write_kv is not None:
+            q = backend.rotary_write_kv(qkv, self.num_heads, self.num_kv_heads, cos, sin, k_cache, v_cache,
+                                        meta.slot_mapping)
+        else:
+            q, k = self.rotate_qk(qkv, cos, sin)
+            v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+            if real:
+                backend.write_kv(k[:real], v[:real], k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)       # attention writes every real row
         if real < len(out):
             out[real:].zero_()
         if real:
-            backend.write_kv(k[:real], v[:real], k_cache, v_cache, meta.slot_mapping)
             backend.attention(q[:real], k_cache, v_cache, out[:real], meta, self.scale)
         out = out.view(-1, self.q_size)
         o = self.o_proj(out)
