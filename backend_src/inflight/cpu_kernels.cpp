@@ -23,8 +23,9 @@
 // float32's silu8 and rms_norm_row_avx2), which compute the same sums in the same order.
 //
 // Also the layer's small ops, one call each where torch takes several (rms_norm, rotary,
-// silu_and_mul, write_kv) and the sampler's argmax, rounding as the torch expressions do, and
-// the LoRA adapters' terms of a step (lora_add).
+// silu_and_mul, write_kv, and rotary_write_kv: the rotations and the K/V write in one pass) and the
+// sampler's argmax, rounding as the torch expressions do, and the LoRA adapters' terms of a step
+// (lora_add).
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
