@@ -7,7 +7,7 @@ kernel past its trim threshold; both thresholds move with what was last freed, a
 sizes keeps some of its tensors on either side, so every step faulted a share of its activations'
 pages in again, each zeroed by the kernel: 170,000-210,000 minor page faults and 0.4 s of system
 time in an 11 s offline round of the bench model on the AMX Xeon. Fixed thresholds (blocks up to
-32 MiB from the heap, the heap kept up to 1 GiB) leave 11,000-34,000 faults and 0.06-0.14 s. Both
+32 MiB from the heap, the heap kept up to 1 GiB) leave 11,000-41,000 faults and 0.06-0.14 s. Both
 settings are needed: a trim threshold alone pins the mmap threshold at its 128 KiB start, which
 made 1.8 million faults. Blocks over 32 MiB (a larger model's activations) stay mappings.
 
