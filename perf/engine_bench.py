@@ -202,7 +202,7 @@ def _timed(fn, times: list):
 
 
 ATTENTION_KERNELS = ("paged_decode_attention", "paged_prefill_attention")
-SMALL_OPS = ("rms_norm", "rotary", "rotary_write_kv", "silu_and_mul", "write_kv")     # the layer's fused small ops
+SMALL_OPS = ("rms_norm", "rotary", "rotary_write_kv", "silu_and_mul")     # the layer's fused small ops
 
 
 @contextlib.contextmanager

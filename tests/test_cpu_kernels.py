@@ -277,18 +277,6 @@ def test_bf16_fused_ops_round_subnormal_results_as_torch(kernels, monkeypatch):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_kv_write_matches_the_torch_one(kernels, dtype):
-    g = torch.Generator().manual_seed(6)
-    qkv = torch.randn(9, 4 + 2 * 2, 24, generator=g).to(dtype)
-    key, value = qkv[:, 4:6].clone(), qkv[:, 6:]                             # one contiguous, one strided
-    slots = torch.tensor([3, 70, -1, 0, 15, 16, -1, 33, 94])
-    caches = [torch.zeros(6, 16, 2, 24, dtype=dtype) for _ in range(4)]
-    attention.write_kv(key, value, caches[0], caches[1], slots)
-    attention.compiled_write_kv(key, value, caches[2], caches[3], slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-
-
 @pytest.mark.parametrize("dim", [64, 24])         # the vector path and the scalar one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_write_kv_is_the_rotations_and_the_kv_write(kernels, dtype, dim, monkeypatch):

@@ -49,7 +49,9 @@ class AttentionBackend:
     """write_kv(key, value, k_cache, v_cache, slot_mapping) and
     attention(q, k_cache, v_cache, out, meta, scale); where the backend has it,
     rotary_write_kv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping) -> q:
-    the rotations and write_kv in one pass over the fused projection's output."""
+    the rotations and write_kv in one pass over the fused projection's output, which the model then
+    takes instead of write_kv (the CPU backend's K/V reach the cache only that way: its write_kv
+    is the torch one)."""
     name: str
     write_kv: Callable
     attention: Callable
@@ -71,10 +73,7 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> Atten
         raise ValueError("'attention_backend' 'triton' supports float16, bfloat16 and float32, not float64; "
                          "use 'torch'")
     if name == "cpu":
-        attention = _compiled_backend(device, dtype)
-        # the rotations and the K/V write were two calls a layer and the views between them (at decode
-        # 24 and 35 µs a call, most of it the wrappers')
-        return AttentionBackend("cpu", compiled_write_kv, attention, cpu_kernels.load().rotary_write_kv)
+        return _compiled_backend(device, dtype)
     if name == "torch":
         return AttentionBackend("torch", write_kv, grouped_paged_attention)
     from .kernels import unified_attention, write_kv as triton_write_kv
@@ -95,15 +94,6 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     flat_k.index_copy_(0, slot_mapping, key)
     flat_v.index_copy_(0, slot_mapping, value)
-
-
-def compiled_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    """write_kv in one compiled call (the torch one is four ops and a host sync per layer)."""
-    kernels = cpu_kernels.for_tensor(key)
-    if kernels is None or k_cache.stride() != v_cache.stride():
-        return write_kv(key, value, k_cache, v_cache, slot_mapping)
-    kernels.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
@@ -252,7 +242,7 @@ def grouped_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-def _compiled_backend(device: torch.device, dtype: torch.dtype) -> Callable:
+def _compiled_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     if device.type != "cpu" or dtype not in cpu_kernels.DTYPES:
         raise ValueError(f"'attention_backend' 'cpu' runs float32 and bfloat16 on the CPU, not {dtype} on {device}; "
                          "use 'torch'")
@@ -261,9 +251,15 @@ def _compiled_backend(device: torch.device, dtype: torch.dtype) -> Callable:
         raise ValueError("'attention_backend' 'cpu' needs the compiled CPU kernels, which could not be built here "
                          "(the log says why); use 'torch' or 'auto'")
 
+    # both look the kernels' methods up on each call, so the benchmarks' timers can wrap them
     def attention(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float):
         return compiled_paged_attention(kernels, q, k_cache, v_cache, out, meta, scale)
-    return attention
+
+    # the rotations and the K/V write were two compiled calls a layer and the views between them (at
+    # decode 24 and 35 µs a call, most of it the wrappers')
+    def rotary_write_kv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping):
+        return kernels.rotary_write_kv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slot_mapping)
+    return AttentionBackend("cpu", write_kv, attention, rotary_write_kv)
 
 
 def compiled_paged_attention(kernels: "cpu_kernels.CpuKernels", q: torch.Tensor, k_cache: torch.Tensor,

@@ -23,7 +23,7 @@
 // float32's silu8 and rms_norm_row_avx2), which compute the same sums in the same order.
 //
 // Also the layer's small ops, one call each where torch takes several (rms_norm, rotary,
-// silu_and_mul, write_kv, and rotary_write_kv: the rotations and the K/V write in one pass) and the
+// silu_and_mul, and rotary_write_kv: the rotations and the K/V write in one pass) and the
 // sampler's argmax, rounding as the torch expressions do, and the LoRA adapters' terms of a step
 // (lora_add).
 #include <stdint.h>
@@ -1333,8 +1333,8 @@ void rotary(const T *x, int64_t x_row_stride, int64_t x_head_stride, const T *co
 
 // an attention layer's step up to the attention, in one pass over qkv [rows, (heads + 2 kv_heads) x
 // dim] (row stride given): the query heads rotated into q_out [rows, heads, dim], the key heads
-// rotated straight into k_cache and the value heads copied into v_cache at each row's slot (rows
-// from num_slots on, or at a slot < 0, are queries only). A row's slot is its own: rows run in parallel
+// rotated straight into k_cache and the value heads copied into v_cache at each row's flat slot
+// (block * block_size + offset; rows from num_slots on, or at a slot < 0, are queries only). A row's slot is its own: rows run in parallel
 template <typename T>
 __attribute__((optimize("fp-contract=off")))
 void rotary_write_kv(const T *qkv, int64_t qkv_stride, const T *cos, const T *sin, int64_t table_stride, T *q_out,
@@ -1429,22 +1429,6 @@ void silu_and_mul(const T *gate_up, int64_t in_stride, T *out, int64_t out_strid
             store16(dst + i, rounded16(silu16(load16(gate + i)), gate) * load16(up + i));
         for (; i < inner; ++i)
             from_float(rounded<T>(silu16((v16f){} + to_float(gate[i]))[0]) * to_float(up[i]), dst + i);
-    }
-}
-
-// key/value [rows, kv_heads, dim] (strides row, head) into the caches at flat slots; slot < 0 skips
-template <typename T>
-void write_kv(const T *key, const int64_t *key_strides, const T *value, const int64_t *value_strides, T *k_cache,
-              T *v_cache, const int64_t *cache_strides, const int64_t *slots, int64_t rows, int kv_heads, int dim,
-              int block_size) {
-    for (int64_t r = 0; r < rows; ++r) {
-        if (slots[r] < 0) continue;
-        const int64_t at = (slots[r] / block_size) * cache_strides[0] + (slots[r] % block_size) * cache_strides[1];
-        for (int h = 0; h < kv_heads; ++h) {
-            memcpy(k_cache + at + h * cache_strides[2], key + r * key_strides[0] + h * key_strides[1], dim * sizeof(T));
-            memcpy(v_cache + at + h * cache_strides[2], value + r * value_strides[0] + h * value_strides[1],
-                   dim * sizeof(T));
-        }
     }
 }
 
@@ -1689,12 +1673,6 @@ ATTENTION_ENTRY(paged_prefill_attention, bf16, bf16)
     void silu_and_mul_##SUFFIX(const T *gate_up, int64_t in_stride, T *out, int64_t out_stride, int64_t rows,    \
                                int inner, int num_threads) {                                                     \
         silu_and_mul<T>(gate_up, in_stride, out, out_stride, rows, inner, num_threads);                          \
-    }                                                                                                            \
-    void write_kv_##SUFFIX(const T *key, const int64_t *key_strides, const T *value, const int64_t *value_strides, \
-                           T *k_cache, T *v_cache, const int64_t *cache_strides, const int64_t *slots,           \
-                           int64_t rows, int kv_heads, int dim, int block_size) {                                \
-        write_kv<T>(key, key_strides, value, value_strides, k_cache, v_cache, cache_strides, slots, rows,         \
-                    kv_heads, dim, block_size);                                                                  \
     }
 
 ROW_OPS_ENTRY(f32, float)

@@ -56,7 +56,6 @@ class CpuKernels:
                       "rotary": [p, i64, i64, p, p, i64, p, i64, i32, i32, i32],
                       "rotary_write_kv": [p, i64, p, p, i64, p, i64, i32, i32, i32, p, p, p, p, i64, i32, i32],
                       "silu_and_mul": [p, i64, p, i64, i64, i32, i32],
-                      "write_kv": [p, p, p, p, p, p, p, p, i64, i32, i32, i32],
                       "lora_add": [p, i64, p, i64, p, i64, i64, p, i64, p, i32, i32, i32, i32, p, i32]}
         self.fns = {}
         for op, argtypes in signatures.items():
@@ -169,16 +168,6 @@ class CpuKernels:
         self.fns["silu_and_mul", gate_up.dtype](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0),
                                                 out.shape[0], out.shape[1], torch.get_num_threads())
         return out
-
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """key/value [tokens, kv_heads, dim] into the caches at each token's slot; slot -1 skips."""
-        assert key.stride(-1) == value.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-        assert k_cache.dtype == v_cache.dtype == key.dtype == value.dtype and k_cache.stride(-1) == 1
-        assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and len(slot_mapping) == len(key)
-        self.fns["write_kv", key.dtype](key.data_ptr(), _strides(key, 2), value.data_ptr(), _strides(value, 2),
-                                        k_cache.data_ptr(), v_cache.data_ptr(), _strides(k_cache, 3),
-                                        slot_mapping.data_ptr(), len(key), key.shape[1], key.shape[2], k_cache.shape[1])
 
     def lora_add(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, segments: np.ndarray,
                  rank: int, module_cols: np.ndarray) -> None:
