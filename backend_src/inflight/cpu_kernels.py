@@ -32,6 +32,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
 DTYPES = (torch.float32, torch.bfloat16)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+SMALL_ROWS = 16          # linear_small_rows' limit: one tile of rows
 
 _lock = threading.Lock()
 _loaded: dict[str, "CpuKernels | None"] = {}
@@ -67,6 +68,8 @@ class CpuKernels:
         self.argmax_f32.argtypes, self.argmax_f32.restype = [p, i64, p, i64, i64, i32], None
         lib.inflight_amx_tiles.argtypes, lib.inflight_amx_tiles.restype = [i32], i32
         self.amx_tiles = bool(lib.inflight_amx_tiles(-1))
+        lib.linear_small_rows_bf16.argtypes = [p, i64, p, p, p, i64, i32, i32, i32, i32]
+        lib.linear_small_rows_bf16.restype = i32
 
     def use_amx(self, on: bool) -> bool:
         """Whether bf16 attention takes the AMX tiles from now on (on a CPU with AMX-BF16, for head
@@ -183,6 +186,19 @@ class CpuKernels:
                                       b.stride(1), y.data_ptr(), y.stride(0), segments.ctypes.data, len(segments),
                                       a.shape[1], len(module_cols), rank, module_cols.ctypes.data,
                                       torch.get_num_threads())
+
+    def linear_small_rows(self, x: torch.Tensor, weight_ptr: int, bias: torch.Tensor | None,
+                          out_features: int) -> torch.Tensor | None:
+        """x W^T (+ bias) for bf16 x [rows <= SMALL_ROWS, in_features] on the AMX tiles, W at
+        weight_ptr in oneDNN's prepacked layout (torch.ops.mkldnn.data_ptr of what
+        _reorder_linear_weight returned); None where the CPU or the shapes do not allow it."""
+        assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1
+        assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
+        y = x.new_empty((x.shape[0], out_features))
+        done = self.lib.linear_small_rows_bf16(x.data_ptr(), x.stride(0), weight_ptr,
+                                               None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
+                                               x.shape[0], out_features, x.shape[1], torch.get_num_threads())
+        return y if done else None
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, dim=-1) of a float32 [rows, cols] CPU tensor (the first maximum; NaN wins)."""

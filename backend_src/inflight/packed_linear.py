@@ -9,6 +9,11 @@ LM head 2.19 -> 1.44 ms), and bit-identical (with a bias, the bias is added befo
 rounding instead of after a first one); float32 takes oneDNN's kernels instead of MKL's, 1.4-9x
 faster, its sums in another order (relative differences ~1e-6). Where the ops are missing, or a
 probe's packed result differs from the plain one beyond that, the layers stay as they are.
+
+On a CPU with AMX-BF16, a bf16 layer called with at most 16 rows (a decode step of up to 16
+sequences) runs on the tiles through cpu_kernels' linear_small_rows, over the same packed weight:
+oneDNN spends ~15 µs more a call at these sizes, and the bench model's linears took 1.3-2.1x its
+time there. Each layer takes it only if a probe gives oneDNN's results bit for bit.
 """
 from __future__ import annotations
 
@@ -18,22 +23,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
+
 log = logging.getLogger("inflight")
 
 DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's forward over the prepacked weight (the plain weight is not kept)."""
+    """nn.Linear's forward over the prepacked weight (the plain weight is not kept); small_rows,
+    where set, the compiled kernels that take calls of up to SMALL_ROWS rows on the AMX tiles."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = linear.bias
+        self.small_rows: cpu_kernels.CpuKernels | None = None
+        self.packed_ptr = 0         # the packed weight's data, for small_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_rows is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.SMALL_ROWS and x.stride(1) == 1:
+            y = self.small_rows.linear_small_rows(x, self.packed_ptr, self.bias, self.out_features)
+            if y is not None:
+                return y
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def take_small_rows(self) -> bool:
+        """Use the tiles for calls of up to SMALL_ROWS rows if, on probes of 1 and SMALL_ROWS rows,
+        they give oneDNN's results bit for bit (they sum in the same order; the probes also guard
+        against a packed layout other than the one the kernel reads)."""
+        kernels = cpu_kernels.for_tensor(self.packed) if self.packed.dtype == torch.bfloat16 else None
+        if kernels is None or not kernels.amx_tiles or not hasattr(torch.ops.mkldnn, "data_ptr"):
+            return False
+        packed_ptr = torch.ops.mkldnn.data_ptr(self.packed)
+        g = torch.Generator().manual_seed(self.out_features)
+        for rows in (1, cpu_kernels.SMALL_ROWS):
+            x = torch.randn(rows, self.in_features, generator=g).to(torch.bfloat16)
+            with torch.no_grad():
+                tiles = kernels.linear_small_rows(x, packed_ptr, self.bias, self.out_features)
+                onednn = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            if tiles is None or not torch.equal(tiles, onednn):
+                return False
+        self.small_rows, self.packed_ptr = kernels, packed_ptr
+        return True
 
 
 def shape_bucket(rows: int) -> int:
@@ -59,8 +92,14 @@ def pack_linears(model: nn.Module) -> int:
                if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype in DTYPES]
     if not linears or not _packing_works(linears[0][2]):
         return 0
+    tiles = 0
     for parent, name, child in linears:
-        setattr(parent, name, PackedLinear(child))
+        packed = PackedLinear(child)
+        setattr(parent, name, packed)
+        tiles += packed.take_small_rows()
+    if tiles:
+        log.info("inflight: %d of %d bf16 linears take calls of up to %d rows on the AMX tiles", tiles,
+                 len(linears), cpu_kernels.SMALL_ROWS)
     return len(linears)
 
 
