@@ -12,8 +12,8 @@ probe's packed result differs from the plain one beyond that, the layers stay as
 
 On a CPU with AMX-BF16, a bf16 layer called with at most 16 rows (a decode step of up to 16
 sequences) runs on the tiles through cpu_kernels' linear_small_rows, over the same packed weight:
-oneDNN spends ~15 µs more a call at these sizes, and the bench model's linears took 1.3-2.1x its
-time there. Each layer takes it only if a probe gives oneDNN's results bit for bit.
+oneDNN spends ~15 µs more a call at these sizes (on the bench model's linears it took 1.3-2.1x the
+tiles' time). Each layer takes the tiles only if probes give oneDNN's results bit for bit.
 """
 from __future__ import annotations
 
