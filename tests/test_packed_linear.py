@@ -1,6 +1,6 @@
 """Linear layers with prepacked oneDNN weights: the same results as F.linear (bit for bit in
 bfloat16 without a bias), and the CPU engine runs every projection and the LM head through them,
-its steps padded to a few dozen shapes. On a CPU with AMX-BF16, bf16 calls of up to 16 rows take
+its steps padded to a few dozen shapes. On a CPU with AMX-BF16, bf16 calls of up to 32 rows take
 the tiles and give oneDNN's results bit for bit."""
 import pytest
 import torch
@@ -45,7 +45,7 @@ def amx_kernels():
 
 @pytest.mark.parametrize("in_features, out_features", [(512, 768), (1536, 512), (64, 32)])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_bf16_calls_of_up_to_16_rows_take_the_tiles_with_onednns_results(amx_kernels, in_features, out_features,
+def test_bf16_calls_of_up_to_32_rows_take_the_tiles_with_onednns_results(amx_kernels, in_features, out_features,
                                                                           bias, monkeypatch):
     g = torch.Generator().manual_seed(in_features + out_features)
     linear = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
@@ -58,8 +58,8 @@ def test_bf16_calls_of_up_to_16_rows_take_the_tiles_with_onednns_results(amx_ker
     calls = []
     tiles = amx_kernels.lib.linear_small_rows_bf16
     monkeypatch.setattr(amx_kernels.lib, "linear_small_rows_bf16", lambda *args: calls.append(args[6]) or tiles(*args))
-    wide = torch.randn(17, in_features + 32, generator=g).to(torch.bfloat16)
-    for rows in [*range(1, 18)]:
+    wide = torch.randn(33, in_features + 32, generator=g).to(torch.bfloat16)
+    for rows in range(1, 34):
         x = wide[:rows, 16:16 + in_features]         # rows at a stride of their own
         onednn = torch.ops.mkldnn._linear_pointwise(x, packed.packed, packed.bias, "none", [], "")
         with torch.no_grad():
@@ -67,7 +67,7 @@ def test_bf16_calls_of_up_to_16_rows_take_the_tiles_with_onednns_results(amx_ker
         assert torch.equal(got, onednn), rows
         if not bias:
             assert torch.equal(got, F.linear(x, linear.weight))
-    assert calls == list(range(1, 17))           # 17 rows: oneDNN's
+    assert calls == list(range(1, 33))           # 33 rows: oneDNN's
 
 
 def test_only_shapes_of_whole_32s_take_the_tiles(amx_kernels):

@@ -738,47 +738,71 @@ void decode_amx(const bf16 *q, int64_t q_head_stride, const bf16 *k_cache, const
     _tile_release();
 }
 
-// ---- bf16 linears of up to 16 rows on the AMX tiles (decode steps of up to 16 sequences)
+// ---- bf16 linears of up to 32 rows on the AMX tiles (decode steps of up to 32 sequences)
 // y = x W^T (+ bias), W in the layout oneDNN prepacks it in on such a CPU (AB16b32a2b, what
 // torch.ops.mkldnn._reorder_linear_weight returns): [N/32][K/32] blocks of 16 pairs of k x 32 n x 2,
 // so a block's two 16-column halves are B tiles with rows 128 bytes apart. oneDNN spends ~15 µs more
 // a call at these sizes (a [1, 512] x [512, 512] linear: 29 against 14 µs on 2 cores of the AMX
-// Xeon). The sums run as oneDNN's do (K in steps of 32 into a zeroed tile, the bias added in float32,
-// one rounding), so the results are its bit for bit, which packed_linear.py checks on each layer.
+// Xeon). The sums run as oneDNN's do here (K in steps of 32 into a zeroed tile, the bias added in
+// float32, one rounding), so the results are its bit for bit, which packed_linear.py checks on each
+// layer; from 40 rows on oneDNN sums otherwise.
 void linear_small_rows(const bf16 *x, int64_t x_stride, const bf16 *weight, const bf16 *bias, bf16 *y,
                        int64_t y_stride, int rows, int out_features, int in_features, int threads) {
     const int k_blocks = in_features / 32, n_blocks = out_features / 32;
+    const int first = std::min(rows, 16), second = rows - first;       // rows of the two row tiles
 #pragma omp parallel num_threads(std::min(threads, n_blocks))
     {
-        // tiles 0 and 1 the two 16-column halves of the sums (C), 2 the rows (A), 3 and 4 W's halves (B)
+        // tiles 0-3 the sums (C): the first row tile's two 16-column halves, then the second's; 4 and
+        // 5 the row tiles (A); 6 and 7 W's halves (B)
         TileConfig config;
-        config.set(0, rows, 64);
-        config.set(1, rows, 64);
-        config.set(2, rows, 64);
-        config.set(3, 16, 64);
-        config.set(4, 16, 64);
+        config.set(0, first, 64);
+        config.set(1, first, 64);
+        config.set(4, first, 64);
+        if (second) {
+            config.set(2, second, 64);
+            config.set(3, second, 64);
+            config.set(5, second, 64);
+        }
+        config.set(6, 16, 64);
+        config.set(7, 16, 64);
         _tile_loadconfig(&config);
-        alignas(64) float sums[2][16][16];
+        alignas(64) float sums[4][16][16];
+        const int64_t row_bytes = x_stride * (int64_t)sizeof(bf16);
 #pragma omp for schedule(static)
         for (int n = 0; n < n_blocks; ++n) {
             const bf16 *w = weight + (int64_t)n * k_blocks * 1024;
             _tile_zero(0);
             _tile_zero(1);
+            if (second) {
+                _tile_zero(2);
+                _tile_zero(3);
+            }
             for (int k = 0; k < k_blocks; ++k) {
-                _tile_loadd(2, x + 32 * k, x_stride * (int64_t)sizeof(bf16));
-                _tile_loadd(3, w + (int64_t)k * 1024, 128);
-                _tile_loadd(4, w + (int64_t)k * 1024 + 32, 128);
-                _tile_dpbf16ps(0, 2, 3);
-                _tile_dpbf16ps(1, 2, 4);
+                _tile_loadd(4, x + 32 * k, row_bytes);
+                _tile_loadd(6, w + (int64_t)k * 1024, 128);
+                _tile_loadd(7, w + (int64_t)k * 1024 + 32, 128);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (second) {
+                    _tile_loadd(5, x + 16 * x_stride + 32 * k, row_bytes);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
             }
             _tile_stored(0, sums[0], 64);
             _tile_stored(1, sums[1], 64);
+            if (second) {
+                _tile_stored(2, sums[2], 64);
+                _tile_stored(3, sums[3], 64);
+            }
             const __m512 low_bias = bias ? (__m512)load16(bias + 32 * n) : _mm512_setzero_ps();
             const __m512 high_bias = bias ? (__m512)load16(bias + 32 * n + 16) : _mm512_setzero_ps();
-            for (int r = 0; r < rows; ++r)
+            for (int r = 0; r < rows; ++r) {
+                const float *low = sums[r / 16 * 2][r % 16], *high = sums[r / 16 * 2 + 1][r % 16];
                 _mm512_storeu_si512(y + r * y_stride + 32 * n,
-                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_load_ps(sums[1][r]), high_bias),
-                                                                 _mm512_add_ps(_mm512_load_ps(sums[0][r]), low_bias)));
+                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_load_ps(high), high_bias),
+                                                                 _mm512_add_ps(_mm512_load_ps(low), low_bias)));
+            }
         }
         _tile_release();
     }
@@ -1671,12 +1695,12 @@ int inflight_kernel_limits(int *max_dim, int *max_group) {
     return 0;
 }
 
-// y [rows, out_features] = x W^T (+ bias) for bf16 x of 1-16 rows and W as oneDNN prepacks it (see
+// y [rows, out_features] = x W^T (+ bias) for bf16 x of 1-32 rows and W as oneDNN prepacks it (see
 // linear_small_rows); returns 0, having done nothing, where the tiles or the shapes do not fit
 int linear_small_rows_bf16(const bf16 *x, int64_t x_stride, const bf16 *weight, const bf16 *bias, bf16 *y,
                            int64_t y_stride, int rows, int out_features, int in_features, int threads) {
 #ifdef INFLIGHT_AMX
-    if (rows < 1 || rows > 16 || out_features % 32 || in_features % 32 || !amx_permitted()) return 0;
+    if (rows < 1 || rows > 32 || out_features % 32 || in_features % 32 || !amx_permitted()) return 0;
     linear_small_rows(x, x_stride, weight, bias, y, y_stride, rows, out_features, in_features, threads);
     return 1;
 #else

@@ -32,7 +32,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
 DTYPES = (torch.float32, torch.bfloat16)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-SMALL_ROWS = 16          # linear_small_rows' limit: one tile of rows
+SMALL_ROWS = 32          # linear_small_rows' limit: two tiles of rows
 
 _lock = threading.Lock()
 _loaded: dict[str, "CpuKernels | None"] = {}

@@ -10,9 +10,9 @@ rounding instead of after a first one); float32 takes oneDNN's kernels instead o
 faster, its sums in another order (relative differences ~1e-6). Where the ops are missing, or a
 probe's packed result differs from the plain one beyond that, the layers stay as they are.
 
-On a CPU with AMX-BF16, a bf16 layer called with at most 16 rows (a decode step of up to 16
+On a CPU with AMX-BF16, a bf16 layer called with at most 32 rows (a decode step of up to 32
 sequences) runs on the tiles through cpu_kernels' linear_small_rows, over the same packed weight:
-oneDNN spends ~15 µs more a call at these sizes (on the bench model's linears it took 1.3-2.1x the
+oneDNN spends ~15 µs more a call at these sizes (on the bench model's linears it took 1.3-2.5x the
 tiles' time). Each layer takes the tiles only if probes give oneDNN's results bit for bit.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def take_small_rows(self) -> bool:
-        """Use the tiles for calls of up to SMALL_ROWS rows if, on probes of 1 and SMALL_ROWS rows,
+        """Use the tiles for calls of up to SMALL_ROWS rows if, on probes of one and two row tiles,
         they give oneDNN's results bit for bit (they sum in the same order; the probes also guard
         against a packed layout other than the one the kernel reads)."""
         kernels = cpu_kernels.for_tensor(self.packed) if self.packed.dtype == torch.bfloat16 else None
@@ -58,7 +58,7 @@ class PackedLinear(nn.Module):
             return False
         packed_ptr = torch.ops.mkldnn.data_ptr(self.packed)
         g = torch.Generator().manual_seed(self.out_features)
-        for rows in (1, cpu_kernels.SMALL_ROWS):
+        for rows in (1, 17, cpu_kernels.SMALL_ROWS):
             x = torch.randn(rows, self.in_features, generator=g).to(torch.bfloat16)
             with torch.no_grad():
                 tiles = kernels.linear_small_rows(x, packed_ptr, self.bias, self.out_features)
