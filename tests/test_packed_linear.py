@@ -58,8 +58,10 @@ def test_bf16_calls_of_up_to_32_rows_take_the_tiles_with_onednns_results(amx_ker
     calls = []
     tiles = amx_kernels.lib.linear_small_rows_bf16
     monkeypatch.setattr(amx_kernels.lib, "linear_small_rows_bf16", lambda *args: calls.append(args[6]) or tiles(*args))
-    wide = torch.randn(33, in_features + 32, generator=g).to(torch.bfloat16)
-    for rows in range(1, 34):
+    limit = amx_kernels.max_linear_rows
+    assert limit == 32
+    wide = torch.randn(limit + 1, in_features + 32, generator=g).to(torch.bfloat16)
+    for rows in range(1, limit + 2):
         x = wide[:rows, 16:16 + in_features]         # rows at a stride of their own
         onednn = torch.ops.mkldnn._linear_pointwise(x, packed.packed, packed.bias, "none", [], "")
         with torch.no_grad():
@@ -67,7 +69,7 @@ def test_bf16_calls_of_up_to_32_rows_take_the_tiles_with_onednns_results(amx_ker
         assert torch.equal(got, onednn), rows
         if not bias:
             assert torch.equal(got, F.linear(x, linear.weight))
-    assert calls == list(range(1, 33))           # 33 rows: oneDNN's
+    assert calls == list(range(1, limit + 1))    # one row more: oneDNN's
 
 
 def test_only_shapes_of_whole_32s_take_the_tiles(amx_kernels):

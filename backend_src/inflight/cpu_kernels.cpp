@@ -52,6 +52,7 @@ constexpr int PREFETCH = 16;       // keys ahead to fetch K into L1
 constexpr int PREFETCH_L2 = 48;    // keys ahead to fetch K and V into L2 (see fetch_ahead)
 constexpr int MAX_DIM = 256;       // head_dim limit (the loader checks it)
 constexpr int MAX_GROUP = 16;      // query heads per KV head limit
+constexpr int MAX_LINEAR_ROWS = 32;     // linear_small_rows: two tiles of rows
 // elements above which a small op splits its rows over the threads: a decode step's 64 rows of
 // silu_and_mul take ~120 µs on one core and ~60 on two, where waking the team costs a few µs
 constexpr int64_t PARALLEL_MIN = 16384;
@@ -1689,18 +1690,19 @@ void argmax_rows(const float *x, int64_t row_stride, int64_t *out, int64_t rows,
 
 extern "C" {
 
-int inflight_kernel_limits(int *max_dim, int *max_group) {
+int inflight_kernel_limits(int *max_dim, int *max_group, int *max_linear_rows) {
     *max_dim = MAX_DIM;
     *max_group = MAX_GROUP;
+    *max_linear_rows = MAX_LINEAR_ROWS;
     return 0;
 }
 
-// y [rows, out_features] = x W^T (+ bias) for bf16 x of 1-32 rows and W as oneDNN prepacks it (see
+// y [rows, out_features] = x W^T (+ bias) for bf16 x of 1-MAX_LINEAR_ROWS rows and W as oneDNN prepacks it (see
 // linear_small_rows); returns 0, having done nothing, where the tiles or the shapes do not fit
 int linear_small_rows_bf16(const bf16 *x, int64_t x_stride, const bf16 *weight, const bf16 *bias, bf16 *y,
                            int64_t y_stride, int rows, int out_features, int in_features, int threads) {
 #ifdef INFLIGHT_AMX
-    if (rows < 1 || rows > 32 || out_features % 32 || in_features % 32 || !amx_permitted()) return 0;
+    if (rows < 1 || rows > MAX_LINEAR_ROWS || out_features % 32 || in_features % 32 || !amx_permitted()) return 0;
     linear_small_rows(x, x_stride, weight, bias, y, y_stride, rows, out_features, in_features, threads);
     return 1;
 #else

@@ -32,7 +32,6 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno")
 DTYPES = (torch.float32, torch.bfloat16)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-SMALL_ROWS = 32          # linear_small_rows' limit: two tiles of rows
 
 _lock = threading.Lock()
 _loaded: dict[str, "CpuKernels | None"] = {}
@@ -44,9 +43,9 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
-        max_dim, max_group = ctypes.c_int(), ctypes.c_int()
-        lib.inflight_kernel_limits(ctypes.byref(max_dim), ctypes.byref(max_group))
-        self.max_dim, self.max_group = max_dim.value, max_group.value
+        max_dim, max_group, max_linear_rows = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        lib.inflight_kernel_limits(ctypes.byref(max_dim), ctypes.byref(max_group), ctypes.byref(max_linear_rows))
+        self.max_dim, self.max_group, self.max_linear_rows = max_dim.value, max_group.value, max_linear_rows.value
         # the prefill kernel's tiles are sized for AVX-512's 32 registers: with AVX2 alone a 512-token
         # prefill took 2-3x gather + SDPA's time (make bench-cpu-attention), so prefill chunks take that
         self.tiled_prefill = "avx512f" in cpu_flags()
@@ -189,7 +188,7 @@ class CpuKernels:
 
     def linear_small_rows(self, x: torch.Tensor, weight_ptr: int, bias: torch.Tensor | None,
                           out_features: int) -> torch.Tensor | None:
-        """x W^T (+ bias) for bf16 x [rows <= SMALL_ROWS, in_features] on the AMX tiles, W at
+        """x W^T (+ bias) for bf16 x [rows <= max_linear_rows, in_features] on the AMX tiles, W at
         weight_ptr in oneDNN's prepacked layout (torch.ops.mkldnn.data_ptr of what
         _reorder_linear_weight returned); None where the CPU or the shapes do not allow it."""
         assert x.dim() == 2 and x.dtype == torch.bfloat16 and x.stride(1) == 1

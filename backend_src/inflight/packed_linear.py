@@ -32,7 +32,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 class PackedLinear(nn.Module):
     """nn.Linear's forward over the prepacked weight (the plain weight is not kept); small_rows,
-    where set, the compiled kernels that take calls of up to SMALL_ROWS rows on the AMX tiles."""
+    where set, the compiled kernels that take calls of up to their max_linear_rows on the AMX tiles."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -43,27 +43,31 @@ class PackedLinear(nn.Module):
         self.packed_ptr = 0         # the packed weight's data, for small_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_rows is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.SMALL_ROWS and x.stride(1) == 1:
+        if (self.small_rows is not None and x.dim() == 2 and x.shape[0] <= self.small_rows.max_linear_rows
+                and x.stride(1) == 1):
             y = self.small_rows.linear_small_rows(x, self.packed_ptr, self.bias, self.out_features)
             if y is not None:
                 return y
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def take_small_rows(self) -> bool:
-        """Use the tiles for calls of up to SMALL_ROWS rows if, on probes of one and two row tiles,
-        they give oneDNN's results bit for bit (they sum in the same order; the probes also guard
-        against a packed layout other than the one the kernel reads)."""
+        """Use the tiles for calls of up to the kernels' max_linear_rows if, on probes of one and two
+        row tiles, they give oneDNN's results bit for bit (they sum in the same order; the probes also
+        guard against a packed layout other than the one the kernel reads). The kernel itself refuses
+        where the CPU has no AMX-BF16 or the shapes are not whole 32s."""
         kernels = cpu_kernels.for_tensor(self.packed) if self.packed.dtype == torch.bfloat16 else None
-        if kernels is None or not kernels.amx_tiles or not hasattr(torch.ops.mkldnn, "data_ptr"):
+        if kernels is None or not hasattr(torch.ops.mkldnn, "data_ptr"):
             return False
         packed_ptr = torch.ops.mkldnn.data_ptr(self.packed)
         g = torch.Generator().manual_seed(self.out_features)
-        for rows in (1, 17, cpu_kernels.SMALL_ROWS):
+        for rows in (1, 17, kernels.max_linear_rows):
             x = torch.randn(rows, self.in_features, generator=g).to(torch.bfloat16)
             with torch.no_grad():
                 tiles = kernels.linear_small_rows(x, packed_ptr, self.bias, self.out_features)
+                if tiles is None:
+                    return False
                 onednn = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            if tiles is None or not torch.equal(tiles, onednn):
+            if not torch.equal(tiles, onednn):
                 return False
         self.small_rows, self.packed_ptr = kernels, packed_ptr
         return True
@@ -92,14 +96,15 @@ def pack_linears(model: nn.Module) -> int:
                if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype in DTYPES]
     if not linears or not _packing_works(linears[0][2]):
         return 0
-    tiles = 0
+    tiled = []
     for parent, name, child in linears:
         packed = PackedLinear(child)
         setattr(parent, name, packed)
-        tiles += packed.take_small_rows()
-    if tiles:
-        log.info("inflight: %d of %d bf16 linears take calls of up to %d rows on the AMX tiles", tiles,
-                 len(linears), cpu_kernels.SMALL_ROWS)
+        if packed.take_small_rows():
+            tiled.append(packed)
+    if tiled:
+        log.info("inflight: %d of %d bf16 linears take calls of up to %d rows on the AMX tiles", len(tiled),
+                 len(linears), tiled[0].small_rows.max_linear_rows)
     return len(linears)
 
 
