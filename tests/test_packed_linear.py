@@ -72,6 +72,15 @@ def test_bf16_calls_of_up_to_32_rows_take_the_tiles_with_onednns_results(amx_ker
     assert calls == list(range(1, limit + 1))    # one row more: oneDNN's
 
 
+def test_a_layer_on_the_tiles_refuses_inputs_of_another_width_or_dtype_as_onednn_does(amx_kernels):
+    layer = PackedLinear(nn.Linear(64, 32).to(torch.bfloat16))
+    assert layer.take_small_rows()
+    with torch.no_grad():
+        for x in (torch.randn(1, 128), torch.randn(1, 32), torch.randn(1, 64)):     # the last: float32
+            with pytest.raises(RuntimeError):
+                layer(x if x.shape[1] == 64 else x.to(torch.bfloat16))
+
+
 def test_only_shapes_of_whole_32s_take_the_tiles(amx_kernels):
     assert not PackedLinear(nn.Linear(96, 200).to(torch.bfloat16)).take_small_rows()
     assert not PackedLinear(nn.Linear(80, 64).to(torch.bfloat16)).take_small_rows()

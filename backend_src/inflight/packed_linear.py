@@ -43,8 +43,10 @@ class PackedLinear(nn.Module):
         self.packed_ptr = 0         # the packed weight's data, for small_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # anything but the layer's own bf16 rows goes to oneDNN, which raises for what it cannot take
+        # (the tiles would read past the weight for a wider x)
         if (self.small_rows is not None and x.dim() == 2 and x.shape[0] <= self.small_rows.max_linear_rows
-                and x.stride(1) == 1):
+                and x.shape[1] == self.in_features and x.dtype == torch.bfloat16 and x.is_cpu and x.stride(1) == 1):
             y = self.small_rows.linear_small_rows(x, self.packed_ptr, self.bias, self.out_features)
             if y is not None:
                 return y
