@@ -2,8 +2,11 @@
 HTTP `generate_stream` directly and through the OpenAI-compatible server (/v1/completions with
 token-array prompts), at 1 and 64 concurrent streams, the two alternated over rounds against one
 tritonserver; medians over rounds of generated tokens/s (and their ratio) and TTFT p50 (and the
-difference). Both paths use the same HTTP client (httpx) and parse every event, so the client's
-own cost is the same on both sides. The model is serve_bench's ~30M Llama, big enough that a
+difference). At one stream a round runs in ABBA order (half the prompts on each path in turn,
+then the other half in the reverse order), so that the host's drift within a round, which a run
+per path left in the ratio, falls on both alike; at 64 streams each path has a run of its own.
+Both paths use the same HTTP client (httpx) and parse every event, so the client's own cost is
+the same on both sides. The model is serve_bench's ~30M Llama, big enough that a
 step's compute sets the pace as it would on a GPU with a real model.
 
 By default the engine's torch threads take every core, as in `make serve`, so the OpenAI server's
@@ -155,6 +158,46 @@ def print_cpu_split(concurrency: int, row: dict[str, dict[str, float]]) -> None:
               f"({d:.3f} + {server:.3f}) = {d / (d + server):.3f} (0.95 needs S <= {d * (1 / 0.95 - 1):.3f} ms)")
 
 
+def run_separately(paths: dict, items, concurrency: int, round_index: int, quiet, cpu_now) -> dict[str, tuple[list, dict]]:
+    """One round: the whole run on each path in turn, the order reversed every other round, the
+    machine quiet before each. Returns per path its records and the CPU seconds its run took."""
+    measured = {}
+    for name in list(paths) if round_index % 2 == 0 else list(reversed(paths)):
+        quiet()
+        before = cpu_now(name)
+        records = asyncio.run(run(paths[name], items, concurrency))
+        measured[name] = records, {part: after - before[part] for part, after in cpu_now(name).items()}
+    return measured
+
+
+async def run_interleaved(paths: dict, items, round_index: int, quiet, cpu_now) -> dict[str, tuple[list, dict]]:
+    """One round at one stream, in ABBA order: the first half of the prompts on every path in turn,
+    then the second half in the reverse order (the first order flips from round to round), each path
+    on a kept-alive connection of its own, the machine quiet before each half. A drift of the host's
+    speed within the round then falls on every path alike. Turns of one request (ABAB...) would
+    also leave each server cold from the other path's request before nearly every one of its own,
+    which a client streaming one request after another never does: the OpenAI server then ran
+    0.89x Triton's direct tokens/s where turns of 4 requests gave 1.01x (2026-12-05, a run each).
+    Returns per path its records and the CPU seconds its requests took."""
+    import httpx
+    names = list(paths)
+    records = {name: [] for name in names}
+    cpu = {name: {} for name in names}
+    half = (len(items) + 1) // 2
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {name: await stack.enter_async_context(httpx.AsyncClient(timeout=600)) for name in names}
+        for h, start in enumerate((0, half)):
+            for name in names if (h + round_index) % 2 == 0 else reversed(names):
+                quiet()
+                before = cpu_now(name)
+                for item in items[start:start + half]:
+                    records[name].append(record := RequestRecord(sent=0.0))
+                    await paths[name](clients[name], item, record)
+                for part, after in cpu_now(name).items():
+                    cpu[name][part] = cpu[name].get(part, 0.0) + after - before[part]
+    return {name: (records[name], cpu[name]) for name in names}
+
+
 async def run(send, items, concurrency: int) -> list[RequestRecord]:
     import httpx
     records = [RequestRecord(sent=0.0) for _ in items]
@@ -278,8 +321,14 @@ def main() -> None:
             paths["floor"] = lambda http, item, record: openai_stream(http, floor_url, model, item, record)
         highest = max(args.concurrency)
 
+        def quiet() -> None:
+            wait_quiet([triton.process.pid, *filter(None, server_pids.values())])
+
+        def cpu_now(name: str) -> dict[str, float]:
+            return cpu_seconds(triton, server_pids[name])
+
         def workload(concurrency: int):
-            n = max(8, args.requests * concurrency // highest)
+            n = max(16, args.requests * concurrency // highest)
             return workloads.uniform(n, vocab_size, seed=concurrency, prompt=(32, 256), output=(64, 128))
 
         # a full batch on both paths first: the first 64-stream run on a fresh server was ~20% slower
@@ -291,15 +340,14 @@ def main() -> None:
             items = workload(concurrency)
             rounds = {name: [] for name in paths}
             for r in range(args.rounds):
-                order = list(paths) if r % 2 == 0 else list(reversed(paths))
-                for name in order:
-                    wait_quiet([triton.process.pid, *filter(None, server_pids.values())])
-                    before = cpu_seconds(triton, server_pids[name])
-                    records = asyncio.run(run(paths[name], items, concurrency))
-                    summary = summarize(records)
+                if concurrency == 1:
+                    measured = asyncio.run(run_interleaved(paths, items, r, quiet, cpu_now))
+                else:
+                    measured = run_separately(paths, items, concurrency, r, quiet, cpu_now)
+                for name, (records, cpu) in measured.items():
+                    summary = summarize(records, interleaved=concurrency == 1)
                     assert summary["errors"] == 0, [rec.error for rec in records if rec.error][:3]
-                    summary.update({f"{part}_cpu_s": after - before[part]
-                                    for part, after in cpu_seconds(triton, server_pids[name]).items()})
+                    summary.update({f"{part}_cpu_s": seconds for part, seconds in cpu.items()})
                     summary["ttfts_ms"] = [rec.ttft * 1000 for rec in records]
                     rounds[name].append(summary)
                     print(f"  c={concurrency} round {r + 1} {name:8s} {summary['generated_tokens_per_s']:7.1f} tok/s "

@@ -41,6 +41,16 @@ def test_summary_throughput_and_goodput():
     assert s["ttft"]["p50"] == pytest.approx(0.55)
 
 
+def test_interleaved_requests_count_their_own_time_not_the_span():
+    # sent one at a time with another system's requests between them: 10 s apart, 1 s and 3 s long
+    first, second = RequestRecord(0.0, [0.5, 1.0], 4), RequestRecord(10.0, [11.0, 13.0], 4)
+    s = summarize([first, second], interleaved=True)
+    assert s["makespan_s"] == pytest.approx(4.0)
+    assert s["generated_tokens_per_s"] == pytest.approx(8 / 4.0)
+    assert s["request_throughput"] == pytest.approx(2 / 4.0)
+    assert summarize([first, second])["generated_tokens_per_s"] == pytest.approx(8 / 13.0)
+
+
 def test_paused_stops_a_process_tree_for_the_block_and_continues_it_after():
     # side-by-side serving runs stop the server not being measured (perf/serve_vs_vllm.py)
     import subprocess
