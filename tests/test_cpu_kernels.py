@@ -245,8 +245,13 @@ def test_fused_layer_ops_match_their_torch_expressions(kernels, dtype, monkeypat
         expected = ops()
     assert torch.equal(fused[4], residual + x)
     if dtype == torch.bfloat16:
-        for got, want in zip(fused, expected):
-            assert torch.equal(got, want)
+        # the squares are summed in another order, so a norm's scale can differ from torch's in its
+        # last float32 bit, which flips a bf16 rounding in ~0.1% of rows (by one step; equal here)
+        for i, (got, want) in enumerate(zip(fused, expected)):
+            if i in (0, 5):
+                torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0)
+            else:
+                assert torch.equal(got, want)
     else:   # float32: the squares are summed in another order; silu's exp is a polynomial
         for i in (0, 5):
             torch.testing.assert_close(fused[i], expected[i], rtol=4e-7, atol=0)   # 2 ulp
@@ -301,6 +306,25 @@ def test_rotary_write_kv_is_the_rotations_and_the_kv_write(kernels, dtype, dim, 
     assert torch.equal(q, want_q)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0].count_nonzero() == 7 * 2 * dim          # the 7 slots written, nothing else
+
+
+def test_the_wrappers_refuse_shapes_the_kernels_would_read_or_write_past(kernels):
+    """A caller's wrong shapes stop in the wrapper, not as writes past the kernels' fixed arrays or
+    past a cache or a weight."""
+    seqs = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    group = kernels.max_group * 2                   # the per-call arrays hold max_group query heads
+    q = torch.randn(1, group, 64)
+    cache = torch.zeros(1, 16, 1, 64)
+    with pytest.raises(AssertionError):
+        kernels.paged_decode_attention(q, cache, cache, torch.empty_like(q), *seqs, table, 0.125)
+    with pytest.raises(AssertionError):          # a weight shorter than the rows
+        kernels.rms_norm(torch.randn(2, 128), torch.ones(100), 1e-5)
+    cos = torch.randn(1, 1, 64)
+    for kv_heads, k_cache in ((2, torch.zeros(2, 16, 1, 64)), (1, torch.zeros(32, 2, 64))):   # 1 head for 2; no blocks
+        with pytest.raises(AssertionError):
+            kernels.rotary_write_kv(torch.randn(1, (2 + 2 * kv_heads) * 64), 2, kv_heads, cos, cos, k_cache, k_cache,
+                                    torch.tensor([31]))
 
 
 def test_argmax_matches_torch_with_ties_nan_and_infinities(kernels):

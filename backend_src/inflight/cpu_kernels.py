@@ -105,6 +105,11 @@ class CpuKernels:
         if num_seqs == 0:
             return
         _, block_size, num_kv_heads, dim = k_cache.shape
+        # the shapes the kernels' fixed per-call arrays are sized for (a larger group or head dim
+        # would write past them); the metadata's values are the scheduler's invariants
+        assert self.supports(dtype, q.shape[1], num_kv_heads, dim) and v_cache.shape == k_cache.shape
+        assert q.shape[2] == dim and out.shape == q.shape and len(cu_seqlens_q) == num_seqs + 1
+        assert block_table.shape[0] >= num_seqs
         self.fns[op, dtype](
             q.data_ptr(), _strides(q, 2), k_cache.data_ptr(), _strides(k_cache, 3), v_cache.data_ptr(),
             _strides(v_cache, 3), out.data_ptr(), _strides(out, 2), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(),
@@ -122,7 +127,7 @@ class CpuKernels:
             return self.rms_norm(rows, weight, eps, skip).view(x.shape)
         # the model's rows are 2-d: no reshape or view, which took a third of a decode step's call
         # (40 rows: 19 -> 14 µs)
-        assert x.stride(1) == 1 and weight.dtype == x.dtype and weight.is_contiguous()
+        assert x.stride(1) == 1 and weight.dtype == x.dtype and weight.is_contiguous() and weight.shape == x.shape[1:]
         assert residual is None or (residual.dtype == x.dtype and residual.shape == x.shape and residual.stride(1) == 1)
         out = x.new_empty(x.shape)
         self.fns["rms_norm", x.dtype](x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
@@ -156,6 +161,7 @@ class CpuKernels:
         assert cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype == qkv.dtype and cos.stride() == sin.stride()
         assert cos.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
         assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and len(slot_mapping) <= tokens
+        assert k_cache.dim() == 4 and k_cache.shape[2] == num_kv_heads and v_cache.shape == k_cache.shape
         q = qkv.new_empty((tokens, num_heads, dim))
         self.fns["rotary_write_kv", qkv.dtype](
             qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), q.data_ptr(), tokens,
