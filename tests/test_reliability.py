@@ -266,7 +266,7 @@ def test_an_engine_failure_fails_requests_logs_the_cause_and_takes_the_server_ou
     assert ready(s) != 200, "readiness must fail"
     assert s.process.wait(45) is not None, "the server exits within its exit timeout"
     log = open(s.log_path, errors="replace").read()
-    assert "inflight engine step failed" in log and "injected fault" in log and "Traceback" in log
+    assert "inflight engine thread failed" in log and "injected fault" in log and "Traceback" in log
 
 
 def test_stopping_the_server_ends_every_in_flight_request_with_a_final_response(start_server):
@@ -422,6 +422,112 @@ def test_a_failure_in_the_response_thread_fails_every_request_instead_of_hanging
         assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
     finally:
         loop.shutdown()
+
+
+def test_a_failure_around_the_step_fails_every_request_and_refuses_later_ones(tokenizer, monkeypatch):
+    """An exception in the engine thread outside engine.step() (here: admitting a request) ends
+    every request in flight with the error, refuses later requests with it, frees every block, and
+    leaves the thread answering (not dead, with every later request hanging)."""
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+
+    from .helpers import RecordingSink
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=8, num_kv_blocks=256,
+                                                                   cpu_threads=1))
+    failures = []
+    loop = EngineLoop(engine, tokenizer, on_failure=failures.append).start()
+    prompt = tokenizer("The assert statement")["input_ids"]
+    try:
+        running = RecordingSink()
+        loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=500, ignore_eos=True), stream=True),
+                    running)
+        deadline = time.monotonic() + 10
+        while not running.outputs and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug admitting a request")
+        monkeypatch.setattr(engine, "add_request", broken)
+        admitted = RecordingSink()
+        loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=4)), admitted)
+        assert admitted.finished.wait(10) and running.finished.wait(10), "a request was left waiting"
+        message = "the engine failed: RuntimeError: a bug admitting a request"
+        assert admitted.sends[-1][2:] == (True, message) and running.sends[-1][2:] == (True, message)
+        assert failures == [message] and not loop.healthy
+        later = RecordingSink()
+        loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=2)), later)
+        assert later.finished.wait(5) and later.sends[-1][2:] == (True, message)
+        assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
+        assert loop._engine_thread.is_alive()
+    finally:
+        loop.shutdown()
+    assert not loop._engine_thread.is_alive()
+
+
+class BrokenSendSink:
+    """A sink whose third response cannot be sent (say, the backend's shared memory would not
+    grow) while its client is still there: later sends work."""
+
+    def __init__(self):
+        from .helpers import RecordingSink
+        self.record = RecordingSink()
+        self.calls = 0
+
+    def send(self, outputs, final, error=None):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("the response could not be sent")
+        self.record.send(outputs, final, error)
+
+    def is_cancelled(self):
+        return False
+
+
+def test_a_response_that_cannot_be_sent_ends_its_request_with_an_error(tokenizer):
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=8, num_kv_blocks=256,
+                                                                   cpu_threads=1))
+    loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05).start()
+    prompt = tokenizer("The assert statement")["input_ids"]
+    try:
+        sink = BrokenSendSink()
+        loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=200, ignore_eos=True), stream=True), sink)
+        assert sink.record.finished.wait(10), "the client was left waiting"
+        assert sink.record.sends[-1][2:] == (True, "sending a response failed: RuntimeError: the response could not "
+                                                   "be sent")
+        assert len(sink.record.sends) == 3        # two tokens, then the end
+        deadline = time.monotonic() + 5
+        while (engine.has_unfinished() or engine.kv.num_used_blocks) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
+    finally:
+        loop.shutdown()
+
+
+def test_a_request_cancelled_before_the_engine_takes_it_is_never_admitted(tokenizer):
+    """Its cancellation can reach the engine thread before its "add" (the response thread polls
+    between submit()'s two messages): the request must not then run to its end holding blocks."""
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+
+    from .helpers import RecordingSink
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", num_kv_blocks=64, cpu_threads=1))
+    loop = EngineLoop(engine, tokenizer)          # not started: the messages are handed over by hand, in that order
+    sink = RecordingSink()
+    job = loop._make_job(GenerateRequest(None, tokenizer("The assert statement")["input_ids"],
+                                         SamplingParams(max_tokens=50), stream=True), sink)
+    loop._dispatch("register", job)
+    sink.left = True
+    loop._poll_cancelled()
+    assert sink.sends[-1][2:] == (True, None)
+    while not loop.inbox.empty():                 # the abort, which finds nothing to abort
+        loop._handle(loop.inbox.get())
+    loop._handle(("add", job))
+    assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0
 
 
 def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancelled_in_the_queue(tokenizer,

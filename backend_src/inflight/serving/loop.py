@@ -166,47 +166,55 @@ class EngineLoop:
 
     # ---- engine thread -----------------------------------------------------------------------------
     def _run_engine(self) -> None:
-        engine = self.engine
         while True:
-            idle = not engine.has_unfinished()
             try:
-                message = self.inbox.get(timeout=0.5) if idle else self.inbox.get_nowait()
+                if self._engine_turn():
+                    return
+            except Exception as exc:    # a bug or a device fault, in a step or around it: fail everything, loudly
+                log.exception("inflight engine thread failed; failing all requests")
+                self._abort_all(f"the engine failed: {type(exc).__name__}: {exc}")
+
+    def _engine_turn(self) -> bool:
+        """Take the inbox's messages, then one step if anything can run; True once shut down."""
+        engine = self.engine
+        # after a failure the loop only answers messages: requests it could not release stay unfinished
+        idle = self.failure is not None or not engine.has_unfinished()
+        try:
+            message = self.inbox.get(timeout=0.5) if idle else self.inbox.get_nowait()
+        except queue.Empty:
+            message = None
+        while message is not None:
+            if message[0] == "shutdown":
+                self._abort_all("the model is being unloaded", fatal=False)
+                self.outbox.put(("stop", None))
+                return True
+            self._handle(message)
+            try:
+                message = self.inbox.get_nowait()
             except queue.Empty:
                 message = None
-            while message is not None:
-                if message[0] == "shutdown":
-                    self._abort_all("the model is being unloaded", fatal=False)
-                    self.outbox.put(("stop", None))
-                    return
-                self._handle(message)
-                try:
-                    message = self.inbox.get_nowait()
-                except queue.Empty:
-                    message = None
-            if self.failure is not None or not engine.has_unfinished():
-                continue
-            if self._server_stopping():
-                self._abort_all("the server is shutting down", fatal=False)
-                continue
-            try:
-                if self._fault_after_steps and engine.num_steps >= self._fault_after_steps:
-                    raise RuntimeError(f"injected fault after {engine.num_steps} steps (INFLIGHT_FAULT_AFTER_STEPS)")
-                steps = engine.num_steps
-                out = engine.step()
-            except Exception as exc:    # a bug or a device fault: fail everything in flight, loudly
-                log.exception("inflight engine step failed; failing all requests")
-                self._abort_all(f"the engine failed: {type(exc).__name__}: {exc}")
-                continue
-            if len(out) or out.finished or out.prompt_logprobs:    # a prompt chunk brings no token
-                self.outbox.put(("step", out))
-            if engine.num_steps == steps:
-                time.sleep(0.002)      # nothing runnable yet (static batching waiting to fill up)
-            self._report_metrics()
+        if self.failure is not None or not engine.has_unfinished():
+            return False
+        if self._server_stopping():
+            self._abort_all("the server is shutting down", fatal=False)
+            return False
+        if self._fault_after_steps and engine.num_steps >= self._fault_after_steps:
+            raise RuntimeError(f"injected fault after {engine.num_steps} steps (INFLIGHT_FAULT_AFTER_STEPS)")
+        steps = engine.num_steps
+        out = engine.step()
+        if len(out) or out.finished or out.prompt_logprobs:    # a prompt chunk brings no token
+            self.outbox.put(("step", out))
+        if engine.num_steps == steps:
+            time.sleep(0.002)      # nothing runnable yet (static batching waiting to fill up)
+        self._report_metrics()
+        return False
 
     def _handle(self, message) -> None:
         kind, payload = message
         if kind == "add":
             job: Job = payload
+            if job.done:       # cancelled (or failed) before it got here: _cancel marks it before its aborts
+                return
             if self.failure is not None:
                 self.outbox.put(("error", (job, self.failure)))
                 return
@@ -250,7 +258,10 @@ class EngineLoop:
         except Exception:
             log.exception("inflight engine could not release its requests")
         self.outbox.put(("fail" if fatal else "drain", reason))
-        self._report_metrics(force=True)
+        try:
+            self._report_metrics(force=True)
+        except Exception:
+            log.exception("inflight engine could not report its metrics")
 
     def _report_metrics(self, force: bool = False) -> None:
         """The numbers are read here; publishing them is Triton IPC, left to the response thread."""
@@ -287,6 +298,9 @@ class EngineLoop:
     def _dispatch(self, kind: str, payload) -> bool:
         """One message from the engine thread; True when the loop is done."""
         if kind == "register":
+            if self.failure is not None:    # the loop failed after submit() checked: no step will end it
+                self._fail(payload, self.failure)
+                return False
             self._jobs[payload.job_id] = payload
             for sample in payload.samples:
                 self._samples[sample.request_id] = sample
@@ -400,12 +414,17 @@ class EngineLoop:
         job.num_responses += 1
         try:
             job.sink.send(outputs, final=final, error=error)
-        except Exception:          # the client is gone: stop generating for it
+        except Exception as exc:   # the client is gone, or this response could not be built or sent
             log.warning("inflight: sending a response for %s failed; aborting it", job.job_id, exc_info=True)
-            if not final:
-                for sample in job.samples:
+            job.done = True
+            for sample in job.samples:
+                if not sample.finished:
                     self.inbox.put(("abort", sample.request_id))
-            final = True
+            try:                   # a client still there gets its end, with why
+                job.sink.send(None, final=True, error=f"sending a response failed: {type(exc).__name__}: {exc}")
+            except Exception:
+                log.debug("inflight: the final error for %s could not be sent either", job.job_id, exc_info=True)
+            return
         if final:
             job.done = True
 
@@ -417,13 +436,13 @@ class EngineLoop:
             return True
 
     def _cancel(self, job: Job) -> None:
+        job.done = True            # first: an "add" the engine thread has not taken yet is then dropped
         for sample in job.samples:
             self.inbox.put(("abort", sample.request_id))
         try:
             job.sink.send(None, final=True)
         except Exception:
             log.debug("inflight: final flag after cancellation failed for %s", job.job_id, exc_info=True)
-        job.done = True
         self._record(job, "cancelled")
 
     def _poll_cancelled(self) -> None:
