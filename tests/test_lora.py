@@ -186,6 +186,21 @@ def test_unsupported_adapters_are_refused_naming_adapter_and_field(tiny_checkpoi
     assert f"LoRA adapter {case!r} ({path})" in str(error.value)
 
 
+def test_an_adapter_tensor_of_no_dimensions_is_refused_naming_it(tiny_checkpoint, adapters, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    copy = shutil.copytree(adapters["qv-r8"], tmp_path / "scalar")
+    tensors = load_file(copy / "adapter_model.safetensors")
+    key = next(k for k in sorted(tensors) if "lora_A" in k)
+    tensors[key] = torch.tensor(1.0)
+    save_file(tensors, copy / "adapter_model.safetensors")
+    with pytest.raises(LoraError, match=r"LoRA adapter 'a' .*has lora_A \[\] and lora_B"):
+        LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(enable_lora=True, num_kv_blocks=16),
+                                  lora_modules={"a": str(copy)})
+
+
 def test_adapter_keys_without_peft_prefix_load_the_same(tiny_checkpoint, adapters, tmp_path):
     """Adapters saved by other tools name their tensors without PEFT's base_model.model. prefix;
     vLLM reads them, and so does inflight, with the same tokens."""
@@ -417,6 +432,7 @@ def test_settings_read_lora_keys_and_multi_lora_json(tmp_path, adapters):
     ({"enable_lora": True}, ["a"], "multi_lora.json: must be a JSON object"),
     ({"enable_lora": True}, {"a": 3}, "multi_lora.json: entry 'a': the adapter directory must be a non-empty string"),
     ({"enable_lora": True}, {"a": "missing"}, "multi_lora.json: entry 'a': adapter directory '.*missing' does not exist"),
+    ({"enable_lora": True}, '{"a": "one", "a": "two"}', "multi_lora.json: the adapter name 'a' is given 2 times"),
     ({"enable_lora": True, "engine": {"enable_lora": True}}, None,
      "'enable_lora' is given both at the top level and in 'engine'"),
     ({"enable_lora": "yes"}, None, "'enable_lora' must be a boolean"),

@@ -158,7 +158,7 @@ def load_adapter(name: str, path: str, spec: ModelSpec, max_rank: int) -> LoraAd
             fail(f"{key} has lora_{next(iter(ab))} but no lora_{'B' if 'A' in ab else 'A'}")
         a, b = ab["A"], ab["B"]
         fan_in, fan_out = shapes[module]
-        rank = a.shape[0]
+        rank = a.shape[0] if a.dim() else 0
         if a.dim() != 2 or b.dim() != 2 or rank < 1 or a.shape[1] != fan_in or b.shape != (fan_out, rank):
             fail(f"{key} has lora_A {list(a.shape)} and lora_B {list(b.shape)}, but the base model's {module} "
                  f"maps {fan_in} -> {fan_out} features (hidden_size {spec.hidden_size}); was it trained for "

@@ -84,9 +84,15 @@ def read_multi_lora(path: str) -> dict[str, str]:
     if not os.path.exists(path):
         log.warning("inflight: enable_lora is set but there is no %s: no adapters", path)
         return {}
+    def unique(pairs):
+        names = [name for name, _ in pairs]
+        for name in names:
+            if names.count(name) > 1:      # json.load would keep the last silently
+                raise StartupError(f"{path}: the adapter name {name!r} is given {names.count(name)} times")
+        return dict(pairs)
     try:
         with open(path) as f:
-            raw = json.load(f)
+            raw = json.load(f, object_pairs_hook=unique)
     except ValueError as exc:
         raise StartupError(f"{path}: not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
