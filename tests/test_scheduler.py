@@ -363,6 +363,24 @@ def test_a_high_priority_arrival_preempts_only_when_that_lets_it_in():
     assert low.num_preemptions == 0 and high.status == Status.WAITING
 
 
+def test_a_high_priority_arrival_preempts_victims_that_share_their_blocks():
+    """Two low-priority requests sharing a cached prefix hold its blocks twice: preempting both
+    frees them, so a high-priority arrival that needs that room gets in at once, not after one of
+    them has run to its end."""
+    s = make_scheduler(num_blocks=20, block_size=4, budget=64, max_seqs=8, prefix=True)
+    prefix = list(range(100, 132))                                   # 8 full blocks
+    low = [add(s, prefix + [1, 3], max_tokens=12, priority=2)]
+    step(s)
+    low.append(add(s, prefix + [4, 5], max_tokens=12, priority=2))
+    step(s)
+    assert all(s.kv.ref_counts[b] == 2 for b in s.table.blocks(low[0].row)[:8])
+    high = add(s, list(range(200, 252)), max_tokens=1, priority=0)  # 13 blocks: more than one low frees
+    step(s)
+    assert high.status != Status.WAITING and [r.num_preemptions for r in low] == [1, 1]
+    run_until_idle(s)
+    assert all(r.finish_reason == "length" for r in [*low, high]) and s.kv.num_used_blocks == 0
+
+
 def test_prefix_cache_counters_count_new_requests_that_look_up():
     """As vLLM's: resumptions after preemption and requests that skip the lookup (prompt
     log-probabilities) are not queries."""

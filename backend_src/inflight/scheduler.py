@@ -10,9 +10,10 @@ policies that continuous batching replaces, kept so benchmarks can compare sched
 """
 from __future__ import annotations
 
+
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -178,16 +179,18 @@ class Scheduler:
     def _victims_for(self, req: Request, hit: list[int]) -> list[Request]:
         """Running requests of strictly lower priority (lowest, then newest, first) whose
         preemption would let `req` in; empty if even all of them would not be enough."""
-        victims, freed_blocks = [], 0
+        victims, held = [], Counter()
         hit_blocks = set(hit)
         for row in self.running[::-1].tolist():
             victim = self.table.requests[row]
             if victim.priority <= req.priority:
                 break
             victims.append(victim)
-            # blocks only this victim holds go back to the pool (shared ones stay); those of req's
-            # cached prefix are room req takes anyway, not room it gains
-            freed_blocks += sum(1 for b in self.table.blocks(row) if self.kv.ref_counts[b] == 1 and b not in hit_blocks)
+            held.update(self.table.blocks(row))
+            # blocks the victims hold every reference to go back to the pool (a prefix two of them
+            # share, too; one a request that stays also holds does not); those of req's cached
+            # prefix are room req takes anyway, not room it gains
+            freed_blocks = sum(1 for b, refs in held.items() if refs == self.kv.ref_counts[b] and b not in hit_blocks)
             if self._fits(req, hit, len(victims), freed_blocks):
                 return victims
         return []
