@@ -429,6 +429,17 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, refere
                                                                    for i in range(len(streamed_tokens))]
     assert sum((c.logprobs.token_logprobs for c in streamed), [])[1:len(ids)] == pytest.approx(prompt_values,
                                                                                               abs=1e-9)
+    # n > 1: a choice's first chunk can come in a later response than its prompt's scores (more
+    # outputs than max_num_seqs start in a later step, and an empty prompt echoes no text to send
+    # before them); each is still echoed with them
+    n = TEST_ENGINE["max_num_seqs"] + 2
+    chunks = list(client.completions.create(model=MODEL, prompt="", echo=True, logprobs=1, max_tokens=2, n=n,
+                                            temperature=0, stream=True))
+    firsts = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            firsts.setdefault(choice.index, choice.logprobs.tokens)
+    assert sorted(firsts) == list(range(n)) and all(tokens[0] == "<s>" for tokens in firsts.values())
     vllm_field = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2, temperature=0, n=2,
                                            extra_body={"prompt_logprobs": 2})
     for choice in vllm_field.choices:
@@ -1114,6 +1125,9 @@ BAD = [
     ("chat/completions", {"model": MODEL, "messages": [*ONE_USER, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "add", "arguments": "[" * 100000}}]}]}, 400,
      "'messages[1].tool_calls[0].function.arguments' is nested too deeply", "messages"),
+    ("chat/completions", {"model": MODEL, "messages": [*ONE_USER, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "9" * 5000}}]}]}, 400,
+     "'messages[1].tool_calls[0].function.arguments' is not valid JSON: Exceeds the limit", "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "only text parts", "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
@@ -1191,6 +1205,39 @@ def test_bodies_json_reads_but_python_cannot_use_are_400s(api):
     reply = httpx.post(f"{api.base_url}/completions", content=b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}",
                        timeout=60)
     assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"], reply.text
+    # JSON in UTF-16 or UTF-32, which json.loads would decode (lone surrogates and all): UTF-8 only
+    for encoding in ("utf-16-le", "utf-16", "utf-32"):
+        body = json.dumps({"model": MODEL, "prompt": "\ud800 hi", "max_tokens": 1}).encode(encoding)
+        reply = httpx.post(f"{api.base_url}/completions", content=body, timeout=60)
+        assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"], reply.text
+
+
+def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event_and_done():
+    """A bug after the first chunk (not an APIError): the client gets an error event in OpenAI's
+    shape and [DONE], not a connection cut mid-stream; several prompts' pumps raise it too."""
+    from inflight_client.openai_server import generation, sse
+
+    async def chunks():
+        yield b"data: {}\n\n"
+        raise TypeError("a bug")
+
+    async def read(stream):
+        return [part async for part in stream]
+    parts = asyncio.run(read(sse._with_errors(chunks())))
+    assert parts[0] == b"data: {}\n\n" and parts[-1] == sse.DONE
+    assert json.loads(parts[1][5:]) == {"error": {"message": "internal error: TypeError", "type": "internal_error",
+                                                  "param": None, "code": 500}}
+
+    async def call(fails: bool):
+        yield "response"
+        if fails:
+            raise KeyError("a bug")
+
+    async def merged():
+        responses = await generation.stream([call(False), call(True)])
+        return [item async for item in responses]
+    with pytest.raises(KeyError):            # raised to the reader, not left waiting forever
+        asyncio.run(asyncio.wait_for(merged(), 10))
 
 
 def test_the_sdk_raises_its_typed_errors(client):

@@ -72,7 +72,8 @@ def _validation_error(error: ValidationError) -> APIError:
 async def _body(request: Request, schema: type[BaseModel]):
     body = await request.body()
     try:
-        raw = json.loads(body)
+        # UTF-8 only (RFC 8259), as the checks below assume: json.loads would also take UTF-16/32
+        raw = json.loads(body.decode("utf-8-sig", "surrogatepass"))
     except ValueError as exc:       # also an integer longer than Python converts (4,300 digits)
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:

@@ -51,7 +51,7 @@ def _parsed_arguments(call, index: int, position: int):
     field = f"messages[{index}].tool_calls[{position}].function.arguments"
     try:
         arguments = json.loads(function["arguments"]) if function.get("arguments") else {}
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:       # also an integer longer than Python converts (4,300 digits)
         raise APIError(400, f"'{field}' is not valid JSON: {exc}", "messages") from None
     except RecursionError:
         raise APIError(400, f"'{field}' is nested too deeply", "messages") from None

@@ -114,10 +114,13 @@ async def _chunks(head: dict, body: CompletionRequest, responses, prompts: list,
     offsets = [0] * (len(echoes) * n)          # each choice's tokens' text so far, for text_offset
     counts = [0] * (len(echoes) * n)           # each choice's tokens so far
     seen, begun, ended = set(), set(), set()    # prompts with a response, choices with a chunk, with their end
+    scored = {}     # prompt index -> its prompt_logprobs, which come in its first response only
     try:
         async for prompt_index, response in responses:
             usage.add(response, prompt_index not in seen)
             seen.add(prompt_index)
+            if response.prompt_logprobs is not None:
+                scored.setdefault(prompt_index, response.prompt_logprobs)
             for j, generated in enumerate(response.texts):
                 index = prompt_index * n + j
                 if index in ended:      # `llm` repeats an ended output's finish_reason; a client gets it once
@@ -136,7 +139,8 @@ async def _chunks(head: dict, body: CompletionRequest, responses, prompts: list,
                 logprobs = None
                 if body.logprobs is not None:
                     # text_offset counts the tokens' texts, as in the whole reply (and vLLM's stream)
-                    prompt_positions = echoed(prompt_index, response.prompt_logprobs) if first and echoed else []
+                    # (n > 1: a choice's first chunk can come in a later response than its prompt's first)
+                    prompt_positions = echoed(prompt_index, scored[prompt_index]) if first and echoed else []
                     logprobs = completion_logprobs(body.shown(prompt_positions + positions), offsets[index])
                     offsets[index] += sum(map(len, logprobs["tokens"]))
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}

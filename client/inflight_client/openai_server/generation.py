@@ -85,7 +85,7 @@ async def stream(calls: list[AsyncIterator[LLMResponse]]) -> AsyncIterator[tuple
             async for response in call:
                 queue.put_nowait((index, response))
             queue.put_nowait((index, None))
-        except APIError as exc:
+        except Exception as exc:        # an APIError, or a bug: raised where the responses are read
             queue.put_nowait((index, exc))
 
     tasks = [asyncio.create_task(pump(i, call)) for i, call in enumerate(calls)]
@@ -93,7 +93,7 @@ async def stream(calls: list[AsyncIterator[LLMResponse]]) -> AsyncIterator[tuple
     try:
         while len(started) < len(calls):
             index, item = await queue.get()
-            if isinstance(item, APIError):
+            if isinstance(item, Exception):
                 raise item
             started.add(index)
             buffered.append((index, item))
@@ -125,7 +125,7 @@ async def _merged(buffered: list, queue: asyncio.Queue, tasks: list, num_calls: 
             index, item = await queue.get()
             if item is None:
                 running -= 1
-            elif isinstance(item, APIError):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield index, item

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from starlette.responses import StreamingResponse
 
 from .errors import APIError
 
+log = logging.getLogger("inflight.openai")
 DONE = b"data: [DONE]\n\n"
 
 
@@ -24,6 +26,9 @@ async def _with_errors(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             yield chunk
     except APIError as exc:
         yield event(exc.body())
+    except Exception as exc:      # a bug: the client still gets an error and the end, not a cut stream
+        log.exception("inflight-openai: unexpected error in a stream")
+        yield event(APIError(500, f"internal error: {type(exc).__name__}").body())
     finally:
         await chunks.aclose()
     yield DONE
