@@ -577,6 +577,39 @@ def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancel
         loop.shutdown()
 
 
+def test_a_running_stream_whose_stream_interval_holds_its_tokens_gets_heartbeats(tokenizer):
+    """With queue_heartbeat, a stream silent for heartbeat_s gets an empty response also while it
+    runs (its stream_interval holding tokens back): the write by which Triton's HTTP frontend finds
+    a client that left, which would otherwise come only with its next batch of tokens."""
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+
+    from .helpers import RecordingSink
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", num_kv_blocks=256, cpu_threads=1))
+    loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.02, heartbeat_s=0.05).start()
+    prompt = tokenizer("The assert statement")["input_ids"]
+    try:
+        sink = RecordingSink()
+        loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=800, ignore_eos=True), stream=True,
+                                    stream_interval=10_000, queue_heartbeat=True, return_num_output_tokens=True), sink)
+        deadline = time.monotonic() + 30
+        while sum(o == {} for o in sink.outputs[1:]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first = sink.outputs[0]
+        assert first and first["num_output_tokens"][0] == 1, "the first token comes at once"
+        assert sink.outputs[1:3] == [{}, {}] and not sink.finished.is_set(), "no heartbeat while it ran"
+        sink.left = True
+        assert sink.finished.wait(5)
+        deadline = time.monotonic() + 5
+        while (engine.has_unfinished() or engine.kv.num_used_blocks) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
+        assert engine.num_generated_tokens < 800, "it ran to its end"
+    finally:
+        loop.shutdown()
+
+
 def test_the_serving_loop_keeps_nothing_of_requests_that_ended(tokenizer):
     """Refused requests (prompt + max_tokens over max_model_len, a full queue), finished ones and
     n > 1 ones all leave the response thread's bookkeeping: nothing grows with the requests served."""

@@ -126,7 +126,7 @@ class Job:
     grammar: object = None                  # structured outputs: compiled on the request's thread, not the engine's
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)   # from the second prompt token on
     num_responses: int = 0
-    last_heartbeat: float = 0.0             # when its latest queue heartbeat went out (monotonic)
+    last_response: float = 0.0              # when its latest response or heartbeat went out (monotonic)
 
     @property
     def finished(self) -> bool:

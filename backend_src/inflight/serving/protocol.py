@@ -73,7 +73,7 @@ class GenerateRequest:
     n: int = 1                                # outputs, each its own engine request (seed + i)
     include_stop_str_in_output: bool = False
     stream_interval: int = 1                  # vLLM's: tokens per streamed response (the model's setting, if larger)
-    queue_heartbeat: bool = False             # inflight's: an empty response each second until the first one (a stream)
+    queue_heartbeat: bool = False             # inflight's: an empty response after each second without one (a stream)
 
 
 def _one(name: str, array: np.ndarray):

@@ -3,10 +3,10 @@ request is one POST to Triton's `/v2/models/<model>/generate_stream`, whose serv
 are `llm`'s responses, read into LLMResponses. Leaving early closes the request's connection,
 which Triton takes as the request's cancellation at its next response (the engine aborts it and
 frees its blocks). Triton notices a closed connection only when it writes a response, so the
-server asks inflight's `llm` for `queue_heartbeat`: an event without outputs about once a second
-until the first response, so that a request whose client left while it waited in the queue is
-cancelled there, not prefilled for nobody (the vLLM backend has no such input: there it runs to
-its first token).
+server asks inflight's `llm` for `queue_heartbeat`: an event without outputs after about each
+second without one, so that a request whose client left while it waited in the queue (or while a
+large stream_interval held its tokens back) is cancelled then, not run on for nobody (the vLLM
+backend has no such input: there it runs to its first token).
 
 HTTP rather than Triton's gRPC stream: per streamed token, receiving a response through
 tritonclient's grpc.aio stack costs this process ~0.24 ms of CPU, reading the same response as an
