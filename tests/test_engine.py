@@ -159,6 +159,36 @@ def test_a_step_that_fails_admitting_leaves_every_request_abortable(tiny_checkpo
     engine.check_invariants()
 
 
+def test_a_step_whose_forward_raises_can_be_stepped_again_with_the_same_outputs(tiny_checkpoint, monkeypatch):
+    """A transient fault in the forward, after schedule() took blocks for a chunk and admitted a
+    request: stepping on computes that step again, with the outputs of an engine that never
+    failed, and the pool comes back whole (the blocks already taken are not counted twice)."""
+    config = dict(dtype="float32", block_size=4, num_kv_blocks=32, max_num_batched_tokens=8, max_num_seqs=4,
+                  max_model_len=64)
+    low, high = prompts(2, seed=9)
+    low, high = (low * 4)[:12], (high * 4)[:20]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=8)
+    want = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float32", num_kv_blocks=64)).generate(
+        [low, high], params)
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(**config))
+    requests = [engine.add_request("low", low, params, priority="low")]
+    engine.step()                                    # 8 of its 12 prompt tokens
+    requests.append(engine.add_request("high", high, params, priority="high"))
+    forward = engine.runner.execute
+
+    def fails(*args):
+        monkeypatch.setattr(engine.runner, "execute", forward)
+        raise RuntimeError("a transient device error")
+    monkeypatch.setattr(engine.runner, "execute", fails)
+    with pytest.raises(RuntimeError, match="transient"):
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_token_ids for r in requests] == [w.token_ids for w in want]
+    assert engine.stats()["kv_blocks_used"] == 0
+    engine.check_invariants()
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=10**400), "temperature"), (dict(presence_penalty=-10**400), "presence_penalty"),

@@ -134,7 +134,9 @@ class Scheduler:
         if int(n.sum()) > budget:                       # running requests in order until it is spent
             ends = np.cumsum(n)
             n = np.clip(budget - (ends - n), 0, n)
-        need = (start + n + (self.block_size - 1)) // self.block_size - table.num_blocks[rows]
+        # at least 0: after a step that raised between schedule() and update(), a row keeps blocks
+        # allocated for tokens it has yet to compute (the step is computed again)
+        need = np.maximum((start + n + (self.block_size - 1)) // self.block_size - table.num_blocks[rows], 0)
         total_need = int(need.sum())
         if total_need <= self.kv.num_free_blocks:
             if total_need:
@@ -167,7 +169,7 @@ class Scheduler:
             req = table.requests[row]
             if count == 0 or req is None or req.status != Status.RUNNING:
                 continue
-            need = -(-(int(table.num_computed[row]) + count) // self.block_size) - int(table.num_blocks[row])
+            need = max(-(-(int(table.num_computed[row]) + count) // self.block_size) - int(table.num_blocks[row]), 0)
             while need > self.kv.num_free_blocks and req.status == Status.RUNNING:
                 self.preempt(table.requests[int(self.running[-1])])
             if req.status == Status.RUNNING:
