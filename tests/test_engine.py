@@ -138,10 +138,13 @@ def test_step_outputs_add_up_to_the_final_output_and_aborts_free_everything(engi
     assert not engine.abort("s1"), "aborting a finished request is a no-op"
 
 
-def test_a_step_that_fails_admitting_leaves_every_request_abortable(tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("policy", ["continuous", "dynamic", "static"])
+def test_a_step_that_fails_admitting_leaves_every_request_abortable(tiny_checkpoint, monkeypatch, policy):
     """A fault while admitting (the step raises): every request can still be aborted and the
-    pool comes back whole (the serving loop aborts them all after a failed step)."""
-    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float32", num_kv_blocks=64))
+    pool comes back whole (the serving loop aborts them all after a failed step), whatever the
+    batching policy."""
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float32", num_kv_blocks=64, policy=policy,
+                                                                     batch_wait_timeout_s=0))
     for i, p in enumerate(prompts(3, seed=5)):
         engine.add_request(f"f{i}", p, SamplingParams(max_tokens=4))
     table = engine.scheduler.table

@@ -317,8 +317,8 @@ class Scheduler:
                         // self.block_size)
             if reserve > self.kv.num_free_blocks or not self.table.num_free_rows:
                 break
-            self.waiting[req.priority].remove(req)
             row = self._start_running(req, [], 0)
+            self.waiting[req.priority].remove(req)      # once it runs: a failure leaves it abortable
             self.table.append_blocks([row], [reserve], self.kv.allocate(reserve))
 
     def _release_held(self) -> None:
