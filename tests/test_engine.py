@@ -192,6 +192,12 @@ def test_a_step_whose_forward_raises_can_be_stepped_again_with_the_same_outputs(
     engine.check_invariants()
 
 
+def test_repeated_stop_token_ids_count_once():
+    """The batch table keeps a column per stop id of the longest list any request sent: a list of
+    one id repeated must not widen it for every later step."""
+    assert SamplingParams(stop_token_ids=[7, 5, 7] + [5] * 100_000).stop_token_ids == (7, 5)
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-1), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=10**400), "temperature"), (dict(presence_penalty=-10**400), "presence_penalty"),

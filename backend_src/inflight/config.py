@@ -167,6 +167,8 @@ class SamplingParams:
         self.stop_token_ids = tuple(self.stop_token_ids)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be a list of non-negative integers")
+        # once each: the batch table is as wide as the longest list a request has sent, for good
+        self.stop_token_ids = tuple(dict.fromkeys(self.stop_token_ids))
         self.bad_words_ids = tuple(tuple(w) for w in self.bad_words_ids)
         _check(all(w and all(_is_int(t) and t >= 0 for t in w) for w in self.bad_words_ids), "bad_words_ids",
                "must be a list of non-empty lists of non-negative integers")
