@@ -41,6 +41,12 @@ def test_a_knob_in_the_tensor_and_as_a_parameter_takes_the_tensors_value():
     assert (req.params.max_tokens, req.params.seed) == (3, 5)
 
 
+def test_a_null_knob_in_the_tensor_leaves_the_parameters_value():
+    """null is "not given" (vLLM's SamplingParams default), so a request parameter of that knob stands."""
+    req = parse_request({"text_input": text(), "sampling_parameters": text('{"max_tokens": null}')}, {"max_tokens": 5})
+    assert req.params.max_tokens == 5
+
+
 def test_stop_and_bad_words():
     req = parse_request({"text_input": text()}, {"stop": "\n\n", "bad_words": ["foo", "bar"], "stop_token_ids": [5]})
     assert req.params.stop == ("\n\n",) and req.bad_words == ("foo", "bar") and req.params.stop_token_ids == (5,)
@@ -75,6 +81,12 @@ BAD = [
     ({"text_input": text()}, {"priority": 1.5}, "'priority' must be 'high', 'normal', 'low' or an integer"),
     ({"text_input": text(), "sampling_parameters": text("[" * 100000 + "]" * 100000)}, {},
      "'sampling_parameters' is nested too deeply"),
+    ({"text_input": text(), "sampling_parameters": text('{"max_tokens": ' + "1" * 5000 + "}")}, {},
+     "'sampling_parameters' is not valid JSON: Exceeds the limit"),
+    ({"text_input": text()}, {"structured_outputs": {"json": {"type": "string", "format": []}}},
+     "'structured_outputs.json' uses the format []"),
+    ({"text_input": text()}, {"structured_outputs": {"json": '{"maxLength": ' + "9" * 5000 + "}"}},
+     "'structured_outputs.json' is not valid JSON: Exceeds the limit"),
 ]
 
 

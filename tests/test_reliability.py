@@ -109,6 +109,10 @@ HTTP_ENSEMBLE = [
     ({"text_input": "hi", "return_log_probs": True}, "'return_log_probs' is not available through the ensemble"),
     ({"max_tokens": 3}, "text_input"),
     ({"text_input": "x" * 110000}, "'text_input' is 110000 bytes, more than the context of 1024 tokens"),      # before tokenizing
+    ({"text_input": "hi", "guided_decoding_guide_type": "json_schema", "guided_decoding_guide": "9" * 5000},
+     "'guided_decoding_guide' is not valid JSON: Exceeds the limit"),
+    ({"text_input": "hi", "guided_decoding_guide_type": "json_schema", "guided_decoding_guide": "[" * 100000},
+     "'guided_decoding_guide' is nested too deeply"),
 ]
 GRPC = [
     ("llm", [t("text_input", np.array([5], dtype=np.int32), "INT32")],
@@ -130,6 +134,11 @@ GRPC = [
     ("ensemble", [t("text_input", text("hi"), "BYTES"), t("temperature", np.array([np.nan], dtype=np.float32), "FP32")],
      "'temperature' must be a finite number"),
     ("ensemble", [t("text_input", text(b"\xc3"), "BYTES")], "'text_input' is not valid UTF-8"),
+    # not replaced by U+FFFD: b"\xff" and b"\xfe" would be one tenant's cache_salt, one stop word
+    ("ensemble", [t("text_input", text("hi"), "BYTES"), t("cache_salt", text(b"\xff"), "BYTES")],
+     "'cache_salt' is not valid UTF-8"),
+    ("ensemble", [t("text_input", text("hi"), "BYTES"), t("stop_words", np.array([b"ok", b"\xfe"], dtype=object),
+                                                          "BYTES")], "'stop_words' is not valid UTF-8"),
 ]
 CASES = ([("http", "llm", p, m) for p, m in HTTP_LLM] + [("http", "ensemble", p, m) for p, m in HTTP_ENSEMBLE]
          + [("grpc", model, inputs, m) for model, inputs, m in GRPC])

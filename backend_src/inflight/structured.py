@@ -89,8 +89,8 @@ def _from_json_text(value, name: str):
         return value
     try:
         return json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"'{name}' is not valid JSON: {exc.msg}") from None
+    except ValueError as exc:           # also an integer longer than Python converts (4,300 digits)
+        raise ValueError(f"'{name}' is not valid JSON: {getattr(exc, 'msg', exc)}") from None
     except RecursionError:
         raise ValueError(f"'{name}' is nested too deeply") from None
 
@@ -170,7 +170,7 @@ def unenforced(schema, path: str = "") -> str | None:
     missing = [name for name in required if isinstance(name, str) and name not in properties]
     if missing:
         return f"requires {missing[0]!r} at {where}, which its 'properties' do not define"
-    if "format" in schema and schema["format"] not in XGRAMMAR_FORMATS:
+    if "format" in schema and (not isinstance(schema["format"], str) or schema["format"] not in XGRAMMAR_FORMATS):
         return f"uses the format {schema['format']!r} at {where} (known: {', '.join(sorted(XGRAMMAR_FORMATS))})"
     lengths = [k for k in ("minLength", "maxLength") if k in schema]
     shapes = [k for k in ("pattern", "format") if k in schema]

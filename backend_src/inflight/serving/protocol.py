@@ -88,8 +88,13 @@ def _bool_input(name: str, array: np.ndarray) -> bool:
     return bool(_one(name, array))
 
 
-def _string_input(name: str, array: np.ndarray) -> str:
-    value = _one(name, array)
+def string_input(name: str, array: np.ndarray) -> str:
+    return string_value(name, _one(name, array), array.dtype)
+
+
+def string_value(name: str, value, dtype=None) -> str:
+    """One element of a BYTES input, decoded strictly: a string with bytes replaced would be
+    another string (another stop word, another tenant's cache_salt)."""
     if isinstance(value, bytes):
         try:
             return value.decode("utf-8")
@@ -97,7 +102,7 @@ def _string_input(name: str, array: np.ndarray) -> str:
             raise RequestError(f"input '{name}' is not valid UTF-8") from None
     if isinstance(value, str):
         return value
-    raise RequestError(f"input '{name}' must be a string (BYTES), got {array.dtype}")
+    raise RequestError(f"input '{name}' must be a string (BYTES), got {dtype or type(value).__name__}")
 
 
 def _coerce(name: str, kind: str, value):
@@ -238,8 +243,8 @@ def _knobs(sampling_parameters: str | None, parameters: dict) -> dict:
     if sampling_parameters is not None:
         try:
             values = json.loads(sampling_parameters) if sampling_parameters.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise RequestError(f"'sampling_parameters' is not valid JSON: {exc.msg}") from None
+        except ValueError as exc:       # also an integer longer than Python converts (4,300 digits)
+            raise RequestError(f"'sampling_parameters' is not valid JSON: {getattr(exc, 'msg', exc)}") from None
         except RecursionError:
             raise RequestError("'sampling_parameters' is nested too deeply") from None
         if not isinstance(values, dict):
@@ -250,7 +255,8 @@ def _knobs(sampling_parameters: str | None, parameters: dict) -> dict:
     for key, value in parameters.items():
         if key in IGNORED_PARAMETERS:
             continue
-        merged.setdefault(key, value)
+        if merged.get(key) is None:         # null in the JSON is "not given": the parameter's value stands
+            merged[key] = value
     merged = {key: value for key, value in merged.items() if value is not None}
     unknown = sorted(set(merged) - set(KNOBS) - set(SETTINGS))
     if unknown:
@@ -268,7 +274,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
         raise RequestError("one of 'text_input' or 'input_ids' is required")
     prompt_text = prompt_ids = None
     if text is not None:
-        prompt_text = _string_input("text_input", text)     # "" is the BOS alone, as in vLLM
+        prompt_text = string_input("text_input", text)     # "" is the BOS alone, as in vLLM
     else:
         if ids.dtype.kind not in "iu":
             raise RequestError(f"input 'input_ids' must be INT32, got {ids.dtype}")
@@ -277,13 +283,13 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
             raise RequestError("input 'input_ids' is empty")
     flags = {name: _bool_input(name, inputs[name]) for name in BOOL_INPUTS if name in inputs}
     sampling = inputs.get("sampling_parameters")
-    knobs = _knobs(None if sampling is None else _string_input("sampling_parameters", sampling), parameters)
+    knobs = _knobs(None if sampling is None else string_input("sampling_parameters", sampling), parameters)
     priority = knobs.pop("priority", None)
     if "priority" in inputs:            # the tensor wins, as for every knob given both ways
-        priority = _coerce("priority", "priority", _string_input("priority", inputs["priority"]))
+        priority = _coerce("priority", "priority", string_input("priority", inputs["priority"]))
     cache_salt = knobs.pop("cache_salt", None)
     if "cache_salt" in inputs:
-        cache_salt = _string_input("cache_salt", inputs["cache_salt"])
+        cache_salt = string_input("cache_salt", inputs["cache_salt"])
     if "guided_decoding" in knobs:
         if "structured_outputs" in knobs:
             raise RequestError("give 'structured_outputs' or its older name 'guided_decoding', not both")

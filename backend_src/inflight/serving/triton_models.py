@@ -23,7 +23,8 @@ from ..config import EngineConfig
 from ..context_length import checkpoint_max_len
 from ..detokenizer import decode_delta
 from .metrics import EngineMetrics
-from .protocol import BOOL_INPUTS, RequestError, bytes_per_token, check_text_size, parse_request
+from .protocol import (BOOL_INPUTS, RequestError, bytes_per_token, check_text_size, parse_request, string_input,
+                       string_value)
 from .startup import (check_checkpoint, check_tokenizer, engine_config, engine_errors, one_line_errors,
                       StartupError, read_settings, tokenizer_error)
 
@@ -342,10 +343,7 @@ class PreprocessingModel(TokenizerModel):
         text = inputs["text_input"].reshape(-1)
         if text.size != 1 or not isinstance(text[0], bytes):
             raise RequestError("input 'text_input' must hold exactly one string")
-        try:
-            prompt = text[0].decode("utf-8")
-        except UnicodeDecodeError:
-            raise RequestError("input 'text_input' is not valid UTF-8") from None
+        prompt = string_value("text_input", text[0])
         if not prompt:
             raise RequestError("input 'text_input' is empty")
         if self.max_model_len is not None:
@@ -359,8 +357,7 @@ class PreprocessingModel(TokenizerModel):
                 sampling[knob] = kind(value)
         for name, knob in (("stop_words", "stop"), ("bad_words", "bad_words")):
             if name in inputs:
-                words = [w.decode("utf-8", "replace") if isinstance(w, bytes) else str(w)
-                         for w in inputs[name].reshape(-1)]
+                words = [string_value(name, w) for w in inputs[name].reshape(-1)]
                 if any(words):       # "" is none, as TensorRT-LLM's preprocessing skips a word of no tokens
                     sampling[knob] = [w for w in words if w]
         if "return_log_probs" in inputs and bool(_scalar("return_log_probs", inputs["return_log_probs"])):
@@ -373,7 +370,7 @@ class PreprocessingModel(TokenizerModel):
             sampling["stop_token_ids"] = [end_id]
         for name in ("priority", "cache_salt", "lora_name"):
             if name in inputs:
-                sampling[name] = _scalar(name, inputs[name]).decode("utf-8", "replace")
+                sampling[name] = string_input(name, inputs[name])
         constraint = _guided_decoding(inputs)
         if constraint is not None:
             sampling["structured_outputs"] = constraint
@@ -385,12 +382,12 @@ def _guided_decoding(inputs: dict) -> dict | None:
     'json' is any JSON value, as in TensorRT-LLM."""
     guide = None
     if "guided_decoding_guide" in inputs:
-        guide = _scalar("guided_decoding_guide", inputs["guided_decoding_guide"]).decode("utf-8", "replace")
+        guide = string_input("guided_decoding_guide", inputs["guided_decoding_guide"])
     if "guided_decoding_guide_type" not in inputs:
         if guide:
             raise RequestError("'guided_decoding_guide' needs 'guided_decoding_guide_type'")
         return None
-    kind = _scalar("guided_decoding_guide_type", inputs["guided_decoding_guide_type"]).decode("utf-8", "replace")
+    kind = string_input("guided_decoding_guide_type", inputs["guided_decoding_guide_type"])
     if kind not in GUIDE_TYPES:
         raise RequestError(f"'guided_decoding_guide_type' must be one of {sorted(GUIDE_TYPES)}, got {kind!r}")
     if GUIDE_TYPES[kind] is None:
@@ -402,8 +399,10 @@ def _guided_decoding(inputs: dict) -> dict | None:
     if kind == "json_schema":
         try:
             return {"json": json.loads(guide)}
-        except json.JSONDecodeError as exc:
-            raise RequestError(f"'guided_decoding_guide' is not valid JSON: {exc.msg}") from None
+        except ValueError as exc:       # also an integer longer than Python converts (4,300 digits)
+            raise RequestError(f"'guided_decoding_guide' is not valid JSON: {getattr(exc, 'msg', exc)}") from None
+        except RecursionError:
+            raise RequestError("'guided_decoding_guide' is nested too deeply") from None
     return {GUIDE_TYPES[kind]: guide}
 
 
