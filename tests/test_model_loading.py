@@ -39,3 +39,48 @@ def test_an_index_file_names_the_shards_that_load(tiny_checkpoint, tmp_path):
     config = EngineConfig(dtype="float32", num_kv_blocks=64)
     expected = LLMEngine.from_pretrained(tiny_checkpoint, config).generate([[5, 6, 7]], params)[0].token_ids
     assert LLMEngine.from_pretrained(str(copy), config).generate([[5, 6, 7]], params)[0].token_ids == expected
+
+
+def test_a_tied_config_with_its_own_lm_head_gives_transformers_tokens(tiny_checkpoint, tmp_path):
+    """config.json ties the word embeddings, yet the checkpoint holds an lm_head.weight of other
+    values: transformers (5.x) keeps that lm_head untied, and so does the engine; one equal to the
+    embedding changes nothing."""
+    import shutil
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    config = EngineConfig(dtype="float64", num_kv_blocks=64)
+    tied = LLMEngine.from_pretrained(tiny_checkpoint, config).generate([prompt], params)[0].token_ids
+    for name, head in (("own-head", None), ("same-head", "embedding")):
+        copy = shutil.copytree(tiny_checkpoint, tmp_path / name)
+        weights = load_file(str(copy / "model.safetensors"))
+        embedding = weights["model.embed_tokens.weight"]
+        weights["lm_head.weight"] = (embedding.clone() if head else
+                                     torch.randn(embedding.shape, generator=torch.Generator().manual_seed(1)))
+        save_file(weights, str(copy / "model.safetensors"))
+        got = LLMEngine.from_pretrained(str(copy), config).generate([prompt], params)[0].token_ids
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(copy), dtype=torch.float64)
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert got == want
+        assert (got == tied) == (head is not None)
+
+
+def test_an_index_that_names_a_missing_shard_is_refused_before_loading(tmp_path):
+    import json
+
+    from inflight.serving.startup import StartupError, check_shard_index
+    index = tmp_path / "model.safetensors.index.json"
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    index.write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(StartupError, match="names 1 shard file.*'model-00002-of-00002.safetensors'"):
+        check_shard_index(str(index))
+    index.write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(StartupError, match="no 'weight_map'"):
+        check_shard_index(str(index))

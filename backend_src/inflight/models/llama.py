@@ -7,6 +7,7 @@ packed into one [num_tokens, hidden] batch, and attention reads and writes the p
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from .. import cpu_kernels
 from ..context_length import context_length, rope_scaling
 from ..attention import AttentionBackend, AttentionMetadata
 
+log = logging.getLogger("inflight")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -253,8 +255,12 @@ class LlamaForCausalLM(nn.Module):
                                     spec.num_kv_heads * spec.head_dim],
                        "gate_up_proj": [spec.intermediate_size, spec.intermediate_size]}
         loaded: set[str] = set()
+        tied_head = None        # a tied checkpoint's own lm_head, compared with the embedding below
         for name, tensor in weights:
-            if "rotary_emb" in name or (name == "lm_head.weight" and spec.tie_word_embeddings):
+            if name == "lm_head.weight" and spec.tie_word_embeddings:
+                tied_head = tensor
+                continue
+            if "rotary_emb" in name:
                 continue
             parts = name.split(".")
             target, shard = name, None
@@ -278,6 +284,17 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        embedding = self.model.embed_tokens.weight
+        if tied_head is not None:
+            tied_head = tied_head.to(embedding.device, embedding.dtype)
+        if tied_head is not None and not (tied_head.shape == embedding.shape and torch.equal(tied_head, embedding.data)):
+            # transformers (5.x) then keeps the checkpoint's lm_head untied, with a warning: so do we
+            log.warning("inflight: config.json ties the word embeddings, but the checkpoint's lm_head.weight "
+                        "differs from embed_tokens.weight: using the lm_head, as transformers does")
+            if tied_head.shape != embedding.shape:
+                raise ValueError(f"checkpoint tensor 'lm_head.weight' has shape {tuple(tied_head.shape)}, "
+                                 f"expected {tuple(embedding.shape)}")
+            self.lm_head.weight = nn.Parameter(tied_head, requires_grad=False)
 
     def _expected_checkpoint_names(self) -> set[str]:
         names = set()

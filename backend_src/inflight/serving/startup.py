@@ -113,6 +113,25 @@ def check_checkpoint(model_dir: str, source: str) -> None:
     if not glob.glob(os.path.join(model_dir, "*.safetensors")):
         raise StartupError(f"checkpoint directory {model_dir!r} has no *.safetensors weights (only "
                            f"safetensors checkpoints load) ({source})")
+    check_shard_index(os.path.join(model_dir, "model.safetensors.index.json"))
+
+
+def check_shard_index(index_path: str) -> None:
+    """Every shard the index names is there: found in seconds, not after the shards before it loaded."""
+    if not os.path.isfile(index_path):
+        return
+    with open(index_path) as f:
+        try:
+            index = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise StartupError(f"{index_path} is not valid JSON: {exc}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise StartupError(f"{index_path}: no 'weight_map' of tensor names to shard files")
+    missing = sorted({name for name in map(str, weight_map.values())
+                      if not os.path.isfile(os.path.join(os.path.dirname(index_path), name))})
+    if missing:
+        raise StartupError(f"{index_path} names {len(missing)} shard file(s) that are not there, e.g. {missing[0]!r}")
 
 
 @contextmanager
