@@ -125,8 +125,9 @@ def test_a_checkpoint_given_with_model_is_served_through_llm_and_the_ensemble(se
 @pytest.mark.server
 def test_the_launcher_ends_when_tritonserver_dies_and_never_prints_the_admin_key(served_checkpoint):
     """tritonserver gone (a crash, or stopped after an engine failure): the launcher stops the
-    OpenAI server too and exits with tritonserver's code, so a supervisor can restart it. With
-    --production the admin key, expanded into two flags, is masked in the printed command."""
+    OpenAI server too and exits with tritonserver's code, so a supervisor can restart it. The
+    OpenAI server gone first is reported, and tritonserver goes on. With --production the admin
+    key, expanded into two flags, is masked in the printed command."""
     key = "admin-key-for-the-test"
     launcher = Launcher("--model", served_checkpoint, "--production", "--engine", "dtype=float32", "--engine",
                         "max_num_seqs=2", "--engine", "cpu_threads=1", "--engine", "max_model_len=128",
@@ -136,14 +137,36 @@ def test_the_launcher_ends_when_tritonserver_dies_and_never_prints_the_admin_key
         children = child_processes(launcher.process.pid)
         (triton,) = [pid for pid, command in children.items() if "tritonserver" in command]
         (openai_server,) = [pid for pid, command in children.items() if "openai_server" in command]
+        os.kill(openai_server, signal.SIGKILL)
+        launcher.wait_for("tritonserver goes on without it", 30)
+        assert launcher.process.poll() is None and os.path.exists(f"/proc/{triton}")
         os.kill(triton, signal.SIGKILL)
         code, _ = launcher.wait(60)
     finally:
         if launcher.process.poll() is None:
             launcher.process.send_signal(signal.SIGINT)
     assert code != 0
-    assert not os.path.exists(f"/proc/{openai_server}"), "the OpenAI server was left running"
     assert "admin-key=***" in launcher.lines[0] and not any(key in line for line in launcher.lines)
+
+
+def test_ports_in_use_are_refused_before_anything_starts(capsys):
+    """tritonserver binds its ports only once its models have loaded: until then its readiness
+    probe would reach whatever holds them. A held Triton port ends the launcher naming the flag;
+    a held OpenAI port leaves the OpenAI server out."""
+    import socket
+
+    from inflight.serving.launch import Endpoints, check_ports, port_in_use
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert port_in_use(port)
+        with pytest.raises(SystemExit, match=f"port {port} \\(--grpc-port\\) is in use"):
+            check_ports(Endpoints(free_port(), port, free_port(), free_port()))
+        endpoints = Endpoints(free_port(), free_port(), free_port(), port)
+        check_ports(endpoints)
+        assert endpoints.openai_port is None and "without the OpenAI server" in capsys.readouterr().out
+    assert not port_in_use(port)
 
 
 def test_after_an_engine_failure_the_launcher_exits_with_a_failure(served_checkpoint):

@@ -493,13 +493,25 @@ class BrokenSendSink:
         return False
 
 
+class CountingMetrics(FailingMetrics):
+    """Metrics that note how each request ended."""
+
+    def __init__(self):
+        self.reasons = []
+
+    def after_request(self, job, reason, now):
+        self.reasons.append(reason)
+
+
 def test_a_response_that_cannot_be_sent_ends_its_request_with_an_error(tokenizer):
+    """...and is counted once, as an error."""
     from inflight import EngineConfig, LLMEngine, SamplingParams
     from inflight.serving.loop import EngineLoop
     from inflight.serving.protocol import GenerateRequest
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=8, num_kv_blocks=256,
                                                                    cpu_threads=1))
-    loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05).start()
+    metrics = CountingMetrics()
+    loop = EngineLoop(engine, tokenizer, metrics, cancel_poll_s=0.05).start()
     prompt = tokenizer("The assert statement")["input_ids"]
     try:
         sink = BrokenSendSink()
@@ -508,6 +520,7 @@ def test_a_response_that_cannot_be_sent_ends_its_request_with_an_error(tokenizer
         assert sink.record.sends[-1][2:] == (True, "sending a response failed: RuntimeError: the response could not "
                                                    "be sent")
         assert len(sink.record.sends) == 3        # two tokens, then the end
+        assert metrics.reasons == ["error"]
         deadline = time.monotonic() + 5
         while (engine.has_unfinished() or engine.kv.num_used_blocks) and time.monotonic() < deadline:
             time.sleep(0.02)

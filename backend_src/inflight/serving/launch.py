@@ -27,6 +27,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from http.client import HTTPException
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 DEFAULT_REPOSITORY = os.path.join(REPO, "model_repository")
@@ -380,6 +381,7 @@ class Children:
     def __init__(self):
         self.flag = shutdown_flag_path()
         self.processes: list[subprocess.Popen] = []
+        self.stopping = False                 # a stop was asked: companions exiting is no news
 
     def start(self, cmd: list[str], **popen) -> subprocess.Popen:
         process = subprocess.Popen(cmd, **popen)
@@ -391,17 +393,34 @@ class Children:
         Ctrl-C has already sent SIGINT to the whole process group, and uvicorn takes a second
         SIGINT as "stop now" (its shutdown skipped, a traceback printed)."""
         triton, *companions = self.processes
+        self.stopping = True
         request_shutdown(self.flag, triton, signum)
         for process in companions:
             if process.poll() is None:
                 process.terminate()
 
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+
     def wait(self) -> int:
         """tritonserver's exit code, once every child has exited. The companions serve nothing
         without tritonserver: once it has exited (stopped, or on its own after an engine failure or
-        a crash) they are stopped too, so the launcher ends and a supervisor can restart it."""
+        a crash) they are stopped too, so the launcher ends and a supervisor can restart it. A
+        companion that exits first is reported (tritonserver goes on)."""
         triton, *companions = self.processes
-        code = triton.wait()
+        reported = set()
+        while True:
+            try:
+                code = triton.wait(timeout=1)
+                break
+            except subprocess.TimeoutExpired:
+                for process in companions:
+                    if process.poll() is not None and process.pid not in reported and not self.stopping:
+                        reported.add(process.pid)
+                        print(f"inflight: {' '.join(map(str, process.args[:3]))} exited with {process.returncode}; "
+                              "tritonserver goes on without it", flush=True)
         for process in companions:
             if process.poll() is None:
                 process.terminate()
@@ -433,7 +452,7 @@ def wait_ready(triton: subprocess.Popen, children: Children, output: TritonOutpu
             with urllib.request.urlopen(f"http://localhost:{http_port}/v2/health/ready", timeout=1) as response:
                 if response.status == 200:
                     return True
-        except OSError:
+        except (OSError, HTTPException):      # not up yet (or, on a port someone else holds, not HTTP)
             pass
         time.sleep(0.5)
     return False
@@ -509,9 +528,36 @@ def shown_command(cmd: list[str]) -> str:
     return shown.replace(key, "***") if key else shown
 
 
+def port_in_use(port: int) -> bool:
+    """Whether something listens on the port already (SO_REUSEADDR, as the servers bind: a port
+    left in TIME_WAIT by a server that just stopped is free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+    return False
+
+
+def check_ports(endpoints: Endpoints) -> None:
+    """Refuse ports in use before anything starts: tritonserver binds its ports only once its models
+    have loaded (minutes), and until then its readiness probe would reach whatever holds them."""
+    for flag, port in (("--http-port", endpoints.http_port), ("--grpc-port", endpoints.grpc_port),
+                       ("--metrics-port", endpoints.metrics_port)):
+        if port_in_use(port):
+            raise SystemExit(f"inflight: port {port} ({flag}) is in use: stop what holds it, or choose another "
+                             f"port (make serve SERVE_ARGS='{flag} N')")
+    if endpoints.openai_port and port_in_use(endpoints.openai_port):
+        print(f"inflight: port {endpoints.openai_port} (--openai-port) is in use; tritonserver starts without "
+              "the OpenAI server", flush=True)
+        endpoints.openai_port = None
+
+
 def serve(server: Server, model_repository: str, endpoints: Endpoints, extra: list[str],
           note: str | None = None) -> int:
     """Run tritonserver (and its companions) until they exit; the ready banner, or why it did not start."""
+    check_ports(endpoints)
     cmd = server_command(server, model_repository, endpoints.http_port, endpoints.grpc_port,
                          endpoints.metrics_port, extra)
     print(f"inflight: starting {shown_command(cmd)}", flush=True)
@@ -523,19 +569,28 @@ def serve(server: Server, model_repository: str, endpoints: Endpoints, extra: li
 
     def forward(signum, _frame):
         stopping.append(signum)
-        children.signal(signum)
+        if len(stopping) == 1:
+            children.signal(signum)
+        else:                           # asked again: a request outliving the exit timeout holds it up
+            print("inflight: stopping now (SIGKILL)", flush=True)
+            children.kill()
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
-    ready = wait_ready(triton, children, output, endpoints.http_port)
-    if ready and endpoints.openai_port:
-        if not start_openai_server(children, model_repository, endpoints):
-            endpoints.openai_port = None
-        elif stopping:                  # asked to stop while it started
-            children.processes[-1].terminate()
-    if ready:
-        print("\n".join(endpoints.banner(served_model(model_repository), model_names(model_repository))),
-              flush=True)
+    try:
+        ready = wait_ready(triton, children, output, endpoints.http_port)
+        if ready and endpoints.openai_port:
+            if not start_openai_server(children, model_repository, endpoints):
+                endpoints.openai_port = None
+            elif stopping:                  # asked to stop while it started
+                children.processes[-1].terminate()
+        if ready:
+            print("\n".join(endpoints.banner(served_model(model_repository), model_names(model_repository))),
+                  flush=True)
+    except BaseException:               # a bug here must not leave tritonserver running on its own
+        children.signal(signal.SIGTERM)
+        children.wait()
+        raise
     code = children.wait()
     output.join()
     if not ready and not stopping:

@@ -421,6 +421,8 @@ class EngineLoop:
             for sample in job.samples:
                 if not sample.finished:
                     self.inbox.put(("abort", sample.request_id))
+            if not final:          # a final response was counted before it was sent
+                self._record(job, "error")
             try:                   # a client still there gets its end, with why
                 job.sink.send(None, final=True, error=f"sending a response failed: {type(exc).__name__}: {exc}")
             except Exception:

@@ -2,6 +2,7 @@
 `with OpenAIServerProcess("localhost:8000", model_dir) as server: server.base_url`."""
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
@@ -51,7 +52,7 @@ class OpenAIServerProcess:
                     return
             except urllib.error.HTTPError:
                 return
-            except OSError:
+            except (OSError, http.client.HTTPException):      # not up yet
                 time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"inflight-openai did not answer on {url} within {timeout_s} s")
