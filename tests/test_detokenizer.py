@@ -63,6 +63,26 @@ def test_special_tokens_are_skipped(tokenizer):
     assert "".join(d.text for d in stream(tokenizer, ids)) == "a b"
 
 
+def test_a_run_of_skipped_tokens_streams_at_once_and_stays_out_of_the_window(tokenizer):
+    """EOS after EOS (ignore_eos): each comes out at once, as an empty delta covering it, and the
+    decode window does not grow with the run (it was decoded again every step); a character split
+    around such tokens still joins, and the text is the full decode."""
+    eos = tokenizer.eos_token_id
+    euro = tokenizer("€", add_special_tokens=False)["input_ids"]
+    assert len(euro) == 3                       # a token per byte, in the shipped byte-level tokenizer
+    ids = tokenizer("a b", add_special_tokens=False)["input_ids"] + [eos] * 2000 + euro[:1] + [eos] * 3 + euro[1:]
+    det = IncrementalDetokenizer(tokenizer)
+    texts, widest = [], 0
+    for i, token in enumerate(ids):
+        delta = det.add([token], final=i == len(ids) - 1)
+        widest = max(widest, len(det.token_ids))
+        if token == eos and det.read_offset == len(det.token_ids):
+            assert delta is not None and delta.text == "" and delta.new_ids == [eos]
+        texts.append("" if delta is None else delta.text)
+    assert "".join(texts) == decode(tokenizer, ids) == "a b€"
+    assert widest < 20
+
+
 @pytest.mark.parametrize("pieces, stops, expected", [
     (["Hello", " wor", "ld. ", "Bye"], ["world"], "Hello "),
     (["abc", "de"], ["cd", "b"], "a"),

@@ -102,6 +102,12 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int], final: bool = False) -> Delta | None:
         """Add new tokens; the text they complete, or None while a character is incomplete.
         With final=True (the request ended) everything not yet released comes out."""
+        if (not final and token_ids and self.read_offset == len(self.token_ids)
+                and self.skipped_ids.issuperset(token_ids)):
+            # nothing pending, and tokens the decode skips add no text whatever follows: released
+            # now and kept out of the window, where a run of them (EOS after EOS under ignore_eos)
+            # was decoded again every step, ever longer
+            return Delta("", self.token_ids[self.prefix_offset:self.read_offset], list(token_ids))
         self.token_ids.extend(token_ids)
         return self._step(final)
 
