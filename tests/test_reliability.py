@@ -381,6 +381,14 @@ def test_production_profile_restricts_admin_apis_and_keeps_prompts_out_of_logs(s
     assert marker not in open(s.log_path, errors="replace").read()
 
 
+def assert_drains(engine, timeout_s: float) -> None:
+    """The engine ends every request and its pool comes back whole within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while (engine.has_unfinished() or engine.kv.num_used_blocks) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
+
+
 class FailingMetrics:
     """Metrics whose per-request hook raises: stands for any bug in the response thread."""
 
@@ -425,10 +433,7 @@ def test_a_failure_in_the_response_thread_fails_every_request_instead_of_hanging
         later = RecordingSink()
         loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=2)), later)
         assert later.finished.wait(5) and later.sends[-1][2:] == (True, failures[0])
-        deadline = time.monotonic() + 10
-        while engine.kv.num_used_blocks and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
+        assert_drains(engine, 10)
     finally:
         loop.shutdown()
 
@@ -521,10 +526,7 @@ def test_a_response_that_cannot_be_sent_ends_its_request_with_an_error(tokenizer
                                                    "be sent")
         assert len(sink.record.sends) == 3        # two tokens, then the end
         assert metrics.reasons == ["error"]
-        deadline = time.monotonic() + 5
-        while (engine.has_unfinished() or engine.kv.num_used_blocks) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
+        assert_drains(engine, 5)
     finally:
         loop.shutdown()
 
@@ -591,10 +593,7 @@ def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancel
         for name in ("running", "heartbeat too", "quiet"):
             sinks[name].left = True
         assert all(sinks[name].finished.wait(10) for name in ("running", "heartbeat too", "quiet"))
-        deadline = time.monotonic() + 5
-        while (engine.has_unfinished() or engine.kv.num_used_blocks) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
+        assert_drains(engine, 5)
     finally:
         loop.shutdown()
 
@@ -623,10 +622,7 @@ def test_a_running_stream_whose_stream_interval_holds_its_tokens_gets_heartbeats
         assert sink.outputs[1:3] == [{}, {}] and not sink.finished.is_set(), "no heartbeat while it ran"
         sink.left = True
         assert sink.finished.wait(5)
-        deadline = time.monotonic() + 5
-        while (engine.has_unfinished() or engine.kv.num_used_blocks) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
+        assert_drains(engine, 5)
         assert engine.num_generated_tokens < 800, "it ran to its end"
     finally:
         loop.shutdown()
