@@ -568,10 +568,13 @@ def serve(server: Server, model_repository: str, endpoints: Endpoints, extra: li
     stopping = []
 
     def forward(signum, _frame):
-        stopping.append(signum)
+        stopping.append((signum, time.monotonic()))
         if len(stopping) == 1:
             children.signal(signum)
-        else:                           # asked again: a request outliving the exit timeout holds it up
+        elif signum == signal.SIGINT and time.monotonic() - stopping[0][1] > 1:
+            # Ctrl-C again (not one signal delivered twice, as to a whole cgroup and by make too;
+            # supervisors send SIGTERM and escalate themselves): a request outliving the exit
+            # timeout holds tritonserver up
             print("inflight: stopping now (SIGKILL)", flush=True)
             children.kill()
 
