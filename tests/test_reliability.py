@@ -531,6 +531,24 @@ def test_a_response_that_cannot_be_sent_ends_its_request_with_an_error(tokenizer
         loop.shutdown()
 
 
+def test_a_request_registered_after_the_loop_failed_gets_the_failure_at_once(tokenizer):
+    """submit() checked the loop before it failed, and its registration reaches the response
+    thread after the failure: no step will ever end the request, so it ends there."""
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+
+    from .helpers import RecordingSink
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", num_kv_blocks=64, cpu_threads=1))
+    loop = EngineLoop(engine, tokenizer)          # not started: the messages are handed over by hand
+    sink = RecordingSink()
+    job = loop._make_job(GenerateRequest(None, tokenizer("The assert statement")["input_ids"],
+                                         SamplingParams(max_tokens=5), stream=True), sink)
+    loop.failure = "the server failed: RuntimeError: a bug"
+    loop._dispatch("register", job)
+    assert sink.sends == [(sink.sends[0][0], "", True, loop.failure)] and job.job_id not in loop._jobs
+
+
 def test_a_request_cancelled_before_the_engine_takes_it_is_never_admitted(tokenizer):
     """Its cancellation can reach the engine thread before its "add" (the response thread polls
     between submit()'s two messages): the request must not then run to its end holding blocks."""
