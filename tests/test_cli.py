@@ -44,3 +44,34 @@ def test_a_response_cut_short_is_one_line_not_a_traceback(capsys):
         listener.close()
     err = capsys.readouterr().err
     assert f"error: the server at 127.0.0.1:{port} ended the response early" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-stream"]])
+@pytest.mark.parametrize("status, body", [(502, b"<html><body>Bad Gateway</body></html>\n"), (503, b"")])
+def test_an_error_page_that_is_not_json_is_one_line_with_the_status(capsys, extra, status, body):
+    """A proxy in front of Triton (an ingress) answers with its own page, or nothing: the status in
+    one line, exit status 1, streamed or not."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import threading
+
+    class Proxy(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"127.0.0.1:{server.server_address[1]}"
+        assert main(["--protocol", "http", "--url", url, *extra, "The assert statement"]) == 1
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert f"error: HTTP {status} " in err and "Traceback" not in err

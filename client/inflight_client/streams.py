@@ -170,12 +170,25 @@ async def grpc_stream(client, model: str, inputs, parameters: dict | None = None
     return out.close()
 
 
+def _json_object(raw: bytes) -> dict | None:
+    """The JSON object in raw, or None (a proxy's HTML error page, say)."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def http_generate(url: str, model: str, payload: dict, timeout: float = 300) -> dict:
     """POST /v2/models/<model>/generate; the JSON reply (an 'error' key on failure)."""
     conn = http.client.HTTPConnection(url, timeout=timeout)
     try:
         conn.request("POST", f"/v2/models/{model}/generate", json.dumps(payload), {"Content-Type": "application/json"})
-        return json.loads(conn.getresponse().read() or b"{}")
+        response = conn.getresponse()
+        reply = _json_object(response.read() or b"{}")
+        if response.status != 200 and (reply is None or "error" not in reply):
+            return {"error": f"HTTP {response.status} {response.reason}"}
+        return reply if reply is not None else {"error": "the reply is not a JSON object"}
     finally:
         conn.close()
 
@@ -192,9 +205,11 @@ def http_stream(url: str, model: str, payload: dict, cancel_after: int | None = 
         response = conn.getresponse()
         for line in response:
             if line.startswith(b"data:"):
-                event = json.loads(line[5:])
+                event = _json_object(line[5:]) or {"error": f"an event that is not a JSON object: {line[:80]!r}"}
             elif response.status != 200 and line.strip():
-                event = json.loads(line)             # refused before streaming: a plain JSON body
+                event = _json_object(line)           # refused before streaming: a plain JSON body
+                if event is None:                    # not JSON (a proxy's error page): the status says it
+                    continue
             else:
                 continue
             if "error" in event:
