@@ -1240,6 +1240,26 @@ def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event_and_done():
         asyncio.run(asyncio.wait_for(merged(), 10))
 
 
+def test_a_schema_too_deep_once_wrapped_and_a_lone_surrogate_in_tool_arguments_are_not_500s():
+    """A schema the body parser took (under its depth limit) is wrapped in the constraint, which
+    json.dumps then finds too deep: a 400 naming the field. A "required" tool call whose parameters
+    hold a lone surrogate (the grammar allows any \\u escape): valid JSON the reply can encode."""
+    from inflight_client.openai_server.errors import APIError
+    from inflight_client.openai_server.sampling import completion_sampling
+    from inflight_client.openai_server.structured import Constraint
+    from inflight_client.openai_server.tools import arguments_json
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"a": deep}
+    with pytest.raises(APIError) as error:
+        completion_sampling(CompletionRequest(model=MODEL, prompt="x"), 16, Constraint({"json": deep}, "response_format"))
+    assert (error.value.status, error.value.param) == (400, "response_format")
+    assert "nested too deeply" in error.value.message
+    arguments = arguments_json({"s": "\ud800 é"})
+    assert json.loads(arguments) == {"s": "\ud800 é"} and arguments.encode("utf-8")
+    assert arguments_json({"s": "é"}) == '{"s": "é"}'          # otherwise as vLLM writes them
+
+
 def test_the_sdk_raises_its_typed_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")

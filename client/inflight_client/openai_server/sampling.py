@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from .errors import APIError
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .structured import Constraint
 
@@ -21,7 +22,10 @@ PASSED = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "stop"
 def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None, lora_name: str | None) -> dict:
     params = {"max_tokens": max_tokens}
     if constraint is not None:      # as JSON text: the vLLM backend json.loads this key (`llm` takes either)
-        params["structured_outputs"] = json.dumps(constraint.structured_outputs)
+        try:
+            params["structured_outputs"] = json.dumps(constraint.structured_outputs)
+        except RecursionError:      # the body parsed, but its schema wrapped in the constraint is too deep
+            raise APIError(400, f"'{constraint.source}' is nested too deeply", constraint.source) from None
     if lora_name is not None:
         params["lora_name"] = lora_name
     for name in PASSED:

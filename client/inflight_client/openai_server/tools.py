@@ -67,6 +67,13 @@ def _new_call(index: int, name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
+def arguments_json(parameters) -> str:
+    """A call's parameters as its arguments' JSON text (as vLLM writes them), in ASCII escapes where
+    they hold a lone surrogate (a model's "\\ud800"), which has no UTF-8 form for the reply."""
+    text = json.dumps(parameters, ensure_ascii=False)
+    return json.dumps(parameters) if any("\ud800" <= c <= "\udfff" for c in text) else text
+
+
 class ToolCallText:
     """One choice's output text read as tool calls, as it arrives: `feed` returns the
     `tool_calls` delta entries the new text completes."""
@@ -103,8 +110,7 @@ class ToolCallText:
                 call, end = _DECODER.raw_decode(self.text, start)
             except json.JSONDecodeError:       # not complete yet
                 break
-            deltas.append(_new_call(self.num_calls, call["name"],
-                                    json.dumps(call["parameters"], ensure_ascii=False)))
+            deltas.append(_new_call(self.num_calls, call["name"], arguments_json(call["parameters"])))
             self.num_calls += 1
             self.position = end
         return deltas
