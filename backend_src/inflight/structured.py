@@ -55,7 +55,7 @@ def parse_spec(value, name: str = "structured_outputs") -> GrammarSpec:
     its canonical spec. Raises ValueError naming the field; grammars are checked by compiling."""
     if isinstance(value, GrammarSpec):
         return value
-    value = _from_json_text(value, name)
+    value = json_value(value, name)
     if not isinstance(value, dict):
         raise ValueError(f"'{name}' must be an object with one of the keys {', '.join(KINDS)}; "
                          f"got {type(value).__name__}")
@@ -83,8 +83,9 @@ def parse_spec(value, name: str = "structured_outputs") -> GrammarSpec:
     return GrammarSpec(kind, text, not value.get("disable_any_whitespace", False), name)
 
 
-def _from_json_text(value, name: str):
-    """`value` itself, or the value its JSON text holds (a string): either form is accepted."""
+def json_value(value, name: str):
+    """`value` itself, or the value its JSON text holds (a string): either form is accepted. A text
+    that is not JSON raises ValueError naming the field."""
     if not isinstance(value, str):
         return value
     try:
@@ -97,7 +98,7 @@ def _from_json_text(value, name: str):
 
 def _canonical_text(kind: str, value, name: str) -> str:
     if kind == "json":
-        value = _from_json_text(value, name)
+        value = json_value(value, name)
         if not isinstance(value, dict):
             raise ValueError(f"'{name}' must be a JSON schema object, got {type(value).__name__}")
         try:

@@ -18,7 +18,7 @@ from typing import NoReturn
 import numpy as np
 
 from ..config import PRIORITIES, SamplingParams, parse_priority
-from ..structured import parse_spec
+from ..structured import json_value, parse_spec
 
 
 class RequestError(ValueError):
@@ -242,11 +242,9 @@ def _knobs(sampling_parameters: str | None, parameters: dict) -> dict:
     merged: dict = {}
     if sampling_parameters is not None:
         try:
-            values = json.loads(sampling_parameters) if sampling_parameters.strip() else {}
-        except ValueError as exc:       # also an integer longer than Python converts (4,300 digits)
-            raise RequestError(f"'sampling_parameters' is not valid JSON: {getattr(exc, 'msg', exc)}") from None
-        except RecursionError:
-            raise RequestError("'sampling_parameters' is nested too deeply") from None
+            values = json_value(sampling_parameters, "sampling_parameters") if sampling_parameters.strip() else {}
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
         if not isinstance(values, dict):
             raise RequestError(f"'sampling_parameters' must be a JSON object, got {type(values).__name__}")
         if "\\ud" in sampling_parameters.lower() and (field := lone_surrogate_field(values)):   # JSON's escape

@@ -22,6 +22,7 @@ import numpy as np
 from ..config import EngineConfig
 from ..context_length import checkpoint_max_len
 from ..detokenizer import decode_delta
+from ..structured import json_value
 from .metrics import EngineMetrics
 from .protocol import (BOOL_INPUTS, RequestError, bytes_per_token, check_text_size, parse_request, string_input,
                        string_value)
@@ -398,11 +399,9 @@ def _guided_decoding(inputs: dict) -> dict | None:
         raise RequestError(f"guide type {kind!r} needs 'guided_decoding_guide'")
     if kind == "json_schema":
         try:
-            return {"json": json.loads(guide)}
-        except ValueError as exc:       # also an integer longer than Python converts (4,300 digits)
-            raise RequestError(f"'guided_decoding_guide' is not valid JSON: {getattr(exc, 'msg', exc)}") from None
-        except RecursionError:
-            raise RequestError("'guided_decoding_guide' is nested too deeply") from None
+            return {"json": json_value(guide, "guided_decoding_guide")}
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
     return {GUIDE_TYPES[kind]: guide}
 
 
