@@ -10,7 +10,6 @@ policies that continuous batching replaces, kept so benchmarks can compare sched
 """
 from __future__ import annotations
 
-
 import itertools
 import time
 from collections import Counter, deque

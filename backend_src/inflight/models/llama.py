@@ -284,17 +284,21 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-        embedding = self.model.embed_tokens.weight
         if tied_head is not None:
-            tied_head = tied_head.to(embedding.device, embedding.dtype)
-        if tied_head is not None and not (tied_head.shape == embedding.shape and torch.equal(tied_head, embedding.data)):
-            # transformers (5.x) then keeps the checkpoint's lm_head untied, with a warning: so do we
+            self._keep_own_lm_head(tied_head)
+
+    def _keep_own_lm_head(self, head: torch.Tensor) -> None:
+        """A tied config whose checkpoint also holds an lm_head.weight: one that differs from the
+        embedding is kept untied, as transformers (5.x) keeps it, with a warning."""
+        embedding = self.model.embed_tokens.weight
+        if head.shape != embedding.shape:
+            raise ValueError(f"checkpoint tensor 'lm_head.weight' has shape {tuple(head.shape)}, "
+                             f"expected {tuple(embedding.shape)}")
+        head = head.to(embedding.device, embedding.dtype)
+        if not torch.equal(head, embedding.data):
             log.warning("inflight: config.json ties the word embeddings, but the checkpoint's lm_head.weight "
                         "differs from embed_tokens.weight: using the lm_head, as transformers does")
-            if tied_head.shape != embedding.shape:
-                raise ValueError(f"checkpoint tensor 'lm_head.weight' has shape {tuple(tied_head.shape)}, "
-                                 f"expected {tuple(embedding.shape)}")
-            self.lm_head.weight = nn.Parameter(tied_head, requires_grad=False)
+            self.lm_head.weight = nn.Parameter(head, requires_grad=False)
 
     def _expected_checkpoint_names(self) -> set[str]:
         names = set()
