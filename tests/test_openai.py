@@ -984,6 +984,18 @@ def test_required_tool_choice_gives_calls_of_known_tools(client):
     assert calls_of(streamed) == calls and streamed.choices[0].finish_reason == "tool_calls"
 
 
+def test_a_forced_tool_call_replaces_response_format(client):
+    """A forced call has no content for response_format to shape: the call is made (vLLM drops
+    response_format too), where two constraints would otherwise be a 400."""
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    plain = client.chat.completions.create(**kwargs)
+    formatted = client.chat.completions.create(**kwargs, response_format={"type": "json_schema", "json_schema": {
+        "name": "color", "schema": COLOR}})
+    assert calls_of(formatted)[0][1] == calls_of(plain)[0][1]
+    jsonschema.validate(json.loads(calls_of(formatted)[0][1]), PARAMETERS["get_weather"])
+
+
 def test_required_tool_calls_cut_short_or_single_read_the_same_streamed_and_not(client):
     """A "required" array cut short (a stop string, max_tokens) gives its complete calls as calls
     and the unfinished rest as content, streamed or not; parallel_tool_calls false asks for one
@@ -1092,9 +1104,9 @@ BAD = [
      f"'tools[{len(TOOLS)}].function.parameters' is not a valid JSON schema", "tool_choice"),
     ("completions", {"model": MODEL, "prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, 400,
      "at most one output constraint; got 'guided_regex', 'guided_choice'", "guided_choice"),
-    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "response_format": {"type": "json_object"},
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "guided_regex": "a+",
                           "tools": TOOLS, "tool_choice": "required"}, 400,
-     "got 'response_format', 'tool_choice'", "tool_choice"),
+     "got 'guided_regex', 'tool_choice'", "tool_choice"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": TOOLS}, 400,
      "'tool_choice' \"auto\" (the default when 'tools' are given) is not supported", "tool_choice"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": TOOLS, "tool_choice": "auto"}, 400,
@@ -1240,14 +1252,14 @@ def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event_and_done():
         asyncio.run(asyncio.wait_for(merged(), 10))
 
 
-def test_a_schema_too_deep_once_wrapped_and_a_lone_surrogate_in_tool_arguments_are_not_500s():
+def test_a_schema_too_deep_once_wrapped_and_odd_tool_arguments_are_not_500s():
     """A schema the body parser took (under its depth limit) is wrapped in the constraint, which
     json.dumps then finds too deep: a 400 naming the field. A "required" tool call whose parameters
     hold a lone surrogate (the grammar allows any \\u escape): valid JSON the reply can encode."""
     from inflight_client.openai_server.errors import APIError
     from inflight_client.openai_server.sampling import completion_sampling
     from inflight_client.openai_server.structured import Constraint
-    from inflight_client.openai_server.tools import arguments_json
+    from inflight_client.openai_server.tools import ToolCallText, arguments_json
     deep: dict = {}
     for _ in range(5000):
         deep = {"a": deep}
@@ -1258,6 +1270,10 @@ def test_a_schema_too_deep_once_wrapped_and_a_lone_surrogate_in_tool_arguments_a
     arguments = arguments_json({"s": "\ud800 é"})
     assert json.loads(arguments) == {"s": "\ud800 é"} and arguments.encode("utf-8")
     assert arguments_json({"s": "é"}) == '{"s": "é"}'          # otherwise as vLLM writes them
+    # numbers Python cannot hold (the grammar allows them) stay as written, not Infinity or a ValueError
+    digits = "9" * 5000
+    (call,) = ToolCallText(None).feed(f'[{{"name": "f", "parameters": {{"x": -1e999, "n": {digits}, "y": 0.5}}}}]')
+    assert call["function"]["arguments"] == f'{{"x": -1e999, "n": {digits}, "y": 0.5}}'
 
 
 def test_the_sdk_raises_its_typed_errors(client):

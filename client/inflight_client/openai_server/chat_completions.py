@@ -18,16 +18,14 @@ from .logprobs import chat_logprobs, sampled_ids
 from .sampling import chat_sampling
 from .schemas import ChatCompletionRequest
 from .sse import event, sse_response
-from .structured import blame, request_constraints, single
+from .structured import Constraint, blame, request_constraints, single
 from .tools import ToolCallText, called_function, tool_constraint, tool_message
 from .triton import LLMResponse, Prompt
 
 
 async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, request_id: str, large: bool):
     lora_name = ctx.models.check(body.model)
-    tool = tool_constraint(body)
-    constraint = single(request_constraints(body) + ([tool] if tool else []),
-                        ctx.disable_any_whitespace)
+    constraint = single(_constraints(body), ctx.disable_any_whitespace)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     prompt, prompt_ids = await ctx.offload(large, _prompt, body, tools, ctx)
     sampling = ctx.fit(chat_sampling(body, ctx.chat_max_tokens, constraint, lora_name), prompt_ids, "messages")
@@ -69,6 +67,15 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
     if prompt_text is not None:
         reply["prompt_text"] = prompt_text
     return JSONResponse(reply)
+
+
+def _constraints(body: ChatCompletionRequest) -> list[Constraint]:
+    """The request's output constraints. A forced tool call (named or "required") replaces
+    `response_format`, which shapes content, and a forced call has none (vLLM drops it too)."""
+    tool = tool_constraint(body)
+    if tool is None:
+        return request_constraints(body)
+    return [c for c in request_constraints(body) if c.source != "response_format"] + [tool]
 
 
 def _as_sent(error: APIError, body: ChatCompletionRequest) -> APIError:

@@ -7,6 +7,7 @@ first delta of a call has its id, type and name, later ones add to `function.arg
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 
@@ -16,7 +17,32 @@ from .structured import Constraint
 
 EMPTY_OBJECT = {"type": "object", "properties": {}}
 _BETWEEN_CALLS = re.compile(r"[\s,\[]*")          # what separates the array's elements
-_DECODER = json.JSONDecoder()
+
+
+class _Literal:
+    """A JSON number Python cannot hold, kept as the model wrote it: 1e999 as a float would be
+    written back as Infinity, which is not JSON, and int() refuses more than 4300 digits."""
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def _float(text: str) -> float | _Literal:
+    value = float(text)
+    return value if math.isfinite(value) else _Literal(text)
+
+
+def _int(text: str) -> int | _Literal:
+    try:
+        return int(text)
+    except ValueError:
+        return _Literal(text)
+
+
+_DECODER = json.JSONDecoder(parse_float=_float, parse_int=_int)
+_MARK = uuid.uuid4().hex                        # around a _Literal's text in json.dumps' output
+_MARKED = re.compile(f'"{_MARK}([^"]*){_MARK}"')
 
 
 def _parameters(tool) -> dict:
@@ -69,9 +95,16 @@ def _new_call(index: int, name: str, arguments: str) -> dict:
 
 def arguments_json(parameters) -> str:
     """A call's parameters as its arguments' JSON text (as vLLM writes them), in ASCII escapes where
-    they hold a lone surrogate (a model's "\\ud800"), which has no UTF-8 form for the reply."""
-    text = json.dumps(parameters, ensure_ascii=False)
-    return json.dumps(parameters) if any("\ud800" <= c <= "\udfff" for c in text) else text
+    they hold a lone surrogate (a model's "\\ud800"), which has no UTF-8 form for the reply, and
+    with a number too large for a float as the model wrote it."""
+    text = json.dumps(parameters, ensure_ascii=False, default=_marked)
+    if any("\ud800" <= c <= "\udfff" for c in text):
+        text = json.dumps(parameters, default=_marked)
+    return _MARKED.sub(r"\1", text)
+
+
+def _marked(value: _Literal) -> str:
+    return f"{_MARK}{value.text}{_MARK}"
 
 
 class ToolCallText:
