@@ -86,7 +86,7 @@ def served_checkpoint(tmp_path_factory):
 def test_a_checkpoint_given_with_model_is_served_through_llm_and_the_ensemble(served_checkpoint):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     launcher = Launcher("--model", served_checkpoint, "--engine", "dtype=float64", "--engine", "max_num_seqs=4",
-                        "--engine", "cpu_threads=1", "--engine", "max_model_len=256",
+                        "--engine", "cpu_threads=1", "--engine", "max_model_len=256", "--engine", "max_queue_size=2",
                         "--openai-arg=--served-model-name=user-model")
     try:
         launcher.wait_for("inflight: ready", 120)
@@ -99,6 +99,11 @@ def test_a_checkpoint_given_with_model_is_served_through_llm_and_the_ensemble(se
             cards = json.load(response)["data"]
         assert [m["id"] for m in cards] == ["user-model"], "--openai-arg reaches the OpenAI server"
         assert cards[0]["max_model_len"] == 256, "the engine's context length, passed on by the launcher"
+        many = json.dumps({"model": "user-model", "prompt": ["x"] * 10, "max_tokens": 2}).encode()
+        request = urllib.request.Request(f"http://localhost:{launcher.openai_port}/v1/completions", many,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:      # 2 in flight at a time: no 429
+            assert len(json.load(response)["choices"]) == 10
         prompt = "The assert statement"
         url = f"localhost:{launcher.http_port}"
         llm = http_generate(url, "llm", {"text_input": prompt, "max_tokens": 8, "temperature": 0,

@@ -1285,7 +1285,8 @@ def test_the_sdk_raises_its_typed_errors(client):
 
 def test_queue_full_is_429_and_triton_gone_is_503(tmp_path):
     """One seat and one waiting place: with one request running and one waiting, the next is
-    refused at once. Then tritonserver goes away under the OpenAI server."""
+    refused at once, and so is one request of more prompts than that, unless the server keeps
+    fewer in flight. Then tritonserver goes away under the OpenAI server."""
     repo = make_repository(str(tmp_path / "repo"), DEFAULT_MODEL,
                            {**TEST_ENGINE, "max_num_seqs": 1, "max_queue_size": 1})
     triton = ServerProcess(repo).start()
@@ -1307,6 +1308,17 @@ def test_queue_full_is_429_and_triton_gone_is_503(tmp_path):
             assert refused.status_code == 429, refused.text
             assert refused.json()["error"]["message"].startswith("queue full: 1 requests are already waiting")
             assert wait_for_metric(triton, "inflight_requests_waiting", 0) == 0
+            assert wait_for_metric(triton, "inflight_kv_blocks_used", 0) == 0
+            # five prompts in one request: all at once they overflow the queue by themselves; with
+            # at most max_queue_size in flight (what `make serve` passes) they run in turn
+            many = {"model": MODEL, "prompt": PROMPTS[:5], "max_tokens": 3, "temperature": 0}
+            assert httpx.post(f"{api.base_url}/completions", json=many, timeout=60).status_code == 429
+            with openai_server(triton.http_url, tmp_path, "--max-triton-requests", "1") as paced:
+                for stream in (False, True):
+                    reply = httpx.post(f"{paced.base_url}/completions", json={**many, "stream": stream}, timeout=60)
+                    assert reply.status_code == 200, reply.text
+                    indices = re.findall(r'"index":(\d+)', reply.text)
+                    assert sorted(set(map(int, indices))) == [0, 1, 2, 3, 4]
             assert wait_for_metric(triton, "inflight_kv_blocks_used", 0) == 0
             triton.stop()
             health = httpx.get(api.base_url.removesuffix("/v1") + "/health")
@@ -1363,8 +1375,9 @@ def test_a_tokenizer_directory_without_a_config_needs_the_context_length(tmp_pat
     assert settings.max_model_len == 512
 
 
-def test_a_default_max_tokens_below_one_is_refused(capsys):
+@pytest.mark.parametrize("flag", ["--default-max-tokens", "--max-triton-requests"])
+def test_a_limit_below_one_is_refused(capsys, flag):
     from inflight_client.openai_server.cli import parse_args
     with pytest.raises(SystemExit):
-        parse_args(["--model-dir", DEFAULT_MODEL, "--default-max-tokens", "0"])
-    assert "--default-max-tokens must be at least 1, got 0" in capsys.readouterr().err
+        parse_args(["--model-dir", DEFAULT_MODEL, flag, "0"])
+    assert f"{flag} must be at least 1, got 0" in capsys.readouterr().err

@@ -469,8 +469,13 @@ def start_openai_server(children: Children, model_repository: str, endpoints: En
         settings = Settings.load(os.path.join(model_repository, "llm", "1"))
         lora_names = sorted(settings.lora_modules)      # each adapter of multi_lora.json is a model id
         extra = [*endpoints.openai_args, *(["--lora-modules", *lora_names] if lora_names else [])]
-        if settings.engine.max_model_len:
-            extra += ["--max-model-len", str(settings.engine.max_model_len)]
+        engine = settings.engine
+        if engine.max_model_len:
+            extra += ["--max-model-len", str(engine.max_model_len)]
+        if engine.max_queue_size is not None and not any(a.startswith("--max-triton-requests") for a in extra):
+            # so that one request's many prompts never fill the engine's queue by themselves (a
+            # finished request's seat goes to a waiting one only at the next step)
+            extra += ["--max-triton-requests", str(engine.max_queue_size)]
         openai = OpenAIServerProcess(f"localhost:{endpoints.http_port}", settings.model_dir,
                                      port=endpoints.openai_port, host="0.0.0.0", extra=extra)
         children.processes.append(openai.start(wait=True, timeout_s=60).process)

@@ -45,6 +45,7 @@ class Settings:
     lora_names: tuple[str, ...] = ()        # the LoRA adapters `llm` serves, each a model id
     disable_any_whitespace: bool = False
     trust_request_chat_template: bool = False
+    max_triton_requests: int = 1024         # in flight to Triton at once; more wait here for a connection
 
 
 FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
@@ -129,7 +130,7 @@ def create_app(settings: Settings) -> FastAPI:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
-    ctx = Context(TritonLLM(settings.triton_url, settings.triton_model), tokenizer,
+    ctx = Context(TritonLLM(settings.triton_url, settings.triton_model, settings.max_triton_requests), tokenizer,
                   ChatTemplate(tokenizer, settings.chat_template, settings.trust_request_chat_template),
                   ServedModels(settings.served_model_name, settings.max_model_len, settings.lora_names),
                   settings.default_max_tokens, settings.disable_any_whitespace)

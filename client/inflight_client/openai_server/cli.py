@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from inflight.context_length import checkpoint_max_len
 
@@ -40,6 +41,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     parser.add_argument("--max-model-len", type=int,
                         help="the context length `llm` runs with (default: the checkpoint's, from config.json; "
                              "needed with a --tokenizer directory without one)")
+    parser.add_argument("--max-triton-requests", type=int, default=1024,
+                        help="the most requests this server has in flight to Triton at once (one per prompt); "
+                             "more wait here, in turn. At most `llm`'s max_queue_size (`make serve` passes it), "
+                             "one request's many prompts never fill the engine's queue by themselves")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--log-level", default="info")
@@ -52,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     name = args.served_model_name or os.path.basename(os.path.normpath(directory))
     if name in args.lora_modules:
         parser.error(f"--lora-modules: {name!r} is also the served model name")
+    if args.max_triton_requests < 1:
+        parser.error(f"--max-triton-requests must be at least 1, got {args.max_triton_requests}")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         parser.error(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
     for module in args.lora_modules:
@@ -66,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
         parser.error(f"--max-model-len must be at least 2 (a prompt token and an output token), got {max_model_len}")
     settings = Settings(args.triton_url, directory, name, max_model_len, args.triton_model, args.chat_template,
                         args.default_max_tokens, tuple(args.lora_modules), args.disable_any_whitespace,
-                        args.trust_request_chat_template)
+                        args.trust_request_chat_template, args.max_triton_requests)
     return settings, args
 
 
@@ -74,10 +81,27 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     settings, args = parse_args(argv)
+    _raise_open_files_limit(settings.max_triton_requests)
     # uvloop and httptools (uvicorn's "standard" choices) take less CPU per streamed chunk than
     # asyncio's loop and h11, CPU that on a small host is taken from the engine
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 loop="uvloop", http="httptools")
+
+
+def _raise_open_files_limit(max_triton_requests: int) -> None:
+    """A connection to Triton per request in flight and one per client: 1024 open files (a common
+    soft limit) is too few for busy servers. Raise the soft limit to the hard one, as vLLM's server
+    does, and say so when that is still short."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        soft = wanted
+    if soft != resource.RLIM_INFINITY and soft < 2 * max_triton_requests + 64:
+        print(f"inflight-openai: only {soft} open files are allowed (ulimit -n); with --max-triton-requests "
+              f"{max_triton_requests} and as many clients, connections may fail with 'Too many open files'",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -80,16 +80,20 @@ async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
 
 
 class TritonLLM:
-    def __init__(self, url: str, model: str = "llm"):
+    def __init__(self, url: str, model: str = "llm", max_requests: int = 1024):
         self.url = url                    # Triton's HTTP address, host:port
         self.model = model
+        self.max_requests = max_requests
         self.session: aiohttp.ClientSession | None = None
         self.inputs: set[str] | None = None         # the model's input names (inflight's `llm` has more)
 
     async def start(self) -> None:
-        """Open the pool (inside the event loop that will use it): no limit on connections, one
-        per request in flight, kept alive for the next."""
-        self.session = aiohttp.ClientSession(f"http://{self.url}", connector=aiohttp.TCPConnector(limit=0),
+        """Open the pool (inside the event loop that will use it): a connection per request in
+        flight, kept alive for the next, at most max_requests. A completion with thousands of
+        prompts then runs them in turn instead of opening a connection each, which ran out of file
+        descriptors or overflowed the engine's queue (a 429 no retry could get past)."""
+        connector = aiohttp.TCPConnector(limit=self.max_requests)
+        self.session = aiohttp.ClientSession(f"http://{self.url}", connector=connector,
                                              timeout=aiohttp.ClientTimeout(total=None, connect=10))
 
     async def close(self) -> None:
