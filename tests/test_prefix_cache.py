@@ -8,7 +8,7 @@ import torch
 from inflight import EngineConfig, LLMEngine, SamplingParams
 from inflight.kv_cache import KVCacheManager, hash_block
 
-from .test_scheduler import add, make_scheduler, run_until_idle, step
+from .test_scheduler import add, make_scheduler, run_until_idle, scheduled, step
 
 
 def chain(tokens, block_size=4, key=b"k"):
@@ -87,6 +87,25 @@ def test_no_reuse_across_cache_salts():
     assert out.num_scheduled.tolist() == [20] and s.prefix_hit_tokens == 0
     run_until_idle(s)
     assert a.finish_reason == b.finish_reason == "length"
+
+
+def test_requests_arriving_together_with_one_prompt_compute_it_once():
+    """An n > 1 request's outputs, or a burst with one system prompt: the first computes the
+    shared blocks, the others wait a step and find them cached (recomputing them was n times the
+    prefill); a request behind them in the queue waits that step too, keeping the order."""
+    s = make_scheduler(prefix=True, budget=64, block_size=4, num_blocks=64)
+    prompt = list(range(10, 30))                                   # 20 tokens: 4 blocks found later
+    outputs = [add(s, prompt, max_tokens=3) for _ in range(3)]
+    other = add(s, list(range(100, 110)), max_tokens=2)
+    assert scheduled(s, step(s)) == {outputs[0].request_id: 20}
+    assert scheduled(s, step(s)) == {outputs[0].request_id: 1, outputs[1].request_id: 4, outputs[2].request_id: 4,
+                                     other.request_id: 10}
+    run_until_idle(s)
+    assert outputs[0].output_token_ids == outputs[1].output_token_ids == outputs[2].output_token_ids
+    assert s.num_prefill_tokens == 20 + 4 + 4 + 10
+    tail = add(s, list(range(10, 22)) + [1, 2, 3, 4, 5], max_tokens=2)     # shares 3 blocks, then its own
+    lone = add(s, list(range(10, 22)) + [6, 7, 8, 9, 5], max_tokens=2)
+    assert scheduled(s, step(s)) == {tail.request_id: 5, lone.request_id: 5}, "only a block computed this step waits"
 
 
 # ---- end to end ----------------------------------------------------------------------------------

@@ -213,12 +213,15 @@ class Scheduler:
         cover. The last token is always recomputed so the next token has logits. A request that
         asked for prompt log-probabilities computes its whole prompt (as in vLLM): a cached
         position would have no logits."""
-        if not self.kv.enable_prefix_caching or req.params.prompt_logprobs is not None:
+        if not self._looks_up(req):
             return [], 0
         num_full = (len(req.token_ids) - 1) // self.block_size
         self._hash_blocks(req, req.token_ids, num_full)
         hit = self.kv.find_cached_prefix(req.block_hashes[:num_full])
         return hit, len(hit) * self.block_size
+
+    def _looks_up(self, req: Request) -> bool:
+        return self.kv.enable_prefix_caching and req.params.prompt_logprobs is None
 
     def _hash_blocks(self, req: Request, token_ids, num_full: int) -> None:
         bs = self.block_size
@@ -231,11 +234,14 @@ class Scheduler:
         A request that does not fit may preempt running requests of lower priority; those are
         taken out of this step (`rows`/`counts`: the running pass) and their budget is returned."""
         new_rows, new_counts, preempted = [], [], []
+        computing: set[bytes] = set()       # the hashes of the blocks this step's admissions compute
         while budget > 0:
             req = self._peek_waiting()
             if req is None:
                 break
             hit, num_computed = self._prefix_hit(req)
+            if self._computed_this_step(req, hit, computing):
+                break
             remaining = len(req.token_ids) - num_computed
             if not self._fits(req, hit, 0, 0):
                 victims = self._victims_for(req, hit)
@@ -254,10 +260,20 @@ class Scheduler:
             self.waiting[req.priority].popleft()        # once it runs: a failure leaves it abortable
             need = -(-(num_computed + count) // self.block_size) - len(hit)
             self.table.append_blocks([row], [need], self.kv.allocate(need))
+            computing.update(req.block_hashes[len(hit):(num_computed + count) // self.block_size])
             new_rows.append(row)
             new_counts.append(count)
             budget -= count
         return new_rows, new_counts, preempted
+
+    def _computed_this_step(self, req: Request, hit: list[int], computing: set[bytes]) -> bool:
+        """Whether the first block the request would compute is one a request admitted before it
+        in this step computes: it then waits a step and finds it cached, instead of computing the
+        shared prompt again (an n > 1 request's outputs, a burst with one system prompt). vLLM
+        shares such blocks within the step; here a block becomes findable once it is computed."""
+        first = len(hit)
+        return (bool(computing) and self._looks_up(req) and first < (len(req.token_ids) - 1) // self.block_size
+                and req.block_hashes[first] in computing)
 
     def _start_running(self, req: Request, hit: list[int], num_computed: int) -> int:
         row = self.table.add(req)
@@ -270,7 +286,7 @@ class Scheduler:
         else:
             req.first_scheduled_time = time.monotonic()
             req.num_cached_tokens = num_computed
-            if self.kv.enable_prefix_caching and req.params.prompt_logprobs is None:
+            if self._looks_up(req):
                 # new requests that looked up, as vLLM counts them (not those that skip the lookup)
                 self.prefix_query_tokens += len(req.token_ids)
                 self.prefix_hit_tokens += num_computed
