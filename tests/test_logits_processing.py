@@ -208,3 +208,34 @@ def test_the_tokenizers_eos_ends_generation_as_the_configs_do(tmp_path):
     assert 2 not in held_ids[:3] and held_ids[3:] == [2]
     (copy / "tokenizer.json").unlink()          # no tokenizer: the configs' end token alone
     assert LLMEngine.from_pretrained(str(copy), EngineConfig(dtype="float32", num_kv_blocks=64)).eos_token_ids == (3,)
+
+
+@pytest.mark.parametrize("logprobs", [None, 3])
+def test_a_step_edits_one_copy_of_the_logits_and_its_logprobs_stay_raw(logprobs):
+    """Bias, a min_tokens ban, a penalty and allowed_token_ids on one row: the step's edits share
+    one copy while a row wants log-probabilities (those of the raw logits), and none otherwise."""
+    import numpy as np
+
+    from inflight.sampler import Sampler
+
+    from .test_scheduler import add, make_scheduler
+    s = make_scheduler(budget=64)
+    add(s, 6, logit_bias={3: 50.0}, min_tokens=2, presence_penalty=1.0, repetition_penalty=1.5,
+        allowed_token_ids=[3, 4, 7], temperature=0, logprobs=logprobs)
+    add(s, 6, temperature=0, logprobs=logprobs)
+    rows = s.schedule().rows
+    raw = torch.randn(len(rows), 64, generator=torch.Generator().manual_seed(0))
+    given = raw.clone()
+    copies = []
+    clone = torch.Tensor.clone
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "clone", lambda t, *a, **k: copies.append(t) or clone(t, *a, **k))
+        tokens, step_logprobs = Sampler(torch.device("cpu"), 0)(given, s.table, rows)
+    assert tokens[0] == 3 and tokens[1] == int(raw[1].argmax())
+    if logprobs is None:
+        assert not copies and step_logprobs is None
+        assert given[0, 3] > raw[0, 3] + 40, "edited in place"
+    else:
+        assert len(copies) == 1 and torch.equal(given, raw)
+        expected = torch.log_softmax(raw, dim=-1)
+        assert np.allclose(step_logprobs.sampled, [expected[0, 3], expected[1].max()], atol=1e-6)

@@ -4,8 +4,8 @@
   has its logit divided by r where positive, multiplied by r where not.
 - frequency_penalty f and presence_penalty p (OpenAI's definition): a token's logit loses
   f x its count in the output so far, and p once it is there at all.
-Only the rows that ask for a penalty are touched, on a copy (the log-probabilities stay those of
-the model's own distribution, as vLLM's default).
+Only the rows that ask for a penalty are touched (in place, or on a copy where the caller still
+needs the log-probabilities of the model's own distribution, vLLM's default).
 
 Every penalty falls on tokens the row has seen, a few hundred of a vocabulary of up to ~150k:
 each row keeps the list of its distinct tokens and their counts in its output (host arrays, per
@@ -36,8 +36,8 @@ class Penalties:
         self.counted = np.zeros(0, dtype=np.int32)         # per row: its first tokens already counted
         self.admission = np.zeros(0, dtype=np.int64)       # per row: the occupant they were counted for
 
-    def __call__(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> torch.Tensor:
-        """logits [len(rows), vocab] -> the same, or a penalized copy."""
+    def __call__(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray, copy: bool) -> torch.Tensor:
+        """logits [len(rows), vocab] -> the same, penalized in place or (`copy`) on a copy."""
         picked = penalized_rows(table, rows)
         if not picked.size:
             return logits
@@ -58,7 +58,7 @@ class Penalties:
         f = per_entry(table.frequency_penalty[seat_of])
         p = per_entry(table.presence_penalty[seat_of])
         at = torch.from_numpy(picked[which] * vocab + ids).to(logits.device)
-        logits = logits.clone()
+        logits = logits.clone() if copy else logits
         flat = logits.view(-1)
         values = flat[at]
         values = torch.where(values > 0, values / r, values * r)

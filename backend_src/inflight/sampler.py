@@ -38,13 +38,15 @@ class Sampler:
         if logits.dtype != torch.float64:   # float64 stays: exactness tests compare argmaxes
             logits = logits.float()
         raw = logits
-        logits = self._apply_bias(logits, table, rows)       # each returns a copy when it changes anything
-        logits = self._apply_bans(logits, table, rows)
-        logits = self.penalties(logits, table, rows)
+        # the edits below change logits in place; while rows want log-probabilities (read from
+        # the raw logits afterwards) the first edit of a step makes the one copy they work on
+        copy = bool((table.num_logprobs[rows] >= 0).any())
+        logits = self._apply_bias(logits, table, rows, copy)
+        logits = self._apply_bans(logits, table, rows, copy and logits is raw)
+        logits = self.penalties(logits, table, rows, copy and logits is raw)
         if grammar_mask is not None:
-            wants_raw = logits is raw and (table.num_logprobs[rows] >= 0).any()
-            logits = grammar_mask(logits.clone() if wants_raw else logits)
-        logits = self._apply_allowed(logits, table, rows)
+            logits = grammar_mask(logits.clone() if copy and logits is raw else logits)
+        logits = self._apply_allowed(logits, table, rows, copy and logits is raw)
         temperature = table.temperature[rows]
         tokens = cpu_kernels.argmax(logits)
         sampled = np.flatnonzero(temperature >= SAMPLING_EPS)
@@ -57,21 +59,21 @@ class Sampler:
         return tokens.cpu().numpy(), step_logprobs(raw, tokens, table.num_logprobs[rows])
 
     @staticmethod
-    def _apply_bias(logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> torch.Tensor:
-        """OpenAI's logit_bias: each listed token's logit plus its bias (on a copy)."""
+    def _apply_bias(logits: torch.Tensor, table: BatchTable, rows: np.ndarray, copy: bool) -> torch.Tensor:
+        """OpenAI's logit_bias: each listed token's logit plus its bias."""
         biased = np.flatnonzero(table.has_logit_bias[rows])
         if not biased.size:
             return logits
         entries = [(i, token, bias) for i in biased.tolist()
                    for token, bias in table.requests[int(rows[i])].params.logit_bias]
         at, tokens, biases = zip(*entries)
-        logits = logits.clone()
+        logits = logits.clone() if copy else logits
         logits[torch.tensor(at), torch.tensor(tokens)] += torch.tensor(biases, dtype=logits.dtype).to(logits.device)
         return logits
 
     @staticmethod
-    def _apply_allowed(logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> torch.Tensor:
-        """vLLM's allowed_token_ids: -inf for every other token, EOS included (on a copy). Last, so
+    def _apply_allowed(logits: torch.Tensor, table: BatchTable, rows: np.ndarray, copy: bool) -> torch.Tensor:
+        """vLLM's allowed_token_ids: -inf for every other token, EOS included. Last, so
         that it can see what the grammar and the bans left: a row where they exclude every allowed
         token (a grammar that can only end, with EOS not allowed; min_tokens banning the one allowed
         stop token) samples as if unrestricted, within its grammar and bans, where vLLM would sample
@@ -88,11 +90,11 @@ class Sampler:
         subset = logits[index]
         keep &= subset > -torch.inf
         keep |= ~keep.any(dim=-1, keepdim=True)
-        logits = logits.clone()
+        logits = logits.clone() if copy else logits
         logits[index] = subset.masked_fill(~keep, -torch.inf)
         return logits
 
-    def _apply_bans(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> torch.Tensor:
+    def _apply_bans(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray, copy: bool) -> torch.Tensor:
         """-inf for stop tokens before min_tokens is reached (EOS also under ignore_eos, as vLLM's
         min_tokens bans every stop token), and for the last token of any bad word whose other
         tokens were just generated (in the output: a prompt's tail does not count, as in vLLM)."""
@@ -100,7 +102,7 @@ class Sampler:
         with_bad_words = np.flatnonzero(table.has_bad_words[rows])
         if not below_min.size and not with_bad_words.size:
             return logits
-        logits = logits.clone()
+        logits = logits.clone() if copy else logits
         if below_min.size:
             stops = table.stop_ids[rows[below_min]]
             i, j = np.nonzero(stops >= 0)
