@@ -121,6 +121,12 @@ def test_min_p_keeps_only_tokens_that_likely(tokenizer):
     ("allowed_token_ids", [3, -1], "'allowed_token_ids' must be a list of non-negative integers"),
     ("skip_special_tokens", "false", "'skip_special_tokens' must be a boolean"),
     ("spaces_between_special_tokens", 0, "'spaces_between_special_tokens' must be a boolean"),
+    # not lists at all: named, not "TypeError: 'int' object is not iterable"
+    ("stop_token_ids", 5, "'stop_token_ids' must be a list of non-negative integers"),
+    ("bad_words_ids", [5, 6], "'bad_words_ids' must be a list of non-empty lists"),
+    ("allowed_token_ids", 5, "'allowed_token_ids' must be a list of non-negative integers"),
+    ("stop", None, "'stop' must be a string or a list of non-empty strings"),
+    ("stop", 5, "'stop' must be a string or a list of non-empty strings"),
 ])
 def test_out_of_range_settings_name_the_field(knob, value, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -129,6 +135,8 @@ def test_out_of_range_settings_name_the_field(knob, value, message):
 
 def test_a_logit_bias_past_openais_range_is_clamped_as_vllm_clamps_it():
     assert SamplingParams(logit_bias={5: 101, 6: -1e9, 7: 3}).logit_bias == ((5, 100.0), (6, -100.0), (7, 3.0))
+    # a token given twice (JSON's "5" and "05") once, the last bias winning as in vLLM's dict
+    assert SamplingParams(logit_bias=((5, 3.0), (6, 1.0), (5, 4.0))).logit_bias == ((5, 4.0), (6, 1.0))
 
 
 def test_top_k_keeps_ties_and_top_p_keeps_what_the_nucleus_needs():

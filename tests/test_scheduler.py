@@ -399,3 +399,17 @@ def test_prefix_cache_counters_count_new_requests_that_look_up():
     s.preempt(victim)
     run_until_idle(s)
     assert victim.num_preemptions == 1 and (s.prefix_query_tokens, s.prefix_hit_tokens) == (43, 16)
+
+
+def test_a_long_stop_token_ids_list_widens_the_stop_check_only_while_its_request_runs():
+    s = make_scheduler()
+    short = add(s, 6, max_tokens=8, stop_token_ids=[3, 4])
+    step(s)
+    wide = add(s, 6, max_tokens=2, stop_token_ids=list(range(1000, 1500)))
+    step(s)
+    assert s.table.stop_ids.shape[1] == 501
+    run_until_idle(s)
+    assert wide.finish_reason == short.finish_reason == "length"
+    add(s, 6, max_tokens=2)
+    step(s)
+    assert s.table.stop_ids.shape[1] == 1, "back to EOS alone once the wide request left"

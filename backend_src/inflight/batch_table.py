@@ -105,8 +105,17 @@ class BatchTable:
         self.requests[row] = None
         self.request_ids[row] = None
         self.num_blocks[row] = 0
+        self._clear_stop_ids(row)
         self._free_rows.append(row)
         return req
+
+    def _clear_stop_ids(self, row: int) -> None:
+        """The widest row leaving narrows the stop ids to the widest left: one request's long
+        stop_token_ids would otherwise widen every later step's stop check, for good."""
+        widest = self.stop_ids.shape[1] > 1 and self.stop_ids[row, -1] >= 0
+        self.stop_ids[row] = -1
+        if widest:
+            self.stop_ids = self.stop_ids[:, :max(int((self.stop_ids >= 0).sum(axis=1).max()), 1)].copy()
 
     def blocks(self, row: int) -> list[int]:
         return self.block_table[row, :self.num_blocks[row]].tolist()

@@ -23,6 +23,10 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_sequence(value) -> bool:
+    return isinstance(value, (list, tuple))
+
+
 def _is_number(value) -> bool:
     """A finite int or float; an int past float's range is not one."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -153,8 +157,11 @@ class SamplingParams:
         _check(isinstance(self.logit_bias, tuple) and all(
             isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and e[0] >= 0 and _is_number(e[1])
             for e in self.logit_bias), "logit_bias", "must map token ids to numbers")
-        # OpenAI's range; vLLM's SamplingParams clamps to it rather than refuse
-        self.logit_bias = tuple((token, min(100.0, max(-100.0, float(bias)))) for token, bias in self.logit_bias)
+        # OpenAI's range; vLLM's SamplingParams clamps to it rather than refuse. A token given twice
+        # ("5" and "05" in JSON) once, the last bias winning as in vLLM's dict (a repeated index
+        # in one tensor write is undefined on CUDA)
+        self.logit_bias = tuple({int(token): min(100.0, max(-100.0, float(bias)))
+                                 for token, bias in self.logit_bias}.items())
         # torch's generators take 64 bits, signed (vLLM's API) or not (TensorRT-LLM's random_seed)
         _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
                f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
@@ -164,21 +171,25 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):       # vLLM's and OpenAI's range
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, f"must be a number in [-2, 2], got {value!r}")
+        _check(_is_sequence(self.stop_token_ids) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", "must be a list of non-negative integers")
         self.stop_token_ids = tuple(self.stop_token_ids)
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "must be a list of non-negative integers")
-        # once each: the batch table is as wide as the longest list a request has sent, for good
+        # once each: the batch table is as wide as the longest list of the requests it holds
         self.stop_token_ids = tuple(dict.fromkeys(self.stop_token_ids))
+        _check(_is_sequence(self.bad_words_ids) and all(
+            _is_sequence(w) and w and all(_is_int(t) and t >= 0 for t in w) for w in self.bad_words_ids),
+            "bad_words_ids", "must be a list of non-empty lists of non-negative integers")
         self.bad_words_ids = tuple(tuple(w) for w in self.bad_words_ids)
-        _check(all(w and all(_is_int(t) and t >= 0 for t in w) for w in self.bad_words_ids), "bad_words_ids",
-               "must be a list of non-empty lists of non-negative integers")
         if self.allowed_token_ids is not None:
+            _check(_is_sequence(self.allowed_token_ids) and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                   "allowed_token_ids", "must be a list of non-negative integers")
             self.allowed_token_ids = tuple(self.allowed_token_ids)
-            _check(all(_is_int(t) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
-                   "must be a list of non-negative integers")
             _check(bool(self.allowed_token_ids), "allowed_token_ids", "must not be empty")
-        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be a list of non-empty strings")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        _check(_is_sequence(self.stop) and all(isinstance(s, str) and s for s in self.stop), "stop",
+               "must be a string or a list of non-empty strings")
+        self.stop = tuple(self.stop)
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, "must be a boolean")
         for name in ("logprobs", "prompt_logprobs"):
