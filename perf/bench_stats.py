@@ -10,6 +10,7 @@ Run-level: makespan = last response of any request - first send; throughput = re
 generated tokens/s = sum(num_output_tokens) / makespan; goodput = requests meeting every given SLO
 (TTFT and/or TPOT bound) / makespan. For requests sent one at a time, interleaved with another
 system's (`interleaved=True`), the time they took is the sum of their E2Es instead of the makespan.
+A run where no request succeeded has every figure NaN (its first error is in the summary too).
 """
 from __future__ import annotations
 
@@ -52,12 +53,19 @@ def percentiles(values, qs=(50, 90, 99)) -> dict[str, float]:
     return {f"p{q}": float(np.percentile(values, q)) for q in qs}
 
 
+def rotated(order: list, round_index: int) -> list:
+    """The order of round `round_index` of interleaved runs: each alternative one place later than in
+    the round before, so that each takes every place once every len(order) rounds."""
+    shift = round_index % max(len(order), 1)
+    return order[shift:] + order[:shift]
+
+
 def summarize(records: list[RequestRecord], slo_ttft: float | None = None, slo_tpot: float | None = None,
               interleaved: bool = False) -> dict:
     done = [r for r in records if r.error is None and r.response_times]
-    if not done:
-        return {"requests": len(records), "errors": len(records)}
-    if interleaved:
+    if not done:            # NaN figures: the callers print the run's row instead of failing on a key
+        makespan = float("nan")
+    elif interleaved:
         makespan = sum(r.e2e for r in done)
     else:
         makespan = max(r.response_times[-1] for r in done) - min(r.sent for r in records)
@@ -71,6 +79,8 @@ def summarize(records: list[RequestRecord], slo_ttft: float | None = None, slo_t
     return {
         "requests": len(records),
         "errors": len(records) - len(done),
+        "first_error": next((r.error or "no response" for r in records
+                             if r.error is not None or not r.response_times), None),
         "makespan_s": makespan,
         "request_throughput": len(done) / makespan,
         "generated_tokens_per_s": tokens / makespan,
@@ -81,3 +91,12 @@ def summarize(records: list[RequestRecord], slo_ttft: float | None = None, slo_t
         "itl": percentiles(gap for r in done for gap in r.itls),
         "e2e": percentiles(r.e2e for r in done),
     }
+
+
+def error_note(summary: dict) -> str:
+    """'' for a run without errors, else how many of its requests failed and the first error."""
+    if not summary["errors"]:
+        return ""
+    errors, requests = summary["errors"], summary["requests"]
+    failed = f"all {requests}" if errors == requests else f"{errors} of {requests}"
+    return f"  ({failed} requests failed; the first error: {summary['first_error']})"

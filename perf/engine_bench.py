@@ -8,7 +8,8 @@
    up front (contiguous allocation) would give.
 3. Offline generated tokens/s of continuous vs dynamic vs static batching: same engine, same
    workload (prompts U(32,512), outputs U(16,256), ignore_eos, greedy), same max batch, a ~30M
-   parameter random Llama built here. Medians over --repeats runs.
+   parameter random Llama built here. Medians over --repeats rounds, interleaved, each round's
+   order one policy later than the round before's.
 4. Per-step host time at 64 and 256 running sequences: a decode step's wall time split into what
    the host spends outside the model's matmuls (scheduling, packing, rope, sampling, Python) and
    the rest, from torch.profiler; --profile prints the top ops of a bf16 decode step at 64.
@@ -54,6 +55,7 @@ from inflight.runner import pack_step  # noqa: E402
 from inflight.scheduler import Scheduler  # noqa: E402
 from inflight.testing import make_random_checkpoint  # noqa: E402
 from perf import workloads  # noqa: E402
+from perf.bench_stats import rotated  # noqa: E402
 from perf.quiet import wait_quiet  # noqa: E402
 
 BENCH_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
@@ -85,13 +87,17 @@ def scheduler_overhead(num_running: int = 256, steps: int = 2000, rounds: int = 
 
 
 def _overhead_round(num_running: int, steps: int) -> dict:
-    items = workloads.uniform(num_running * 4, 8192, seed=1)
     token = np.full(num_running, 7, dtype=np.int64)
     results = {}
     for churn in (False, True):
+        # fresh items per pass. Steady: the first num_running, each outlasting the steps. Churn: the
+        # workload's outputs U(16,256) free a seat every ~136 steps on average, and twice the
+        # requests that needs keep the backlog from running dry
+        items = workloads.uniform(num_running * (1 + steps // 64) if churn else num_running, 8192, seed=1)
+        if not churn:
+            items = [workloads.WorkItem(item.prompt_token_ids, steps + 100) for item in items]
         s = make_scheduler(num_running, num_blocks=200_000)
         for i, item in enumerate(items[:num_running]):
-            item.max_tokens = item.max_tokens if churn else steps + 100
             add(s, i, item)
         while s.num_waiting or (s.table.num_computed[s.running] < s.table.num_prompt[s.running]).any():
             fake_step(s, token)
@@ -152,7 +158,8 @@ def throughput(model_dir: str, n: int, max_seqs: int, repeats: int) -> dict:
         engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2))            # warm up
     runs = {policy: [] for policy in engines}
     for r in range(repeats):                      # interleaved, so drift hits every policy alike
-        for policy, engine in engines.items():
+        for policy in rotated(list(engines), r):
+            engine = engines[policy]
             before = engine.stats()
             t0 = time.perf_counter()
             outs = engine.generate(prompts, params)
@@ -247,7 +254,8 @@ def host_overhead(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) ->
         computes.append(sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in COMPUTE_OPS) / 1e6
                         + sum(map(sum, kernel_times.values())))
     compute = statistics.median(computes)
-    median = {k: statistics.median(v[-steps:]) for k, v in phases.items()}
+    # the plain steps only: the phases stay timed through the profiled steps too
+    median = {k: statistics.median(v[:steps]) for k, v in phases.items()}
     step = statistics.median(walls)
     outside_forward = median["schedule"] + median["pack"] + median["sample"] + median["update"]
     return {"num_seqs": num_seqs, "step_ms": step * 1e3, "compute_ms": compute * 1e3,

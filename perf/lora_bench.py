@@ -31,7 +31,7 @@ from inflight import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from inflight.lora import SUPPORTED_MODULES  # noqa: E402
 from inflight.testing import make_random_adapter  # noqa: E402
 from perf import workloads  # noqa: E402
-from perf.bench_stats import RequestRecord, summarize  # noqa: E402
+from perf.bench_stats import RequestRecord, rotated, summarize  # noqa: E402
 from perf.engine_bench import BENCH_MODEL, build_bench_model  # noqa: E402
 
 NUM_ADAPTERS = 8
@@ -108,7 +108,7 @@ def main() -> None:
     runs = {name: [] for name in variants}
     order = list(variants)
     for r in range(args.rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
+        for name in rotated(order, r):
             engine, lora_names = variants[name]
             result = run(engine, items, lora_names)
             runs[name].append(result)

@@ -60,6 +60,9 @@ async def triton_stream(http, url: str, item, record: RequestRecord) -> None:
             "temperature": 0, "return_num_output_tokens": True}
     record.sent = time.monotonic()
     async with http.stream("POST", f"{url}/v2/models/llm/generate_stream", json=body) as response:
+        if response.status_code != 200:
+            record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()}"
+            return
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -367,8 +370,8 @@ def main() -> None:
         split = cpu_per_token(rounds)
         # few requests per run at one stream: the p50 of all rounds' requests is the steadier figure
         pooled = {name: statistics.median(t for s in runs for t in s["ttfts_ms"]) for name, runs in rounds.items()}
-        report[concurrency] = {"tokens_per_s": tps, "ttft_p50_ms": ttft, "ratio": ratio, "added_ttft_ms": added,
-                               "pooled_ttft_p50_ms": pooled,
+        report[concurrency] = {"tokens_per_s": tps, "ttft_p50_ms": ttft, "openai_over_triton": ratio,
+                               "added_ttft_ms": added, "pooled_ttft_p50_ms": pooled,
                                "pooled_added_ttft_ms": pooled["openai"] - pooled["triton"],
                                "requests_per_run": len(rounds["openai"][0]["ttfts_ms"]),
                                "openai_server_cpu_ms_per_token": split["openai"]["server"],
@@ -393,24 +396,24 @@ def main() -> None:
         if "floor" not in tps:
             continue
         row = entry["floor"] = {
-            "tokens_per_s": tps["floor"], "ratio_to_triton": median_ratio(tps["floor"], tps["triton"]),
-            "ratio_to_openai": median_ratio(tps["openai"], tps["floor"]),
+            "tokens_per_s": tps["floor"], "floor_over_triton": median_ratio(tps["floor"], tps["triton"]),
+            "openai_over_floor": median_ratio(tps["openai"], tps["floor"]),
             "added_ttft_ms": statistics.median(f - t for f, t in zip(ttft["floor"], ttft["triton"]))}
         print(f"the floor at {concurrency} streams: {statistics.median(tps['floor']):.1f} tok/s, "
-              f"{row['ratio_to_triton']:.3f}x Triton's directly; the OpenAI server {row['ratio_to_openai']:.3f}x "
+              f"{row['floor_over_triton']:.3f}x Triton's directly; the OpenAI server {row['openai_over_floor']:.3f}x "
               f"the floor's; the floor's added TTFT p50 {row['added_ttft_ms']:.1f} ms")
     for concurrency, entry in report.items():
         tps = entry["tokens_per_s"]
         if interval not in tps:
             continue
         row = entry["stream_interval"] = {
-            "tokens_per_s": tps[interval], "ratio_to_triton": median_ratio(tps[interval], tps["triton"]),
-            "ratio_to_openai": median_ratio(tps[interval], tps["openai"]),
+            "tokens_per_s": tps[interval], "interval_over_triton": median_ratio(tps[interval], tps["triton"]),
+            "interval_over_openai": median_ratio(tps[interval], tps["openai"]),
             "ttft_p50_ms": statistics.median(entry["ttft_p50_ms"][interval]),
             "openai_server_cpu_ms_per_token": entry["cpu_ms_per_token"][interval]["server"]}
         print(f"OpenAI server with stream_interval {args.stream_interval} at {concurrency} streams: "
-              f"{statistics.median(tps[interval]):.1f} tok/s, {row['ratio_to_triton']:.3f}x Triton's directly "
-              f"(a token a response), {row['ratio_to_openai']:.3f}x the OpenAI server at a token a response; "
+              f"{statistics.median(tps[interval]):.1f} tok/s, {row['interval_over_triton']:.3f}x Triton's directly "
+              f"(a token a response), {row['interval_over_openai']:.3f}x the OpenAI server at a token a response; "
               f"TTFT p50 {row['ttft_p50_ms']:.1f} ms; "
               f"server CPU {row['openai_server_cpu_ms_per_token']:.3f} ms per token")
     grpc_ms, http_ms = (statistics.median(transports[name]) for name in ("grpc", "http"))

@@ -26,7 +26,7 @@ sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"),
 
 from inflight.serving.launch import ServerProcess, make_repository  # noqa: E402
 from perf import workloads  # noqa: E402
-from perf.bench_stats import RequestRecord, summarize  # noqa: E402
+from perf.bench_stats import RequestRecord, error_note, rotated, summarize  # noqa: E402
 
 SHIPPED_MODEL = os.path.join(REPO, "model_repository", "llm", "1", "inflight-tiny")
 MAX_MODEL_LEN = 1024
@@ -164,9 +164,9 @@ def run_once(server: ServerProcess, items, arrival: tuple) -> tuple[list[Request
     return records, occupancy.samples, server.metric(STEPS_METRIC) - steps
 
 
-def aggregate(rounds: list[list[RequestRecord]], occupancy: list, steps: list[float], slo: dict) -> dict:
+def aggregate(rounds: list[list[RequestRecord]], occupancy: list[list], steps: list[float], slo: dict) -> dict:
     """Throughput and engine steps: the median over rounds (this VM's speed drifts); latency
-    percentiles: all rounds' requests pooled."""
+    percentiles: all rounds' requests pooled; occupancy: each round's samples."""
     per_round = [summarize(records, **slo) for records in rounds]
     pooled = summarize([r for records in rounds for r in records], **slo)
     rates = ("request_throughput", "generated_tokens_per_s", "goodput")
@@ -201,7 +201,7 @@ def plot(results: dict, path: str, max_batch: int) -> None:
     sweeps = sorted({label for n in batch_policies for label in results[n] if "concurrency" in label or "/s" in label})
     fig, axes = plt.subplots(1, 4 if sweeps else 2, figsize=(22 if sweeps else 12, 4.2))
     for name in batch_policies:
-        samples = results[name]["uniform all-at-once"]["occupancy"]
+        samples = results[name]["uniform all-at-once"]["occupancy"][-1]       # the last round's timeline
         if samples:
             t, running = zip(*samples)
             axes[0].plot(t, [r / max_batch for r in running], label=name, lw=1.2)
@@ -229,11 +229,11 @@ def plot(results: dict, path: str, max_batch: int) -> None:
 
 
 def report_equal_memory(rows: dict, blocks: int) -> None:
-    """Concurrency reached (running requests, sampled every 0.1 s from the metrics) and tokens/s."""
+    """Concurrency reached (running requests, sampled every 0.1 s from the metrics, all rounds) and tokens/s."""
     print(f"\nthe same KV pool for every policy ({blocks} blocks of 16 tokens, max batch 64):")
     print(f"{'policy':24s}{'mean running':>14s}{'peak running':>14s}{'tok/s':>9s}")
     for name, s in rows.items():
-        running = [r for _, r in s["occupancy"] if r > 0]
+        running = [r for samples in s["occupancy"] for _, r in samples if r > 0]
         s["mean_running"], s["peak_running"] = (statistics.mean(running), max(running)) if running else (0.0, 0.0)
         print(f"{name:24s}{s['mean_running']:14.1f}{s['peak_running']:14.0f}{s['generated_tokens_per_s']:9.1f}")
     c = rows["continuous-equal-kv"]
@@ -279,7 +279,8 @@ def main() -> None:
     long_mix = make_workload("long-mix", args.requests, vocab, 2, args.scale)
     # a full batch all the time, so TPOT differences come from prefill interference, not load swings
     long_arrival = ("concurrency", args.max_batch)
-    # measured in interleaved rounds (medians), so drift in this machine's speed hits all alike
+    # measured in interleaved rounds (medians), each round's order one run later than the round
+    # before's, so drift in this machine's speed hits all alike
     plan = [(name, "uniform all-at-once", uniform, ("all",)) for name in ("continuous", "dynamic", "static")]
     plan += [(name, "long-mix full batch", long_mix, long_arrival) for name in ("continuous-chunked", "continuous-nochunk")]
     equal_kv = {name: {**overrides, "num_kv_blocks": args.equal_kv_blocks, "max_num_seqs": 64}
@@ -299,33 +300,44 @@ def main() -> None:
     warmup = uniform[:WARMUP]
     records = {(name, label): [] for name, label, _, _ in plan}
     steps = {(name, label): [] for name, label, _, _ in plan}
-    occupancy, in_process_runs = {}, []
+    occupancy = {(name, label): [] for name, label, _, _ in plan}
+    in_process_runs = []
     with contextlib.ExitStack() as stack:
         policies = {**POLICIES, "continuous-chunked": {**POLICIES["continuous-chunked"],
                                                        "max_num_batched_tokens": args.chunk}, **equal_kv}
         policies = {name: policies[name] for name in dict.fromkeys(name for name, *_ in plan)}
         servers = start_servers(stack, policies, tempfile.mkdtemp(prefix="serve_bench_"), args.model, engine, warmup)
         local = None if args.only_equal_memory else InProcess(args.model, engine, warmup)
+        # the in-process run takes its turn in the rotation too
+        in_process_turn = [] if local is None else [("in-process", "uniform", uniform, ("all",))]
         for r in range(args.rounds):
-            for name, label, items, arrival in plan:
-                recs, occupancy[(name, label)], run_steps = run_once(servers[name], items, arrival)
+            for name, label, items, arrival in rotated(plan + in_process_turn, r):
+                if name == "in-process":
+                    in_process_runs.append(local.run(items))
+                    print(f"  round {r + 1} in-process LLMEngine uniform       {in_process_runs[-1]:7.1f} tok/s",
+                          flush=True)
+                    continue
+                recs, samples, run_steps = run_once(servers[name], items, arrival)
                 records[(name, label)].append(recs)
+                occupancy[(name, label)].append(samples)
                 steps[(name, label)].append(run_steps)
                 s = summarize(recs, **slo)
                 print(f"  round {r + 1} {name:19s} {label:20s} {s['generated_tokens_per_s']:7.1f} tok/s  "
                       f"TTFT p50 {s['ttft']['p50']:6.2f} s  TPOT p50 {s['tpot']['p50'] * 1000:5.1f} "
-                      f"p99 {s['tpot']['p99'] * 1000:5.1f} ms  steps {run_steps:5.0f}  errors {s['errors']}",
-                      flush=True)
-            if local is not None:
-                in_process_runs.append(local.run(uniform))
-                print(f"  round {r + 1} in-process LLMEngine uniform       {in_process_runs[-1]:7.1f} tok/s", flush=True)
+                      f"p99 {s['tpot']['p99'] * 1000:5.1f} ms  steps {run_steps:5.0f}  errors {s['errors']}"
+                      f"{error_note(s)}", flush=True)
         for name, label, items, arrival in sweeps:
-            recs, occupancy[(name, label)], run_steps = run_once(servers[name], items, arrival)
-            records[(name, label)], steps[(name, label)] = [recs], [run_steps]
-            print(f"  sweep {name:19s} {label:26s} {summarize(recs)['generated_tokens_per_s']:7.1f} tok/s", flush=True)
+            recs, samples, run_steps = run_once(servers[name], items, arrival)
+            records[(name, label)], occupancy[(name, label)], steps[(name, label)] = [recs], [samples], [run_steps]
+            s = summarize(recs)
+            print(f"  sweep {name:19s} {label:26s} {s['generated_tokens_per_s']:7.1f} tok/s{error_note(s)}", flush=True)
     results: dict = {}
     for (name, label), rounds in records.items():
         results.setdefault(name, {})[label] = aggregate(rounds, occupancy[(name, label)], steps[(name, label)], slo)
+    failed = [f"{name} ({label})" for name, runs in results.items() for label, s in runs.items()
+              if s["errors"] == s["requests"]]
+    if failed:           # nothing to compare; each run's line above names its first error
+        raise SystemExit(f"every request failed in every round of: {', '.join(failed)}")
     if equal_kv:
         report_equal_memory({name: results[name]["uniform equal KV pool"]
                              for name in equal_kv}, args.equal_kv_blocks)

@@ -9,7 +9,10 @@ two servers get the same ones; rounds interleaved, the order alternating, each r
 both servers' processes are idle, the other server's processes stopped (SIGSTOP) while it runs
 (perf/quiet.py); both servers run in this process's session (one scheduling group with the client
 where Linux autogroup is on). Both servers send one
-event per engine step, so TTFT = first event - sent and TPOT = (last - first) / (tokens - 1).
+event per engine step, so TTFT = first event - sent and TPOT = (last - first) / (tokens - 1), with
+the tokens the server counts (inflight's num_output_tokens, summed over events; vLLM's usage in
+its last chunk); a stream whose count is not its max_tokens (one cut short) counts as an error. A
+ratio is the median over rounds of the round's ratio.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"),
 
 from inflight.serving.launch import ServerProcess, free_port, make_repository  # noqa: E402
 from perf import workloads  # noqa: E402
-from perf.bench_stats import RequestRecord, summarize  # noqa: E402
+from perf.bench_stats import RequestRecord, error_note, summarize  # noqa: E402
 from perf.engine_bench import VLLM_ENV  # noqa: E402
 from perf.quiet import paused, wait_quiet  # noqa: E402
 from perf.serve_bench import MAX_MODEL_LEN, build_serve_model  # noqa: E402
@@ -81,16 +84,20 @@ class VllmServer:
 def inflight_request(base: str, item) -> tuple[str, dict]:
     sampling = {"max_tokens": item.max_tokens, "min_tokens": item.max_tokens, "ignore_eos": True, "temperature": 0}
     return (f"{base}/v2/models/llm/generate_stream",
-            {"input_ids": item.prompt_token_ids, "stream": True, "sampling_parameters": json.dumps(sampling)})
+            {"input_ids": item.prompt_token_ids, "stream": True, "sampling_parameters": json.dumps(sampling),
+             "return_num_output_tokens": True})
 
 
 def vllm_request(base: str, item) -> tuple[str, dict]:
     return (f"{base}/v1/completions",
             {"model": "llm", "prompt": item.prompt_token_ids, "stream": True, "max_tokens": item.max_tokens,
-             "min_tokens": item.max_tokens, "ignore_eos": True, "temperature": 0})
+             "min_tokens": item.max_tokens, "ignore_eos": True, "temperature": 0,
+             "stream_options": {"include_usage": True}})
 
 
 async def one_request(client, url: str, payload: dict, item, record: RequestRecord) -> None:
+    """Streams one request: a response time per event with tokens, and the server's token count
+    (generate_stream's num_output_tokens per event, or an OpenAI server's usage chunk)."""
     record.sent = time.monotonic()
     try:
         async with client.stream("POST", url, json=payload) as response:
@@ -100,11 +107,17 @@ async def one_request(client, url: str, payload: dict, item, record: RequestReco
             async for line in response.aiter_lines():
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
                     continue
-                if "error" in json.loads(line[5:]):
+                event = json.loads(line[5:])
+                if "error" in event:
                     record.error = line[5:200]
                     return
+                if event.get("usage"):        # vLLM's last chunk (no choices): the output's tokens
+                    record.num_output_tokens = event["usage"]["completion_tokens"]
+                    continue
                 record.response_times.append(time.monotonic())
-        record.num_output_tokens = item.max_tokens
+                record.num_output_tokens += event.get("num_output_tokens", 0)
+        if record.num_output_tokens != item.max_tokens:      # cut short (an abort), or no count came
+            record.error = f"the stream ended with {record.num_output_tokens} of {item.max_tokens} tokens"
     except Exception as exc:          # a failed request is counted, not fatal to the run
         record.error = f"{type(exc).__name__}: {exc}"
 
@@ -150,15 +163,16 @@ def side_by_side(servers: dict, builds: dict, make_items, rounds: int, requests:
                     recs = asyncio.run(drive(servers[side][0], builds[side], items, load, seed=r))
                 records[(side, label)].append(recs)
                 s = summarize(recs)
-                print(f"  round {r + 1} {label:12s} {side:{width}s} {s.get('generated_tokens_per_s', 0):7.1f} tok/s  "
+                print(f"  round {r + 1} {label:12s} {side:{width}s} {s['generated_tokens_per_s']:7.1f} tok/s  "
                       f"TTFT p99 {s['ttft']['p99']:6.2f} s  TPOT p99 {s['tpot']['p99'] * 1e3:6.1f} ms  "
-                      f"errors {s['errors']}", flush=True)
+                      f"errors {s['errors']}{error_note(s)}", flush=True)
     return records
 
 
 def report(records: dict, sides: list[str], args, started: float, path: str) -> None:
     """Prints load -> side -> pooled figures (tok/s: the median of the rounds'), then each load's
-    first side against its second, and writes them with the arguments as JSON to `path`."""
+    first side against its second (tok/s: the median of the rounds' ratios, as the offline
+    benchmark's), and writes them with the arguments as JSON to `path`."""
     rounds = args.rounds
     results = {}
     width = max(map(len, sides)) + 2
@@ -173,16 +187,21 @@ def report(records: dict, sides: list[str], args, started: float, path: str) -> 
             results.setdefault(label, {})[side] = pooled
             print(f"{label:14s}{side:{width}s}{pooled['generated_tokens_per_s']:9.1f}{pooled['ttft']['p50']:10.2f}"
                   f"{pooled['ttft']['p99']:10.2f}{pooled['tpot']['p50'] * 1e3:9.1f}m{pooled['tpot']['p99'] * 1e3:9.1f}m"
-                  f"{pooled['errors']:8d}")
+                  f"{pooled['errors']:8d}{error_note(pooled)}")
     print(f"(tok/s: median of {rounds} rounds; latency percentiles: all rounds' requests; m = ms)")
     ours, theirs = sides[:2]
+    ratios = {}
     for label in LOADS:
         a, b = results[label][ours], results[label][theirs]
-        print(f"{label}: {ours}/{theirs} tokens/s {a['generated_tokens_per_s'] / b['generated_tokens_per_s']:.2f}x; "
-              f"TTFT p99 {a['ttft']['p99']:.3f} vs {b['ttft']['p99']:.3f} s; "
+        round_ratios = [x / y for x, y in zip(a["rounds_tokens_per_s"], b["rounds_tokens_per_s"])]
+        ratios[label] = {"median": statistics.median(round_ratios), "rounds": round_ratios}
+        print(f"{label}: {ours}/{theirs} tokens/s {ratios[label]['median']:.2f}x (rounds "
+              f"{', '.join(f'{x:.2f}' for x in round_ratios)}; medians {a['generated_tokens_per_s']:.1f} vs "
+              f"{b['generated_tokens_per_s']:.1f}); TTFT p99 {a['ttft']['p99']:.3f} vs {b['ttft']['p99']:.3f} s; "
               f"TPOT p99 {a['tpot']['p99'] * 1e3:.1f} vs {b['tpot']['p99'] * 1e3:.1f} ms")
     with open(path, "w") as f:
-        json.dump({"args": vars(args), "results": results, "seconds": time.monotonic() - started}, f, indent=1)
+        json.dump({"args": vars(args), "results": results, f"{ours}_over_{theirs}_tokens_per_s": ratios,
+                   "seconds": time.monotonic() - started}, f, indent=1)
     print(f"wrote {path} in {time.monotonic() - started:.0f} s")
 
 

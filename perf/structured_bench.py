@@ -6,8 +6,10 @@
    step's total time and the unconstrained step's.
 2. Throughput: the uniform workload (prompts U(32,512), outputs U(16,256)) with 0%, 50% and 100%
    of the requests constrained by a moderately complex JSON schema (nested object, enums, an
-   array of numbers), all requests at once, max batch 64, greedy; the three mixes interleaved
-   over --repeats rounds, medians. Reported: generated tokens/s and its ratio to 0%, TPOT p50/p99.
+   array of numbers), all requests at once, max batch 64, greedy, prefix caching off (every run
+   sends the same prompts); the three mixes interleaved over --repeats rounds, each round's order
+   one mix later than the round before's, medians. Reported: generated tokens/s and its ratio to
+   0%, TPOT p50/p99.
 
 Model: the ~30M-parameter random Llama of the engine benchmark with the shipped model's tokenizer
 (perf/serve_bench.py build_serve_model): grammars need a real vocabulary. Making the comparison
@@ -37,7 +39,7 @@ sys.path[:0] = [os.path.join(REPO, "backend_src"), REPO]
 
 from inflight import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from perf import workloads  # noqa: E402
-from perf.bench_stats import RequestRecord, percentiles  # noqa: E402
+from perf.bench_stats import RequestRecord, percentiles, rotated  # noqa: E402
 from perf.serve_bench import build_serve_model  # noqa: E402
 
 SCHEMA = {
@@ -103,9 +105,11 @@ def mask_cost(engine: LLMEngine, vocab_size: int, steps: int = 48, rounds: int =
     time of each, and the median time of a constrained step's mask work."""
     seats = engine.config.max_num_seqs
     prompts = [it.prompt_token_ids for it in workloads.uniform(seats, vocab_size, seed=7, prompt=(32, 32))]
-    times = {"unconstrained": ([], []), "constrained": ([], [])}
+    constraints = {"unconstrained": None, "constrained": CONSTRAINT}
+    times = {label: ([], []) for label in constraints}
     for r in range(rounds):
-        for label, constraint in (("unconstrained", None), ("constrained", CONSTRAINT)):
+        for label in rotated(list(constraints), r):
+            constraint = constraints[label]
             step_times, mask_times = times[label]
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"m{r}{label}{i}", prompt, SamplingParams(
@@ -142,8 +146,10 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, threads {args.threads}, "
           f"{'CUDA ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}; "
           f"model {model_dir} (vocab {vocab_size})")
-    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(max_num_seqs=args.max_num_seqs,
-                                                               max_num_batched_tokens=2048, num_kv_blocks=3072))
+    # prefix caching off: every run sends the same prompts, and cached prefills would leave the
+    # throughput rounds decode-only
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048, num_kv_blocks=3072, enable_prefix_caching=False))
     t0 = time.perf_counter()
     engine.structured.compile(SamplingParams(structured_outputs=CONSTRAINT).structured_outputs)
     print(f"tokenizer vocabulary + schema compiled once: {time.perf_counter() - t0:.2f} s")
@@ -164,8 +170,8 @@ def main() -> None:
     # slower than every later one (a 16-request warm-up did not remove it)
     run(engine, items, mixes[50])
     print(f"\n2. throughput, {args.requests} requests, max batch {args.max_num_seqs}, uniform workload, greedy")
-    for r in range(args.repeats):                 # interleaved, so drift hits every mix alike
-        for percent in MIXES:
+    for r in range(args.repeats):                 # interleaved, the order rotating, so drift hits every mix alike
+        for percent in rotated(list(MIXES), r):
             result = run(engine, items, mixes[percent])
             runs[percent].append(result)
             print(f"   round {r + 1}/{args.repeats} {percent:3d}% constrained  {result['tokens_per_s']:7.1f} tok/s  "

@@ -6,7 +6,7 @@ else is serve_vs_vllm's: its model, engine limits and dtype, loads (a burst of 6
 the other server stopped (SIGSTOP) during each run. One protocol for both: HTTP
 `generate_stream` with the same body, the prompt as `text_input` (the vLLM backend takes no token
 ids; the text is the workload's random token ids decoded, which both tokenize alike), outputs
-forced to their length (ignore_eos, min_tokens)."""
+forced to their length (ignore_eos, min_tokens) and counted by the servers (return_num_output_tokens)."""
 from __future__ import annotations
 
 import argparse
@@ -44,7 +44,8 @@ def request_for(model: str):
         sampling = {"max_tokens": item.max_tokens, "min_tokens": item.max_tokens, "ignore_eos": True,
                     "temperature": 0}
         return (f"{base}/v2/models/{model}/generate_stream",
-                {"text_input": item.prompt, "stream": True, "sampling_parameters": json.dumps(sampling)})
+                {"text_input": item.prompt, "stream": True, "sampling_parameters": json.dumps(sampling),
+                 "return_num_output_tokens": True})
     return build
 
 

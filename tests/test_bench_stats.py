@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from perf.bench_stats import RequestRecord, percentiles, summarize
+from perf.bench_stats import RequestRecord, error_note, percentiles, rotated, summarize
 
 
 def test_percentiles_interpolate_linearly_and_ignore_missing_values():
@@ -49,6 +49,51 @@ def test_interleaved_requests_count_their_own_time_not_the_span():
     assert s["generated_tokens_per_s"] == pytest.approx(8 / 4.0)
     assert s["request_throughput"] == pytest.approx(2 / 4.0)
     assert summarize([first, second])["generated_tokens_per_s"] == pytest.approx(8 / 13.0)
+
+
+def test_a_run_where_every_request_failed_has_every_figure_nan_and_its_first_error():
+    # a server down or refusing the load: the benchmarks print the run's row, not a KeyError
+    s = summarize([RequestRecord(1.0, error="HTTP 503"), RequestRecord(1.0, error="HTTP 503")])
+    assert s.keys() == summarize([RequestRecord(0.0, [0.5, 1.0], 2)]).keys()
+    assert s["errors"] == 2 and s["first_error"] == "HTTP 503"
+    assert math.isnan(s["generated_tokens_per_s"]) and math.isnan(s["ttft"]["p99"]) and math.isnan(s["tpot"]["p50"])
+    assert error_note(s) == "  (all 2 requests failed; the first error: HTTP 503)"
+    assert error_note(summarize([RequestRecord(0.0, [0.5, 1.0], 2)])) == ""
+
+
+def test_rotated_puts_each_alternative_in_every_place_once_every_n_rounds():
+    orders = [rotated(["a", "b", "c"], r) for r in range(4)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("events, counted, error", [
+    # inflight's generate_stream: num_output_tokens per event (two tokens in the last)
+    ([{"text_output": "a", "num_output_tokens": 1}, {"text_output": "bc", "num_output_tokens": 2}], 3, None),
+    # vLLM's OpenAI server: the count in the usage chunk after the text
+    ([{"choices": [{"text": "a"}], "usage": None}, {"choices": [{"text": "bc"}], "usage": None},
+      {"choices": [], "usage": {"completion_tokens": 3}}], 3, None),
+    # a clean end short of max_tokens (an abort): an error, not a full-length success
+    ([{"text_output": "a", "num_output_tokens": 1}, {"text_output": "b", "finish_reason": "abort",
+                                                     "num_output_tokens": 1}], 2, "ended with 2 of 3 tokens"),
+])
+def test_a_served_stream_counts_the_servers_tokens(events, counted, error):
+    import asyncio
+    import json
+
+    import httpx
+
+    from perf.serve_vs_vllm import one_request
+    from perf.workloads import WorkItem
+    body = "".join(f"data: {json.dumps(event)}\n\n" for event in events) + "data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+    record = RequestRecord(sent=0.0)
+
+    async def stream():
+        async with httpx.AsyncClient(transport=transport) as client:
+            await one_request(client, "http://server/stream", {}, WorkItem([1, 2], 3), record)
+    asyncio.run(stream())
+    assert record.num_output_tokens == counted and len(record.response_times) == 2
+    assert (record.error is None) if error is None else error in record.error
 
 
 def test_paused_stops_a_process_tree_for_the_block_and_continues_it_after():
