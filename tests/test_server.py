@@ -88,6 +88,10 @@ def test_ensemble_streams_the_same_text_as_llm(server):
     whole = http_generate(server.http_url, "ensemble", {"text_input": prompt, "max_tokens": 24, "temperature": 0.0,
                                                         "exclude_input_in_output": True})
     assert whole["text_output"] == llm.text
+    # TensorRT-LLM reads a top_p of 0 as none given
+    off = http_generate(server.http_url, "ensemble", {"text_input": prompt, "max_tokens": 24, "temperature": 0.0,
+                                                      "top_p": 0.0, "exclude_input_in_output": True})
+    assert off.get("text_output") == llm.text, off
 
 
 def test_streamed_text_equals_non_streamed_text(server):

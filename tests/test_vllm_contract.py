@@ -404,7 +404,8 @@ def test_the_vllm_backends_metrics_with_report_custom_metrics(tmp_path, tokenize
     """config.pbtxt's REPORT_CUSTOM_METRICS adds the vLLM backend's `vllm:` metrics (labels model
     and version): tokens counted as delivered — also after a stop string ends an output while the
     engine has stepped on — one gap observation per token after the first, one of each per-request
-    histogram per output; a request refused before the engine counts as an error."""
+    histogram per output; a request refused, by the parser or by the engine, counts as an error
+    and in no histogram."""
     from inflight.serving.launch import ServerProcess, make_repository
     from perf.vllm_backend import REPORT_CUSTOM_METRICS
 
@@ -429,6 +430,8 @@ def test_the_vllm_backends_metrics_with_report_custom_metrics(tmp_path, tokenize
             prompts += prompt_tokens * len(counts)
             gaps += int((counts - 1).sum())
         assert "unknown sampling parameter" in llm_error(server, grpc_inputs(PROMPT, True, {"max_tokenz": 3}))
+        # refused by the engine itself: no histogram sees it either (vLLM's input processor refuses it)
+        assert "exceeds max_model_len" in llm_error(server, grpc_inputs(PROMPT, True, {"max_tokens": 10**6}))
         labels = {"model": "llm", "version": "1"}
         assert wait_for_metric(server, "vllm:generation_tokens_total", delivered, **labels) == delivered
         assert server.metric("inflight_generation_tokens_total") == delivered
@@ -438,4 +441,6 @@ def test_the_vllm_backends_metrics_with_report_custom_metrics(tmp_path, tokenize
         assert server.metric("vllm:request_params_n_count", **labels) == 3
         assert server.metric("vllm:request_generation_tokens_sum", **labels) == delivered
         assert server.metric("vllm:e2e_request_latency_seconds_count", **labels) == 4
-        assert wait_for_metric(server, "inflight_requests_total", 1, finish_reason="error") == 1
+        assert server.metric("vllm:request_prompt_tokens_count", **labels) == 4
+        assert server.metric("inflight_e2e_request_latency_seconds_count") == 3
+        assert wait_for_metric(server, "inflight_requests_total", 2, finish_reason="error") == 2

@@ -312,7 +312,7 @@ class EngineLoop:
             for sample in job.samples:
                 self._samples.pop(sample.request_id, None)
                 self._owner.pop(sample.request_id, None)
-            self._fail(job, message)
+            self._fail(job, message, refused=True)
         elif kind in ("fail", "drain"):
             for job in self._jobs.values():
                 self._fail(job, payload)
@@ -400,14 +400,18 @@ class EngineLoop:
             text = self._token_texts[token] = token_text(self.tokenizer, token)
         return text
 
-    def _fail(self, job: Job, error: str | None) -> None:
-        """End a job now with an error (or, error None, with an empty final response: an abort)."""
+    def _fail(self, job: Job, error: str | None, refused: bool = False) -> None:
+        """End a job now with an error (or, error None, with an empty final response: an abort).
+        `refused`: the engine would not take it, so it never ran."""
         if job.done:
             return
         for sample in job.samples:
             if not sample.finished:
                 self.inbox.put(("abort", sample.request_id))
-        self._record(job, "error" if error is not None else "abort")
+        if not refused:
+            self._record(job, "error" if error is not None else "abort")
+        elif self.metrics is not None:
+            self.metrics.refused()
         self._send(job, None, final=True, error=error)
 
     def _send(self, job: Job, outputs, final: bool, error: str | None = None) -> None:

@@ -4,7 +4,6 @@ REPORT_CUSTOM_METRICS in config.pbtxt, also the Triton vLLM backend's `vllm:` me
 exports them (its src/utils/metrics.py: names, buckets, labels model and version)."""
 from __future__ import annotations
 
-import threading
 import time
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -95,7 +94,6 @@ class EngineMetrics:
         self._last_counts = dict.fromkeys(COUNTERS, 0)
         self._last_update = 0.0
         self._steps_seen = 0
-        self._lock = threading.Lock()
         self.min_interval_s = min_interval_s
 
     def _family(self, name: str, description: str, kind: str):
@@ -124,7 +122,8 @@ class EngineMetrics:
                 self._gaps.append(gap)
 
     def refused(self) -> None:
-        """A request refused before it reached the engine (a malformed one)."""
+        """A request refused before it ran (malformed, or one the engine would not take): counted
+        by how it ended but in no latency or token histogram, as vLLM's loggers never see it."""
         self._by_reason_metric("error").increment(1)
 
     def snapshot(self, engine, force: bool = False) -> tuple[float | None, dict | None] | None:
@@ -175,10 +174,9 @@ class EngineMetrics:
             self._gaps.clear()
 
     def _by_reason_metric(self, reason: str):
-        with self._lock:          # Triton's execute thread counts refusals
-            metric = self._by_reason.get(reason)
-            if metric is None:
-                metric = self._by_reason[reason] = self._requests.Metric(labels={**self._labels, "finish_reason": reason})
+        metric = self._by_reason.get(reason)
+        if metric is None:
+            metric = self._by_reason[reason] = self._requests.Metric(labels={**self._labels, "finish_reason": reason})
         return metric
 
     def after_request(self, job, reason: str, now: float) -> None:

@@ -76,7 +76,8 @@ class GenerateRequest:
     queue_heartbeat: bool = False             # inflight's: an empty response after each second without one (a stream)
 
 
-def _one(name: str, array: np.ndarray):
+def one_value(name: str, array: np.ndarray):
+    """The one element of a one-element input (any shape)."""
     if array.size != 1:
         raise RequestError(f"input '{name}' must hold exactly one value, got shape {list(array.shape)}")
     return array.reshape(-1)[0]
@@ -85,11 +86,11 @@ def _one(name: str, array: np.ndarray):
 def _bool_input(name: str, array: np.ndarray) -> bool:
     if array.dtype != np.bool_:
         raise RequestError(f"input '{name}' must be BOOL, got {array.dtype}")
-    return bool(_one(name, array))
+    return bool(one_value(name, array))
 
 
 def string_input(name: str, array: np.ndarray) -> str:
-    return string_value(name, _one(name, array), array.dtype)
+    return string_value(name, one_value(name, array), array.dtype)
 
 
 def string_value(name: str, value, dtype=None) -> str:

@@ -24,8 +24,8 @@ from ..context_length import checkpoint_max_len
 from ..detokenizer import decode_delta
 from ..structured import json_value
 from .metrics import EngineMetrics
-from .protocol import (BOOL_INPUTS, RequestError, bytes_per_token, check_text_size, parse_request, string_input,
-                       string_value)
+from .protocol import (BOOL_INPUTS, RequestError, bytes_per_token, check_text_size, one_value, parse_request,
+                       string_input, string_value)
 from .startup import (check_checkpoint, check_tokenizer, engine_config, engine_errors, one_line_errors,
                       StartupError, read_settings, tokenizer_error)
 
@@ -114,9 +114,15 @@ def read_multi_lora(path: str) -> dict[str, str]:
 
 
 def llm_settings(model_repository_dir: str) -> Settings:
-    """The llm's settings, found from any model's directory in the same repository."""
-    root = os.path.dirname(os.path.normpath(model_repository_dir))
-    return Settings.load(os.path.join(root, "llm", "1"))
+    """The llm's settings, found from any model's directory in the same repository: those of its
+    newest version, which the ensemble (model_version -1) calls."""
+    llm = os.path.join(os.path.dirname(os.path.normpath(model_repository_dir)), "llm")
+    if not os.path.isdir(llm):
+        raise StartupError(f"the repository has no llm model ({llm} does not exist)")
+    versions = [int(name) for name in os.listdir(llm) if name.isdigit() and os.path.isdir(os.path.join(llm, name))]
+    if not versions:
+        raise StartupError(f"{llm} has no version directory (such as 1/)")
+    return Settings.load(os.path.join(llm, str(max(versions))))
 
 
 def load_tokenizer(settings: Settings, without_torch: bool = False):
@@ -356,6 +362,8 @@ class PreprocessingModel(TokenizerModel):
                 if knob in sampling:
                     raise RequestError(f"'{name}' and another name for '{knob}' are both given")
                 sampling[knob] = kind(value)
+        if sampling.get("top_p", 1) <= 0:     # TensorRT-LLM's "top_p off" (its model drops top_p <= 0)
+            del sampling["top_p"]
         for name, knob in (("stop_words", "stop"), ("bad_words", "bad_words")):
             if name in inputs:
                 words = [string_value(name, w) for w in inputs[name].reshape(-1)]
@@ -380,7 +388,7 @@ class PreprocessingModel(TokenizerModel):
 
 def _guided_decoding(inputs: dict) -> dict | None:
     """TensorRT-LLM's (guided_decoding_guide_type, guided_decoding_guide) -> structured_outputs.
-    'json' is any JSON value, as in TensorRT-LLM."""
+    'json' is a JSON object or array, as TensorRT-LLM's built-in JSON grammar."""
     guide = None
     if "guided_decoding_guide" in inputs:
         guide = string_input("guided_decoding_guide", inputs["guided_decoding_guide"])
@@ -406,10 +414,7 @@ def _guided_decoding(inputs: dict) -> dict | None:
 
 
 def _scalar(name: str, array: np.ndarray):
-    flat = array.reshape(-1)
-    if flat.size != 1:
-        raise RequestError(f"input '{name}' must hold exactly one value, got shape {list(array.shape)}")
-    value = flat[0]
+    value = one_value(name, array)
     if isinstance(value, (float, np.floating)) and not np.isfinite(value):
         raise RequestError(f"'{name}' must be a finite number, got {value}")
     return value.item() if hasattr(value, "item") and not isinstance(value, bytes) else value
