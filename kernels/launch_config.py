@@ -67,6 +67,14 @@ class AttentionConfig:
         return self.block_q * self.group_pad
 
 
+def require_contiguous(**tensors: torch.Tensor) -> None:
+    """The kernels read their 1-D index tensors (slot mapping, sequence lengths, LoRA segments)
+    with a stride of 1: a strided view would give wrong slots or lengths, silently."""
+    for name, tensor in tensors.items():
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the kernel reads it with a stride of 1)")
+
+
 def choose_config(*, num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_heads: int,
                   head_dim: int, dtype: torch.dtype, device: torch.device, seq_lens: torch.Tensor,
                   max_seq_len: int | None, num_splits: int | None = None, tile_n: int | None = None,
@@ -79,6 +87,8 @@ def choose_config(*, num_tokens: int, num_seqs: int, num_q_heads: int, num_kv_he
         target_m = (MIN_TILE_M if decode_only or fp32 else
                     WIDE_HEAD_TILE_M if head_dim > 128 else PREFILL_TILE_M)
         block_q = max(1, target_m // group_pad)
+    if block_q < 1 or block_q & (block_q - 1):
+        raise ValueError(f"block_q must be a power of two, got {block_q}")
     block_q = max(block_q, triton.cdiv(MIN_TILE_M, group_pad))   # keep BLOCK_M >= 16
     if num_splits is None:
         num_splits = _auto_splits(decode_only, num_seqs * num_kv_heads, device, seq_lens, max_seq_len)

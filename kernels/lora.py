@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_config import require_contiguous
 from .unified_attention import _find_seq
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)     # what the kernels take
@@ -122,6 +123,7 @@ def _check_segments(tokens: torch.Tensor, seg_starts: torch.Tensor, seg_slots: t
         raise ValueError("tokens, seg_starts and seg_slots must be int32")
     if seg_starts.shape != (seg_slots.shape[0] + 1,):
         raise ValueError(f"seg_starts {tuple(seg_starts.shape)} does not fit {seg_slots.shape[0]} segments")
+    require_contiguous(tokens=tokens, seg_starts=seg_starts, seg_slots=seg_slots)
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, h: torch.Tensor, tokens: torch.Tensor,

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_config import choose_config
+from .launch_config import choose_config, require_contiguous
 from .split_kv_reduce import reduce_splits
 
 LOG2_E = 1.4426950408889634
@@ -184,7 +184,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
-    _check_shapes(q, k_cache, v_cache, out, cu_seqlens_q, block_table, num_seqs)
+    _check_shapes(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, num_seqs)
     if num_tokens == 0 or num_seqs == 0:
         return out
     cfg = choose_config(num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=num_q_heads,
@@ -228,7 +228,7 @@ def _no_partials(device: torch.device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.float32, device=device)
 
 
-def _check_shapes(q, k_cache, v_cache, out, cu_seqlens_q, block_table, num_seqs) -> None:
+def _check_shapes(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, num_seqs) -> None:
     num_tokens, num_q_heads, head_dim = q.shape
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unified_attention supports float16, bfloat16 and float32, got {q.dtype}")
@@ -241,3 +241,4 @@ def _check_shapes(q, k_cache, v_cache, out, cu_seqlens_q, block_table, num_seqs)
     if cu_seqlens_q.shape != (num_seqs + 1,) or block_table.dim() != 2 or block_table.shape[0] != num_seqs:
         raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} / block_table {tuple(block_table.shape)} "
                          f"do not fit {num_seqs} sequences")
+    require_contiguous(cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_config import require_contiguous
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -46,7 +48,8 @@ def _write_kv_kernel(
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store each token's K/V rows at its cache slot; slot -1 means skip. Any strides are accepted."""
+    """Store each token's K/V rows at its cache slot; slot -1 means skip. Any strides are accepted
+    but slot_mapping's, which must be contiguous."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
@@ -55,6 +58,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
                          f"rows [{num_kv_heads}, {head_dim}]")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} does not match {num_tokens} tokens")
+    require_contiguous(slot_mapping=slot_mapping)
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](

@@ -8,7 +8,7 @@ size 16, shuffled block tables). For each it reports:
   * the time of one call launched from Python (median of triton.testing.do_bench), as an eager
     step sees it: Triton's launch costs tens of microseconds of host time, which small cases show,
   * achieved bandwidth = bytes of K/V and Q read / GPU time, and that as a % of the device peak
-    (--peak-tbps, default 4.8 TB/s = H200 HBM3e). Each sequence's K/V is counted once, so for the
+    (--peak-tbps; default: the GPU's from its name, PEAK_TBPS, or none for one not listed). Each sequence's K/V is counted once, so for the
     mixed step (whose prefill tiles re-read K/V and which is partly compute-bound) it is nominal,
   * the ratio to torch SDPA's GPU time on the same data already gathered into contiguous tensors
     (SDPA timed alone, without the gather): > 1 means the paged kernel is faster,
@@ -56,6 +56,15 @@ GPU = Bench("cuda", torch.bfloat16, 32, 8, 128, 16, (1, 16, 64), (512, 2048, 819
 DRY_RUN = Bench("cpu", torch.float32, 8, 2, 64, 16, (1, 2), (32, 80), [(8, 24), (5, 5)] + [(1, 40)] * 2)
 
 
+# HBM peaks, TB/s, by the first name part torch's device name contains (most specific first)
+PEAK_TBPS = (("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35), ("A100-SXM4-80GB", 2.039),
+             ("A100 80GB PCIe", 1.935), ("A100", 1.555))
+
+
+def device_peak_tbps(device_name: str) -> float | None:
+    return next((peak for part, peak in PEAK_TBPS if part in device_name), None)
+
+
 def main() -> int:
     args = parse_args()
     if args.dry_run:
@@ -64,12 +73,14 @@ def main() -> int:
         print("perf/kernel_bench.py needs a CUDA GPU (none found); nothing to measure.")
         return 0
     bench = DRY_RUN if args.dry_run else GPU
+    device_name = torch.cuda.get_device_name() if bench.device == "cuda" else "cpu (Triton interpreter)"
+    if args.peak_tbps is None:
+        args.peak_tbps = device_peak_tbps(device_name) if bench.device == "cuda" else 4.8
     results = []
     for batch in bench.decode_batches:
         for context in bench.decode_contexts:
             results.append(bench_case(f"decode b={batch} ctx={context}", [(1, context)] * batch, bench, args))
     results.append(bench_case(f"mixed {len(bench.mixed_cases)} seqs", bench.mixed_cases, bench, args))
-    device_name = torch.cuda.get_device_name() if bench.device == "cuda" else "cpu (Triton interpreter)"
     print_table(results, bench, device_name, args.peak_tbps)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -85,7 +96,8 @@ def main() -> int:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--peak-tbps", type=float, default=4.8, help="device peak memory bandwidth, TB/s")
+    p.add_argument("--peak-tbps", type=float, help="device peak memory bandwidth, TB/s (default: the GPU's, "
+                                                    "from its name; 4.8 for the CPU dry run)")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
     p.add_argument("--rep-ms", type=int, default=200, help="do_bench measuring time per case, ms")
     p.add_argument("--dry-run", action="store_true", help="toy sizes on CPU through the Triton interpreter")
@@ -252,12 +264,12 @@ def bench_case(name, cases, bench: Bench, args):
                 num_splits=cfg.num_splits, tile_n=cfg.tile_n, block_m=cfg.block_m, kernel_us=kernel_ms * 1e3,
                 launched_us=launched_ms * 1e3,
                 sdpa_us=sdpa_ms * 1e3, speedup_vs_sdpa=sdpa_ms / kernel_ms, read_mb=read / 1e6,
-                achieved_tbps=tbps, pct_of_peak=100 * tbps / args.peak_tbps, max_abs_err=max_err,
+                achieved_tbps=tbps, pct_of_peak=100 * tbps / (args.peak_tbps or float("nan")), max_abs_err=max_err,
                 sdpa_error=sdpa_error)
 
 
 def print_table(results, bench: Bench, device_name: str, peak_tbps):
-    print(f"\nunified_attention on {device_name} (peak {peak_tbps} TB/s), "
+    print(f"\nunified_attention on {device_name} (peak {peak_tbps or 'unknown'} TB/s), "
           f"{bench.q_heads}q/{bench.kv_heads}kv heads, head_dim {bench.head_dim}, {bench.dtype}, "
           f"block {bench.block_size}")
     header = (f"{'case':<24}{'splits':>7}{'GPU us':>9}{'launched us':>12}{'read MB':>10}{'TB/s':>7}{'% peak':>8}"
@@ -269,7 +281,10 @@ def print_table(results, bench: Bench, device_name: str, peak_tbps):
               f"{r['achieved_tbps']:>7.2f}{r['pct_of_peak']:>8.1f}{r['sdpa_us']:>10.1f}"
               f"{r['speedup_vs_sdpa']:>10.2f}{r['max_abs_err']:>9.4f}")
     decode = [r["pct_of_peak"] for r in results if r["case"].startswith("decode")]
-    print(f"median decode bandwidth: {statistics.median(decode):.1f}% of peak")
+    if peak_tbps is None:
+        print("median decode bandwidth: this GPU's peak is unknown (give --peak-tbps)")
+    else:
+        print(f"median decode bandwidth: {statistics.median(decode):.1f}% of peak")
 
 
 if __name__ == "__main__":

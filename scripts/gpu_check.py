@@ -239,9 +239,11 @@ def pytest_counts(log_path: str) -> dict:
 
 def summarize(stage: Stage) -> str:
     results = stage.details.get("results", [])
-    decode = [r["pct_of_peak"] for r in results if r["case"].startswith("decode")]
+    decode = [r["pct_of_peak"] for r in results if r["case"].startswith("decode") and r["pct_of_peak"] is not None]
+    if not results:
+        return "no results"
     return (f"{len(results)} cases on {stage.details.get('device')}; median decode bandwidth "
-            f"{statistics.median(decode):.1f}% of peak" if decode else "no results")
+            + (f"{statistics.median(decode):.1f}% of peak" if decode else "(the GPU's peak is unknown)"))
 
 
 def tail(path: str, lines: int = 3) -> str:
@@ -297,7 +299,7 @@ def kernel_table(details: dict) -> list[str]:
     for r in details["results"]:
         lines.append(f"| {r['case']} | {r['num_splits']} | {r['kernel_us']:.1f} | {r['launched_us']:.1f} | "
                      f"{r['achieved_tbps']:.2f} | "
-                     f"{r['pct_of_peak']:.1f} | {_fmt(r['sdpa_us'])} | {_fmt(r['speedup_vs_sdpa'], 2)} | "
+                     f"{_fmt(r['pct_of_peak'])} | {_fmt(r['sdpa_us'])} | {_fmt(r['speedup_vs_sdpa'], 2)} | "
                      f"{_fmt(r['max_abs_err'], 4)} |")
     return lines
 

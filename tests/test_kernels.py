@@ -169,6 +169,8 @@ def test_launch_heuristics():
     assert config(num_splits=5).num_splits == 5
     with pytest.raises(ValueError, match="tile_n must be a power of two >= 16, got 24"):
         config(tile_n=24)
+    with pytest.raises(ValueError, match="block_q must be a power of two, got 3"):
+        config(block_q=3)
 
 
 def test_split_heuristic_picks_what_the_h200_sweep_found_fastest(monkeypatch):
@@ -194,6 +196,20 @@ def test_bad_shapes_rejected():
     step = make_step([(1, 5)], 6, 4, 64, 16, torch.float32)    # 6 q heads over 4 kv heads
     with pytest.raises(ValueError, match="multiple"):
         unified_attention(**step)
+
+
+def test_strided_index_tensors_are_refused_not_misread():
+    """The kernels read their 1-D index tensors with a stride of 1: a strided view gave wrong
+    lengths or slots without an error."""
+    step = make_step(MIXED, 8, 2, 64, 16, torch.float32)
+    strided = torch.stack([step["seq_lens"], step["seq_lens"]], dim=1)[:, 0]
+    with pytest.raises(ValueError, match="seq_lens must be contiguous"):
+        unified_attention(**{**step, "seq_lens": strided})
+    k_cache = torch.zeros(4, 16, 2, 64, device=DEVICE)
+    key = torch.zeros(3, 2, 64, device=DEVICE)
+    slots = torch.tensor([0, 1, 2, 3, 4, 5], device=DEVICE)[::2]
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        write_kv(key, key, k_cache, k_cache.clone(), slots)
 
 
 @pytest.mark.parametrize("dtype,strided", [(torch.float32, False), (torch.float16, True)])
