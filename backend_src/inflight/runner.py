@@ -205,7 +205,10 @@ class ModelRunner:
             probs = Sampler._probs(logits.float(), np.ones(rows), np.full(rows, -1), np.full(rows, 0.9),
                                    np.full(rows, 0.1))
             (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        # reserved, not allocated: the allocator keeps the step's segments cached beside the KV pool
+        # allocated next, so the device holds the reserved peak (on the H200 run, the allocated
+        # peak put the device 1.5 GiB past its target)
+        peak = torch.cuda.max_memory_reserved(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         return total * self.config.gpu_memory_utilization - used_by_others - peak
