@@ -35,7 +35,6 @@ class Request:
     num_preemptions: int = 0
     cache_key: bytes = b""            # separates prefix-cache entries of models and cache salts
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of full blocks
-    num_cached_tokens: int = 0        # prompt tokens found in the prefix cache at first admission
     first_scheduled_time: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)   # per output token, if params.logprobs
     # if params.prompt_logprobs: per prompt token from the second on (the first has no context)

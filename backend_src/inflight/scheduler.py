@@ -285,7 +285,6 @@ class Scheduler:
             self.resumed_hit_tokens += num_computed
         else:
             req.first_scheduled_time = time.monotonic()
-            req.num_cached_tokens = num_computed
             if self._looks_up(req):
                 # new requests that looked up, as vLLM counts them (not those that skip the lookup)
                 self.prefix_query_tokens += len(req.token_ids)
