@@ -2,6 +2,8 @@
 rejections with messages that name the field, and step outputs that add up to the final output."""
 import random
 
+import re
+
 import pytest
 import torch
 
@@ -213,8 +215,9 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 
 def test_requests_that_can_never_run_are_rejected_at_once(engine):
     limit = engine.max_model_len
-    with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request("too-long", [5] * (limit - 3), SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=re.escape(f"prompt ({limit} tokens) + at least one output token exceeds "
+                                                   f"max_model_len ({limit})")):
+        engine.add_request("too-long", [5] * limit, SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="'prompt_token_ids' is empty"):
         engine.add_request("empty", [])
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -321,3 +324,12 @@ def test_stats_report_the_pool_and_the_queues(engine):
     while engine.has_unfinished():
         engine.step()
     assert engine.stats()["running"] == 0 and engine.requests == {}
+
+
+def test_max_tokens_past_the_context_is_capped_as_vllm_caps_it(engine):
+    """A prompt that leaves room runs to max_model_len and ends with "length" (vLLM's
+    FINISHED_LENGTH_CAPPED), whatever max_tokens asked for."""
+    limit = engine.max_model_len
+    (out,) = engine.generate([[5] * (limit - 3)], SamplingParams(max_tokens=10**9, ignore_eos=True))
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    assert engine.stats()["kv_blocks_used"] == 0

@@ -147,7 +147,6 @@ ERRORS = [
     ({"text_input": "hi", "input_ids": [1, 2], "max_tokens": 4}, "not both"),
     ({"text_input": "word " * 1100, "max_tokens": 4}, "max_model_len"),
     ({"text_input": "hi", "max_tokens": 0}, "'max_tokens'"),
-    ({"text_input": "hi", "max_tokens": 5000}, "max_model_len"),
     ({"text_input": "hi", "sampling_parameters": "{nope"}, "'sampling_parameters' is not valid JSON"),
     ({"text_input": "hi", "sampling_parameters": "[1]"}, "'sampling_parameters' must be a JSON object"),
     ({"text_input": "hi", "temprature": 0.1}, "unknown sampling parameter(s) ['temprature']"),

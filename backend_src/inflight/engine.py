@@ -99,10 +99,11 @@ class LLMEngine:
             raise ValueError(f"'request_id' {request_id!r} is already in use")
         prompt = self._check_prompt(prompt_token_ids)
         self._check_token_params(params)
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + 'max_tokens' ({params.max_tokens}) = {total} "
-                             f"exceeds max_model_len ({self.max_model_len})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + at least one output token exceeds max_model_len "
+                             f"({self.max_model_len})")
+        # a longer max_tokens is capped: the output ends with "length" at max_model_len, as in vLLM
+        total = min(len(prompt) + params.max_tokens, self.max_model_len)
         blocks = -(-total // self.config.block_size)
         if blocks > self.kv.num_blocks:
             raise ValueError(f"prompt + 'max_tokens' needs {blocks} KV blocks but the pool has only "
