@@ -17,6 +17,7 @@ CASES = {
     "qwen2, window 64 switched on": ("qwen2", dict(sliding_window=64, use_sliding_window=True, max_window_layers=0),
                                      64),
     "qwen2, window 64 switched off": ("qwen2", dict(use_sliding_window=False), 256),
+    "llama, a stray window in config.json": ("llama", {}, 256),       # Llama attends in full (transformers, vLLM)
     "qwen2, window 64 on, no layer past max_window_layers": (
         "qwen2", dict(sliding_window=64, use_sliding_window=True, max_window_layers=1), 256),
     # rope scaling extends the context as vLLM derives it: YaRN from the original length
@@ -30,7 +31,8 @@ CASES = {
 
 
 def with_window_in_config_json(directory: str, window: int) -> None:
-    """Released Qwen2 configs keep a sliding_window with the switch off (transformers saves null)."""
+    """Released Qwen2 configs keep a sliding_window with the switch off (transformers saves null);
+    some Llama configs carry one too."""
     path = os.path.join(directory, "config.json")
     with open(path) as f:
         config = json.load(f)
@@ -42,7 +44,7 @@ def with_window_in_config_json(directory: str, window: int) -> None:
 def test_the_server_reports_the_engines_context_length(tmp_path, name):
     arch, overrides, expected = CASES[name]
     directory = make_random_checkpoint(str(tmp_path / "ckpt"), arch, **SMALL, **overrides)
-    if overrides.get("use_sliding_window") is False:
+    if overrides.get("use_sliding_window") is False or "stray window" in name:
         with_window_in_config_json(directory, 64)
     engine = LLMEngine.from_pretrained(directory, EngineConfig(dtype="float32", num_kv_blocks=64))
     assert engine.max_model_len == expected

@@ -195,8 +195,8 @@ def test_a_step_whose_forward_raises_can_be_stepped_again_with_the_same_outputs(
 
 
 def test_repeated_stop_token_ids_count_once():
-    """The batch table keeps a column per stop id of the longest list any request sent: a list of
-    one id repeated must not widen it for every later step."""
+    """The batch table keeps a column per stop id of the longest list its requests sent: a list of
+    one id repeated must not widen it."""
     assert SamplingParams(stop_token_ids=[7, 5, 7] + [5] * 100_000).stop_token_ids == (7, 5)
 
 
@@ -333,3 +333,40 @@ def test_max_tokens_past_the_context_is_capped_as_vllm_caps_it(engine):
     (out,) = engine.generate([[5] * (limit - 3)], SamplingParams(max_tokens=10**9, ignore_eos=True))
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(enable_prefix_caching="False"), "'enable_prefix_caching' must be a boolean, got 'False'"),
+    (dict(enable_chunked_prefill="false"), "'enable_chunked_prefill' must be a boolean"),
+    (dict(device="cuda:abc"), "'device' must be 'auto', 'cpu' or 'cuda[:N]'"),
+    (dict(device="auto:1"), "'device' must be 'auto', 'cpu' or 'cuda[:N]'"),
+    (dict(seed=2**70), "'seed' must be an integer in [-2**63, 2**64)"),
+    (dict(cpu_threads=10**6), "'cpu_threads' must be at most the"),
+])
+def test_engine_settings_that_would_misbehave_later_name_the_field(values, message):
+    """Each passed before and then did something else: a string "False" left caching on, a bad
+    device or seed failed in torch without a field's name, a million threads never stepped."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(**values)
+
+
+def test_the_triton_backend_on_a_cpu_is_refused_at_load(tiny_checkpoint, monkeypatch):
+    """Else the first step failed ("0 active drivers") and took the serving loop down with it."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="'attention_backend' 'triton' needs a CUDA device"):
+        LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float32", device="cpu",
+                                                                attention_backend="triton", num_kv_blocks=8))
+
+
+def test_an_unsupported_rope_type_is_refused_before_any_weight_is_read(tmp_path, monkeypatch):
+    import inflight.runner
+    from inflight.testing import make_random_checkpoint
+    directory = make_random_checkpoint(str(tmp_path / "ckpt"), "llama", hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=1, vocab_size=64,
+                                       rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+
+    def read(_):
+        raise AssertionError("the weights were read first")
+    monkeypatch.setattr(inflight.runner, "iter_checkpoint", read)
+    with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
+        LLMEngine.from_pretrained(directory, EngineConfig(dtype="float32", num_kv_blocks=8))

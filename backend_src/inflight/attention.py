@@ -22,6 +22,7 @@ into rows). Prefill chunks keep SDPA over their gathered context.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -72,6 +73,10 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> Atten
     if name == "triton" and dtype == torch.float64:
         raise ValueError("'attention_backend' 'triton' supports float16, bfloat16 and float32, not float64; "
                          "use 'torch'")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        # else the first step fails ("0 active drivers") and takes the serving loop down with it
+        raise ValueError(f"'attention_backend' 'triton' needs a CUDA device (this engine runs on {device.type}); "
+                         "use 'auto', 'cpu' or 'torch'")
     if name == "cpu":
         return _compiled_backend(device, dtype)
     if name == "torch":

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import os
+import re
 from dataclasses import dataclass, field, fields
 
 from .structured import GrammarSpec, parse_spec
@@ -88,6 +90,9 @@ class EngineConfig:
         for name in ("num_kv_blocks", "max_model_len", "static_batch_size", "max_queue_size", "cpu_threads"):
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value > 0), name, "must be a positive integer or None")
+        # more threads than cores only contend (a million never got a step done)
+        _check(self.cpu_threads is None or self.cpu_threads <= (os.cpu_count() or 1), "cpu_threads",
+               f"must be at most the {os.cpu_count()} CPUs of this host, got {self.cpu_threads}")
         for name in ("kv_cache_gb", "max_queue_wait_s"):
             value = getattr(self, name)
             _check(value is None or (_is_number(value) and value > 0), name, "must be a positive number or None")
@@ -99,10 +104,13 @@ class EngineConfig:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        _check(isinstance(self.device, str) and self.device.split(":")[0] in ("auto", "cpu", "cuda"),
+        _check(isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        _check(_is_int(self.seed), "seed", "must be an integer")
-        for name in ("enable_lora", "enforce_eager"):
+        # torch's generators take 64 bits, signed or not (as SamplingParams.seed)
+        _check(_is_int(self.seed) and -2**63 <= self.seed < 2**64, "seed",
+               f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        # "False" from a command line or a JSON string would otherwise count as true
+        for name in ("enable_lora", "enforce_eager", "enable_prefix_caching", "enable_chunked_prefill"):
             _check(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {getattr(self, name)!r}")
         for name in ("max_loras", "max_lora_rank"):
             _check(_is_int(getattr(self, name)) and getattr(self, name) > 0, name,

@@ -18,9 +18,9 @@ def rope_scaling(config) -> tuple[str, dict]:
 def context_length(config) -> int:
     """max_position_embeddings, times a rope scaling factor (of original_max_position_embeddings
     for YaRN), as vLLM derives it; within the sliding window where the checkpoint's attention has
-    one (attention here is full attention: exact only while no sequence passes the window). A
-    Qwen2 config's window counts only with use_sliding_window and layers at or past
-    max_window_layers, transformers' rule for which layers slide. `config` is a transformers config
+    one (attention here is full attention: exact only while no sequence passes the window): a
+    Mistral's, and a Qwen2's only with use_sliding_window and layers at or past max_window_layers,
+    transformers' rule for which layers slide; a Llama's sliding_window key is ignored, as there. `config` is a transformers config
     or any object with config.json's keys as attributes (rope_parameters, or the older rope_scaling)."""
     positions = config.max_position_embeddings
     kind, rope = rope_scaling(config)
@@ -33,6 +33,8 @@ def context_length(config) -> int:
         sliding = getattr(config, "use_sliding_window", False) and \
             getattr(config, "max_window_layers", 0) < config.num_hidden_layers
         window = window if sliding else None
+    elif architecture != "MistralForCausalLM":      # Llama attends in full, whatever config.json holds
+        window = None
     return min(positions, window or positions)
 
 

@@ -47,6 +47,9 @@ class ModelSpec:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is supported")
+        rope_type, _ = rope_scaling(config)         # here, before any weight is read
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
@@ -72,9 +75,7 @@ def rope_tables(config, max_positions: int, dtype: torch.dtype, device) -> tuple
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    rope_type, _ = rope_scaling(config)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    rope_type, _ = rope_scaling(config)       # one ModelSpec.from_hf_config took
     init = LlamaRotaryEmbedding.compute_default_rope_parameters if rope_type == "default" \
         else ROPE_INIT_FUNCTIONS[rope_type]
     inv_freq, scaling = init(config)
