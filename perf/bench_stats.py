@@ -14,6 +14,7 @@ A run where no request succeeded has every figure NaN (its first error is in the
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +52,11 @@ def percentiles(values, qs=(50, 90, 99)) -> dict[str, float]:
     if not values.size:
         return {f"p{q}": float("nan") for q in qs}
     return {f"p{q}": float(np.percentile(values, q)) for q in qs}
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+    """The median over rounds of a / b: each round's two runs share that round's host speed."""
+    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def rotated(order: list, round_index: int) -> list:

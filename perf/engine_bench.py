@@ -55,7 +55,7 @@ from inflight.runner import pack_step  # noqa: E402
 from inflight.scheduler import Scheduler  # noqa: E402
 from inflight.testing import make_random_checkpoint  # noqa: E402
 from perf import workloads  # noqa: E402
-from perf.bench_stats import rotated  # noqa: E402
+from perf.bench_stats import median_ratio, rotated  # noqa: E402
 from perf.quiet import wait_quiet  # noqa: E402
 
 BENCH_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
@@ -573,12 +573,13 @@ def main() -> None:
         print(f"\n3. offline throughput, {args.requests} requests, max batch {args.max_num_seqs}, "
               f"~30M-param random Llama ({model_dir}), dtype auto")
         tp = summary["throughput"] = throughput(model_dir, args.requests, args.max_num_seqs, args.repeats)
-        c, d, st = (tp[p]["median_tokens_per_s"] for p in ("continuous", "dynamic", "static"))
+        c, d, st = ([run["tokens_per_s"] for run in tp[p]["runs"]] for p in ("continuous", "dynamic", "static"))
         print("\n   policy       generated tok/s (median)")
         for policy in ("continuous", "dynamic", "static"):
             print(f"   {policy:12s} {tp[policy]['median_tokens_per_s']:10.1f}")
-        summary.update(continuous_over_static=c / st, continuous_over_dynamic=c / d)
-        print(f"\n   continuous/static = {c / st:.2f}x   continuous/dynamic = {c / d:.2f}x")
+        summary.update(continuous_over_static=median_ratio(c, st), continuous_over_dynamic=median_ratio(c, d))
+        print(f"\n   continuous/static = {summary['continuous_over_static']:.2f}x   continuous/dynamic = "
+              f"{summary['continuous_over_dynamic']:.2f}x (medians of the rounds' ratios)")
 
     # the dtype this CPU serves in (bf16 only where it is native: elsewhere it is emulated)
     step_dtype = str(cpu_auto_dtype()).removeprefix("torch.")

@@ -47,7 +47,7 @@ from inflight_client.openai_server.process import OpenAIServerProcess  # noqa: E
 from inflight_client.openai_server.triton import LLMResponse, Prompt, TritonLLM  # noqa: E402
 from inflight_client.streams import grpc_inputs, grpc_responses  # noqa: E402
 from perf import workloads  # noqa: E402
-from perf.bench_stats import RequestRecord, summarize  # noqa: E402
+from perf.bench_stats import RequestRecord, median_ratio, summarize  # noqa: E402
 from perf.quiet import machine_busy_seconds, tree_cpu_seconds, wait_quiet  # noqa: E402
 from perf.serve_bench import build_serve_model  # noqa: E402
 
@@ -122,11 +122,6 @@ def floor_server(triton_url: str, log_path: str):
     finally:
         process.terminate()
         process.wait(timeout=30)
-
-
-def median_ratio(a: list[float], b: list[float]) -> float:
-    """The median over rounds of a / b."""
-    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def cpu_per_token(rounds: dict[str, list[dict]]) -> dict[str, dict[str, float]]:

@@ -150,3 +150,9 @@ def test_the_kernel_benchmark_takes_the_peak_of_the_gpu_it_runs_on():
     assert device_peak_tbps("NVIDIA H100 PCIe") == 2.0
     assert device_peak_tbps("NVIDIA A100-SXM4-80GB") == 2.039
     assert device_peak_tbps("NVIDIA L4") is None
+
+
+def test_a_ratio_is_the_median_of_the_rounds_ratios():
+    """Each round's runs share that round's host speed: 2 and 1.5 and 4, not 15 / 5."""
+    from perf.bench_stats import median_ratio
+    assert median_ratio([2.0, 3.0, 10.0], [1.0, 2.0, 2.5]) == 2.0
