@@ -14,6 +14,7 @@ A run where no request succeeded has every figure NaN (its first error is in the
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -54,9 +55,17 @@ def percentiles(values, qs=(50, 90, 99)) -> dict[str, float]:
     return {f"p{q}": float(np.percentile(values, q)) for q in qs}
 
 
+def median_of_rounds(values) -> float:
+    """The median over the rounds that have a figure: a round whose requests all failed has NaN,
+    which statistics.median would sort anywhere (the result then hung on the rounds' order); NaN
+    when no round has one. Each round's line says why it has none (error_note)."""
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else float("nan")
+
+
 def median_ratio(a: list[float], b: list[float]) -> float:
     """The median over rounds of a / b: each round's two runs share that round's host speed."""
-    return statistics.median(x / y for x, y in zip(a, b))
+    return median_of_rounds(x / y for x, y in zip(a, b))
 
 
 def rotated(order: list, round_index: int) -> list:

@@ -26,7 +26,7 @@ sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"),
 
 from inflight.serving.launch import ServerProcess, make_repository  # noqa: E402
 from perf import workloads  # noqa: E402
-from perf.bench_stats import RequestRecord, error_note, rotated, summarize  # noqa: E402
+from perf.bench_stats import RequestRecord, error_note, median_of_rounds, rotated, summarize  # noqa: E402
 
 SHIPPED_MODEL = os.path.join(REPO, "model_repository", "llm", "1", "inflight-tiny")
 MAX_MODEL_LEN = 1024
@@ -170,7 +170,7 @@ def aggregate(rounds: list[list[RequestRecord]], occupancy: list[list], steps: l
     per_round = [summarize(records, **slo) for records in rounds]
     pooled = summarize([r for records in rounds for r in records], **slo)
     rates = ("request_throughput", "generated_tokens_per_s", "goodput")
-    return {**pooled, **{k: statistics.median(x[k] for x in per_round) for k in rates},
+    return {**pooled, **{k: median_of_rounds(x[k] for x in per_round) for k in rates},
             "engine_steps": statistics.median(steps),
             "rounds": [{k: x[k] for k in rates} for x in per_round], "occupancy": occupancy}
 

@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"),
 
 from inflight.serving.launch import ServerProcess, free_port, make_repository  # noqa: E402
 from perf import workloads  # noqa: E402
-from perf.bench_stats import RequestRecord, error_note, summarize  # noqa: E402
+from perf.bench_stats import RequestRecord, error_note, median_of_rounds, summarize  # noqa: E402
 from perf.engine_bench import VLLM_ENV  # noqa: E402
 from perf.quiet import paused, wait_quiet  # noqa: E402
 from perf.serve_bench import MAX_MODEL_LEN, build_serve_model  # noqa: E402
@@ -182,7 +181,7 @@ def report(records: dict, sides: list[str], args, started: float, path: str) -> 
         for side in sides:
             per_round = [summarize(recs)["generated_tokens_per_s"] for recs in records[(side, label)]]
             pooled = summarize([x for recs in records[(side, label)] for x in recs])
-            pooled["generated_tokens_per_s"] = statistics.median(per_round)
+            pooled["generated_tokens_per_s"] = median_of_rounds(per_round)
             pooled["rounds_tokens_per_s"] = per_round
             results.setdefault(label, {})[side] = pooled
             print(f"{label:14s}{side:{width}s}{pooled['generated_tokens_per_s']:9.1f}{pooled['ttft']['p50']:10.2f}"
@@ -194,7 +193,7 @@ def report(records: dict, sides: list[str], args, started: float, path: str) -> 
     for label in LOADS:
         a, b = results[label][ours], results[label][theirs]
         round_ratios = [x / y for x, y in zip(a["rounds_tokens_per_s"], b["rounds_tokens_per_s"])]
-        ratios[label] = {"median": statistics.median(round_ratios), "rounds": round_ratios}
+        ratios[label] = {"median": median_of_rounds(round_ratios), "rounds": round_ratios}
         print(f"{label}: {ours}/{theirs} tokens/s {ratios[label]['median']:.2f}x (rounds "
               f"{', '.join(f'{x:.2f}' for x in round_ratios)}; medians {a['generated_tokens_per_s']:.1f} vs "
               f"{b['generated_tokens_per_s']:.1f}); TTFT p99 {a['ttft']['p99']:.3f} vs {b['ttft']['p99']:.3f} s; "

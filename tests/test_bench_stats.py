@@ -156,3 +156,12 @@ def test_a_ratio_is_the_median_of_the_rounds_ratios():
     """Each round's runs share that round's host speed: 2 and 1.5 and 4, not 15 / 5."""
     from perf.bench_stats import median_ratio
     assert median_ratio([2.0, 3.0, 10.0], [1.0, 2.0, 2.5]) == 2.0
+
+
+def test_a_round_whose_requests_all_failed_is_left_out_of_the_medians():
+    """Its figures are NaN, which statistics.median sorts anywhere: the result hung on the order."""
+    from perf.bench_stats import median_of_rounds, median_ratio
+    nan = float("nan")
+    assert median_of_rounds([40.0, nan, 20.0]) == median_of_rounds([nan, 40.0, 20.0]) == 30.0
+    assert median_ratio([40.0, nan, 20.0], [20.0, 10.0, 10.0]) == 2.0
+    assert math.isnan(median_of_rounds([nan, nan]))
