@@ -244,7 +244,7 @@ def test_requests_that_can_never_run_are_rejected_at_once(engine):
 
 def test_preempted_requests_do_not_fill_the_queue(tiny_checkpoint):
     """max_queue_size counts requests that have not started: a preempted one is already streaming."""
-    eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=10, block_size=4, max_num_seqs=4,
+    eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=10, block_size=4, max_num_seqs=2,
                                                                   max_queue_size=1, cpu_threads=1))
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     eng.add_request("a", list(range(3, 15)), params)
@@ -259,6 +259,27 @@ def test_preempted_requests_do_not_fill_the_queue(tiny_checkpoint):
     while eng.has_unfinished():
         eng.step()
     eng.check_invariants()
+
+
+def test_a_request_arriving_as_another_finishes_takes_its_seat_not_a_queue_place(tiny_checkpoint):
+    """A finished request's seat goes to a waiting one at the next step: an arrival in between is
+    not refused for a queue that the step empties. (A client keeping max_num_seqs +
+    max_queue_size requests in flight, as the OpenAI server behind `make serve`, met a 429 at
+    every finish.)"""
+    eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(max_num_seqs=1, max_queue_size=1, num_kv_blocks=64,
+                                                                  cpu_threads=1))
+    eng.add_request("a", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+    eng.step()
+    eng.add_request("b", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+    with pytest.raises(QueueFullError):
+        eng.add_request("refused", [5, 6])
+    assert eng.step().finished == {"a": "length"}
+    eng.add_request("c", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True))   # b takes a's seat next step
+    with pytest.raises(QueueFullError):
+        eng.add_request("refused-too", [5, 6])
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats()["kv_blocks_used"] == 0
 
 
 def test_a_request_larger_than_the_kv_pool_is_rejected(tiny_checkpoint):

@@ -90,15 +90,18 @@ def test_an_index_that_names_a_missing_shard_is_refused_before_loading(tmp_path)
 
 def test_the_ensemble_steps_read_the_newest_llm_version(tmp_path):
     """preprocessing and postprocessing call `llm` at model_version -1 and read its tokenizer from
-    that version's model.json: a repository serving only llm/2 must start them too."""
+    that version's model.json: a repository serving only llm/2 must start them, and the launcher
+    find its checkpoint, too."""
     from inflight.serving.launch import make_repository
     from inflight.serving.startup import StartupError
     from inflight.serving.triton_models import llm_settings
 
     from .conftest import DEFAULT_MODEL
+    from inflight.serving.launch import served_model
     repo = make_repository(str(tmp_path / "repo"), DEFAULT_MODEL)
     os.rename(os.path.join(repo, "llm", "1"), os.path.join(repo, "llm", "2"))
     assert os.path.samefile(llm_settings(os.path.join(repo, "preprocessing")).model_dir, DEFAULT_MODEL)
+    assert os.path.samefile(served_model(repo), DEFAULT_MODEL), "the launcher (banner, OpenAI server) too"
     shutil.rmtree(os.path.join(repo, "llm"))
     with pytest.raises(StartupError, match="no llm model"):
         llm_settings(os.path.join(repo, "postprocessing"))

@@ -1276,6 +1276,30 @@ def test_a_schema_too_deep_once_wrapped_and_odd_tool_arguments_are_not_500s():
     assert call["function"]["arguments"] == f'{{"x": -1e999, "n": {digits}, "y": 0.5}}'
 
 
+def test_output_slots_are_taken_whole_in_arrival_order_and_given_back_on_cancel():
+    """The server's bound on outputs in flight to Triton: a request of n outputs takes n at once
+    (never part of them), later ones wait behind it, and one cancelled while waiting leaks nothing."""
+    from inflight_client.openai_server.triton import OutputSlots
+
+    async def main():
+        slots = OutputSlots(3)
+        assert await slots.take(2) == 2
+        big = asyncio.ensure_future(slots.take(2))       # needs 2, 1 free: waits
+        small = asyncio.ensure_future(slots.take(1))     # would fit, but waits its turn
+        await asyncio.sleep(0)
+        assert not big.done() and not small.done()
+        slots.give(2)
+        assert await big == 2 and await small == 1 and slots.free == 0
+        waiting = asyncio.ensure_future(slots.take(1))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        slots.give(2)
+        slots.give(1)
+        assert slots.free == 3 and await slots.take(5) == 3, "more than all of them takes all"
+    asyncio.run(asyncio.wait_for(main(), 5))
+
+
 def test_the_sdk_raises_its_typed_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
@@ -1319,6 +1343,11 @@ def test_queue_full_is_429_and_triton_gone_is_503(tmp_path):
                     assert reply.status_code == 200, reply.text
                     indices = re.findall(r'"index":(\d+)', reply.text)
                     assert sorted(set(map(int, indices))) == [0, 1, 2, 3, 4]
+                with httpx.stream("POST", f"{paced.base_url}/completions", timeout=60, json={
+                        "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}) as busy:
+                    next(busy.iter_lines())             # it holds the one slot
+                    health = httpx.get(paced.base_url.removesuffix("/v1") + "/health", timeout=5)
+                    assert health.status_code == 200, "a health check never waits behind the requests"
             assert wait_for_metric(triton, "inflight_kv_blocks_used", 0) == 0
             triton.stop()
             health = httpx.get(api.base_url.removesuffix("/v1") + "/health")

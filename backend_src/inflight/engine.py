@@ -109,7 +109,7 @@ class LLMEngine:
             raise ValueError(f"prompt + 'max_tokens' needs {blocks} KV blocks but the pool has only "
                              f"{self.kv.num_blocks} (block_size {self.config.block_size})")
         limit = self.config.max_queue_size
-        if limit is not None and self.scheduler.num_queued >= limit:
+        if limit is not None and self.scheduler.num_waiting_for_a_seat >= limit:
             raise QueueFullError(f"queue full: {limit} requests are already waiting (max_queue_size)")
         salt = self._salt_key(cache_salt)
         lora_slot, lora_key = self._lora_adapter(params.lora_name)

@@ -85,6 +85,14 @@ class Scheduler:
                    for q in self.waiting)
 
     @property
+    def num_waiting_for_a_seat(self) -> int:
+        """Queued requests beyond the seats free for them (preempted ones, at the head, take theirs
+        first): one the next step seats is not waiting for a seat, though a finished request's
+        seat is given only then."""
+        free = max(self.table.num_free_rows - (self.num_waiting - self.num_queued), 0)
+        return max(self.num_queued - free, 0)
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 

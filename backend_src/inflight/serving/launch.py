@@ -359,9 +359,9 @@ class Endpoints:
 def served_model(model_repository: str) -> str:
     """The checkpoint the repository's llm serves (for the banner)."""
     from .startup import StartupError
-    from .triton_models import Settings
+    from .triton_models import llm_settings
     try:
-        return Settings.load(os.path.join(model_repository, "llm", "1")).model_dir
+        return llm_settings(os.path.join(model_repository, "llm")).model_dir
     except StartupError:
         return f"the llm in {model_repository}"
 
@@ -464,18 +464,17 @@ def start_openai_server(children: Children, model_repository: str, endpoints: En
     from inflight_client.openai_server.process import OpenAIServerProcess
 
     from .startup import StartupError
-    from .triton_models import Settings
+    from .triton_models import llm_settings
     try:
-        settings = Settings.load(os.path.join(model_repository, "llm", "1"))
+        settings = llm_settings(os.path.join(model_repository, "llm"))
         lora_names = sorted(settings.lora_modules)      # each adapter of multi_lora.json is a model id
         extra = [*endpoints.openai_args, *(["--lora-modules", *lora_names] if lora_names else [])]
         engine = settings.engine
         if engine.max_model_len:
             extra += ["--max-model-len", str(engine.max_model_len)]
         if engine.max_queue_size is not None and not any(a.startswith("--max-triton-requests") for a in extra):
-            # so that one request's many prompts never fill the engine's queue by themselves (a
-            # finished request's seat goes to a waiting one only at the next step)
-            extra += ["--max-triton-requests", str(engine.max_queue_size)]
+            # so that one request's many prompts never fill the engine's queue by themselves
+            extra += ["--max-triton-requests", str(engine.max_num_seqs + engine.max_queue_size)]
         openai = OpenAIServerProcess(f"localhost:{endpoints.http_port}", settings.model_dir,
                                      port=endpoints.openai_port, host="0.0.0.0", extra=extra)
         children.processes.append(openai.start(wait=True, timeout_s=60).process)

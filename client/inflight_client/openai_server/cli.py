@@ -42,9 +42,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                         help="the context length `llm` runs with (default: the checkpoint's, from config.json; "
                              "needed with a --tokenizer directory without one)")
     parser.add_argument("--max-triton-requests", type=int, default=1024,
-                        help="the most requests this server has in flight to Triton at once (one per prompt); "
-                             "more wait here, in turn. At most `llm`'s max_queue_size (`make serve` passes it), "
-                             "one request's many prompts never fill the engine's queue by themselves")
+                        help="the most outputs this server has in flight to Triton at once (a request per "
+                             "prompt, of n outputs each); more wait here, in turn. At most `llm`'s max_num_seqs + "
+                             "max_queue_size (what `make serve` passes), one request's many prompts never fill the "
+                             "engine's queue by themselves")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--log-level", default="info")
@@ -96,8 +97,11 @@ def _raise_open_files_limit(max_triton_requests: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = hard if hard == resource.RLIM_INFINITY else min(hard, 65536)
     if soft != resource.RLIM_INFINITY and soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-        soft = wanted
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):   # macOS refuses some values its getrlimit reports
+            pass
     if soft != resource.RLIM_INFINITY and soft < 2 * max_triton_requests + 64:
         print(f"inflight-openai: only {soft} open files are allowed (ulimit -n); with --max-triton-requests "
               f"{max_triton_requests} and as many clients, connections may fail with 'Too many open files'",

@@ -14,6 +14,8 @@ event with aiohttp ~0.08 ms (`make bench-openai`; README, "The OpenAI server: ov
 a small host takes from the engine, and that caps what one server process can forward."""
 from __future__ import annotations
 
+import asyncio
+import collections
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -79,21 +81,59 @@ async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
                 yield json.loads(raw[5:])
 
 
+class OutputSlots:
+    """At most `total` outputs in flight to Triton, taken in arrival order; a request of n outputs
+    (`llm` fans them out, and its queue counts each) takes n at once, so that no request waits here
+    holding part of what it needs. A completion of thousands of prompts then runs them in turn
+    instead of overflowing the engine's queue by itself (a 429 no retry could pass) or opening a
+    connection each (a 503 at the open-files limit). Health checks do not wait here."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.free = total
+        self._waiting: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    async def take(self, n: int) -> int:
+        n = min(n, self.total)
+        if not self._waiting and self.free >= n:
+            self.free -= n
+            return n
+        granted = asyncio.get_running_loop().create_future()
+        self._waiting.append((n, granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self.give(n)                  # granted in the moment it was cancelled
+            else:
+                self._waiting.remove((n, granted))
+                self._grant()                 # the next ones may fit now
+            raise
+        return n
+
+    def give(self, n: int) -> None:
+        self.free += n
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiting and self._waiting[0][0] <= self.free:
+            n, granted = self._waiting.popleft()
+            self.free -= n
+            granted.set_result(None)
+
+
 class TritonLLM:
-    def __init__(self, url: str, model: str = "llm", max_requests: int = 1024):
+    def __init__(self, url: str, model: str = "llm", max_outputs: int = 1024):
         self.url = url                    # Triton's HTTP address, host:port
         self.model = model
-        self.max_requests = max_requests
+        self.slots = OutputSlots(max_outputs)
         self.session: aiohttp.ClientSession | None = None
         self.inputs: set[str] | None = None         # the model's input names (inflight's `llm` has more)
 
     async def start(self) -> None:
         """Open the pool (inside the event loop that will use it): a connection per request in
-        flight, kept alive for the next, at most max_requests. A completion with thousands of
-        prompts then runs them in turn instead of opening a connection each, which ran out of file
-        descriptors or overflowed the engine's queue (a 429 no retry could get past)."""
-        connector = aiohttp.TCPConnector(limit=self.max_requests)
-        self.session = aiohttp.ClientSession(f"http://{self.url}", connector=connector,
+        flight (OutputSlots bounds them), kept alive for the next."""
+        self.session = aiohttp.ClientSession(f"http://{self.url}", connector=aiohttp.TCPConnector(limit=0),
                                              timeout=aiohttp.ClientTimeout(total=None, connect=10))
 
     async def close(self) -> None:
@@ -168,6 +208,7 @@ class TritonLLM:
     async def generate(self, prompt: Prompt, sampling: dict) -> AsyncIterator[LLMResponse]:
         """The request's responses; raises APIError for an error response or a failed call.
         Closing the iterator early cancels the request."""
+        taken = await self.slots.take(sampling.get("n", 1))
         try:
             if self.inputs is None:
                 await self._check_inputs()
@@ -185,3 +226,5 @@ class TritonLLM:
             raise APIError(503, f"Triton at {self.url} is not reachable: {exc}") from None
         except aiohttp.ClientError as exc:
             raise APIError(503, f"Triton at {self.url} failed the request: {exc}") from None
+        finally:
+            self.slots.give(taken)
