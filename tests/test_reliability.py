@@ -660,18 +660,19 @@ def test_the_serving_loop_keeps_nothing_of_requests_that_ended(tokenizer):
     try:
         sinks = []
         # all queued before the loop starts, so the engine thread adds them in one go, in order
-        for params, n in [(SamplingParams(max_tokens=40, ignore_eos=True), 2),     # two of the queue's 3 places
-                          (SamplingParams(max_tokens=4, ignore_eos=True), 1),      # the third
+        # the 2 free seats and the queue's 3 places: 5 outputs
+        for params, n in [(SamplingParams(max_tokens=40, ignore_eos=True), 2),     # two of them
+                          *[(SamplingParams(max_tokens=4, ignore_eos=True), 1)] * 3,          # the other three
                           *[(SamplingParams(max_tokens=4, ignore_eos=True), 1)] * 5,          # queue full
                           *[(SamplingParams(max_tokens=4, ignore_eos=True), 1)] * 5]:         # too long
             sinks.append(RecordingSink())
-            ids = prompt if len(sinks) <= 7 else prompt[-1:] * 256
+            ids = prompt if len(sinks) <= 9 else prompt[-1:] * 256
             loop.submit(GenerateRequest(None, ids, params, stream=True, n=n), sinks[-1])
         loop.start()
         assert all(sink.finished.wait(60) for sink in sinks), "a request was left waiting"
         errors = [sink.sends[-1][3] for sink in sinks]
-        assert errors[:2] == [None, None]
-        assert all(e.startswith("queue full") for e in errors[2:7]) and all("max_model_len" in e for e in errors[7:])
+        assert errors[:4] == [None] * 4
+        assert all(e.startswith("queue full") for e in errors[4:9]) and all("max_model_len" in e for e in errors[9:])
         deadline = time.monotonic() + 5
         while (loop._jobs or loop._samples or loop._owner) and time.monotonic() < deadline:
             time.sleep(0.05)
