@@ -122,6 +122,8 @@ SAME = {
                  COUNTS),
     "a regex, streamed": (PROMPT, True, greedy(max_tokens=10, structured_outputs=json.dumps({"regex": "[0-9]{3}"})),
                           COUNTS),
+    # vLLM caps it at max_model_len (1024) and ends with "length": refused here until 2026-12-05
+    "max_tokens past the context": ("word " * 1010, False, greedy(max_tokens=100, ignore_eos=True), COUNTS),
     "a JSON schema": (PROMPT, False, greedy(max_tokens=40, structured_outputs=json.dumps(
         {"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}})), COUNTS),
 }
