@@ -29,6 +29,11 @@ def _is_sequence(value) -> bool:
     return isinstance(value, (list, tuple))
 
 
+def _is_seed(value) -> bool:
+    """torch's generators take 64 bits, signed (vLLM's API) or not (TensorRT-LLM's random_seed)."""
+    return _is_int(value) and -2**63 <= value < 2**64
+
+
 def _is_number(value) -> bool:
     """A finite int or float; an int past float's range is not one."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -106,9 +111,7 @@ class EngineConfig:
                f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        # torch's generators take 64 bits, signed or not (as SamplingParams.seed)
-        _check(_is_int(self.seed) and -2**63 <= self.seed < 2**64, "seed",
-               f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        _check(_is_seed(self.seed), "seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         # "False" from a command line or a JSON string would otherwise count as true
         for name in ("enable_lora", "enforce_eager", "enable_prefix_caching", "enable_chunked_prefill"):
             _check(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {getattr(self, name)!r}")
@@ -170,8 +173,7 @@ class SamplingParams:
         # in one tensor write is undefined on CUDA)
         self.logit_bias = tuple({int(token): min(100.0, max(-100.0, float(bias)))
                                  for token, bias in self.logit_bias}.items())
-        # torch's generators take 64 bits, signed (vLLM's API) or not (TensorRT-LLM's random_seed)
-        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64), "seed",
+        _check(self.seed is None or _is_seed(self.seed), "seed",
                f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         # beyond this range float32 logits overflow or underflow into NaN
         _check(_is_number(self.repetition_penalty) and 1e-6 <= self.repetition_penalty <= 1e6, "repetition_penalty",

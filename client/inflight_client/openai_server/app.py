@@ -45,7 +45,7 @@ class Settings:
     lora_names: tuple[str, ...] = ()        # the LoRA adapters `llm` serves, each a model id
     disable_any_whitespace: bool = False
     trust_request_chat_template: bool = False
-    max_triton_requests: int = 1024         # in flight to Triton at once; more wait here for a connection
+    max_triton_requests: int = 1024         # outputs in flight to Triton at once; more wait here (OutputSlots)
 
 
 FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
