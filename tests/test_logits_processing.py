@@ -219,9 +219,10 @@ def test_the_tokenizers_eos_ends_generation_as_the_configs_do(tmp_path):
 
 
 @pytest.mark.parametrize("logprobs", [None, 3])
-def test_a_step_edits_one_copy_of_the_logits_and_its_logprobs_stay_raw(logprobs):
-    """Bias, a min_tokens ban, a penalty and allowed_token_ids on one row: the step's edits share
-    one copy while a row wants log-probabilities (those of the raw logits), and none otherwise."""
+def test_a_step_edits_the_logits_in_place_and_its_logprobs_stay_raw(logprobs):
+    """Bias, a min_tokens ban, a penalty and allowed_token_ids on one row: the step edits the
+    logits in place, never copying the whole [rows, vocab] tensor, and the log-probabilities a
+    row asked for are still those of the raw logits (vLLM's raw_logprobs)."""
     import numpy as np
 
     from inflight.sampler import Sampler
@@ -240,10 +241,12 @@ def test_a_step_edits_one_copy_of_the_logits_and_its_logprobs_stay_raw(logprobs)
         patch.setattr(torch.Tensor, "clone", lambda t, *a, **k: copies.append(t) or clone(t, *a, **k))
         tokens, step_logprobs = Sampler(torch.device("cpu"), 0)(given, s.table, rows)
     assert tokens[0] == 3 and tokens[1] == int(raw[1].argmax())
+    assert not copies
+    assert given[0, 3] > raw[0, 3] + 40 and given[0, 5] == -torch.inf, "biased and restricted in place"
     if logprobs is None:
-        assert not copies and step_logprobs is None
-        assert given[0, 3] > raw[0, 3] + 40, "edited in place"
+        assert step_logprobs is None
     else:
-        assert len(copies) == 1 and torch.equal(given, raw)
         expected = torch.log_softmax(raw, dim=-1)
         assert np.allclose(step_logprobs.sampled, [expected[0, 3], expected[1].max()], atol=1e-6)
+        assert step_logprobs.ranks.tolist() == [int((expected[0] >= expected[0, 3]).sum()), 1]
+        assert step_logprobs.top_ids.tolist() == expected.topk(3).indices.tolist()

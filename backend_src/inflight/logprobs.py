@@ -46,20 +46,34 @@ class StepLogprobs:
         return out
 
 
-def step_logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: np.ndarray) -> StepLogprobs | None:
-    """raw_logits [rows, vocab] and sampled tokens [rows] of a step; num_logprobs [rows] is N per
-    row, -1 where the row did not ask. None when no row asked."""
+@dataclass(slots=True)
+class AskedLogprobs:
+    """log_softmax of the raw logits of the rows that asked, taken before a step edits them."""
+    index: np.ndarray          # [k] positions of those rows among the step's rows
+    logprobs: torch.Tensor     # [k, vocab]
+    num: np.ndarray            # [k] N asked for by each row
+
+
+def asked_logprobs(raw_logits: torch.Tensor, num_logprobs: np.ndarray) -> AskedLogprobs | None:
+    """raw_logits [rows, vocab]; num_logprobs [rows] is N per row, -1 where the row did not ask.
+    None when no row asked."""
     index = np.flatnonzero(num_logprobs >= 0)
     if not index.size:
         return None
     rows = torch.from_numpy(index).to(raw_logits.device)
-    logprobs = torch.log_softmax(raw_logits[rows], dim=-1)
-    sampled = logprobs.gather(1, tokens[rows][:, None])
+    return AskedLogprobs(index, torch.log_softmax(raw_logits[rows], dim=-1), num_logprobs[index])
+
+
+def step_logprobs(asked: AskedLogprobs | None, tokens: torch.Tensor) -> StepLogprobs | None:
+    """The asking rows' entries, given the tokens [rows] the step chose."""
+    if asked is None:
+        return None
+    logprobs = asked.logprobs
+    sampled = logprobs.gather(1, tokens[torch.from_numpy(asked.index).to(tokens.device)][:, None])
     ranks = (logprobs >= sampled).sum(dim=-1)
-    num = num_logprobs[index]
-    top_logprobs, top_ids = logprobs.topk(int(num.max()), dim=-1)
-    return StepLogprobs(index, sampled.squeeze(1).cpu().numpy(), ranks.cpu().numpy(), top_ids.cpu().numpy(),
-                        top_logprobs.cpu().numpy(), num)
+    top_logprobs, top_ids = logprobs.topk(int(asked.num.max()), dim=-1)
+    return StepLogprobs(asked.index, sampled.squeeze(1).cpu().numpy(), ranks.cpu().numpy(), top_ids.cpu().numpy(),
+                        top_logprobs.cpu().numpy(), asked.num)
 
 
 PROMPT_CHUNK = 256      # prompt positions scored at once: bounds the [positions, vocab] logits
@@ -86,6 +100,6 @@ def prompt_logprobs(prompt: PromptPositions, num_logprobs: np.ndarray,
         if logits.dtype != torch.float64:    # float64 stays, as in the sampler
             logits = logits.float()
         targets = prompt.targets[part]
-        scored = step_logprobs(logits, torch.from_numpy(targets).to(logits.device), num_logprobs[part])
+        scored = step_logprobs(asked_logprobs(logits, num_logprobs[part]), torch.from_numpy(targets).to(logits.device))
         entries += [scored.entry(i, token) for i, token in enumerate(targets.tolist())]
     return entries

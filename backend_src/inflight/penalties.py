@@ -4,8 +4,7 @@
   has its logit divided by r where positive, multiplied by r where not.
 - frequency_penalty f and presence_penalty p (OpenAI's definition): a token's logit loses
   f x its count in the output so far, and p once it is there at all.
-Only the rows that ask for a penalty are touched (in place, or on a copy where the caller still
-needs the log-probabilities of the model's own distribution, vLLM's default).
+Only the rows that ask for a penalty are touched, in place.
 
 Every penalty falls on tokens the row has seen, a few hundred of a vocabulary of up to ~150k:
 each row keeps the list of its distinct tokens and their counts in its output (host arrays, per
@@ -36,11 +35,11 @@ class Penalties:
         self.counted = np.zeros(0, dtype=np.int32)         # per row: its first tokens already counted
         self.admission = np.zeros(0, dtype=np.int64)       # per row: the occupant they were counted for
 
-    def __call__(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray, copy: bool) -> torch.Tensor:
-        """logits [len(rows), vocab] -> the same, penalized in place or (`copy`) on a copy."""
+    def __call__(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> None:
+        """Penalize logits [len(rows), vocab] in place."""
         picked = penalized_rows(table, rows)
         if not picked.size:
-            return logits
+            return
         seats = rows[picked]
         vocab = logits.shape[-1]
         self._count(table, seats, vocab)
@@ -58,12 +57,10 @@ class Penalties:
         f = per_entry(table.frequency_penalty[seat_of])
         p = per_entry(table.presence_penalty[seat_of])
         at = torch.from_numpy(picked[which] * vocab + ids).to(logits.device)
-        logits = logits.clone() if copy else logits
         flat = logits.view(-1)
         values = flat[at]
         values = torch.where(values > 0, values / r, values * r)
         flat[at] = values - (f * counts + p * (counts > 0))
-        return logits
 
     def _count(self, table: BatchTable, seats: np.ndarray, vocab: int) -> None:
         """Bring the seats' counts up to their tokens so far, starting over for a new occupant."""

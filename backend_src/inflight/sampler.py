@@ -7,7 +7,8 @@ the exponential-race trick (argmax of p / E, E ~ Exp(1)), which needs exactly on
 token: a seeded request draws it from its own generator, so its tokens do not depend on what else
 is in the batch. Log-probabilities (logprobs.py) are those of the model's own distribution, which
 none of the above changes (vLLM's default, raw_logprobs, also takes them before logit_bias and
-allowed_token_ids).
+allowed_token_ids): they are taken first, so that every edit after them works on the logits in
+place.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 from . import cpu_kernels
 from .batch_table import BatchTable
 from .config import SAMPLING_EPS
-from .logprobs import StepLogprobs, step_logprobs
+from .logprobs import StepLogprobs, asked_logprobs, step_logprobs
 from .penalties import Penalties
 
 
@@ -30,23 +31,21 @@ class Sampler:
         self.penalties = Penalties()
 
     def __call__(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray,
-                 grammar_mask: Callable[[torch.Tensor], torch.Tensor] | None = None
+                 grammar_mask: Callable[[torch.Tensor], None] | None = None
                  ) -> tuple[np.ndarray, StepLogprobs | None]:
         """logits [len(rows), vocab] -> (token ids, log-probs of the rows that asked, or None).
-        grammar_mask (structured outputs) sets the tokens outside each constrained row's grammar
-        to -inf, in place, before any sampling."""
+        The logits are edited in place (a float32 or float64 tensor is the caller's). grammar_mask
+        (structured outputs) sets the tokens outside each constrained row's grammar to -inf, in
+        place, before any sampling."""
         if logits.dtype != torch.float64:   # float64 stays: exactness tests compare argmaxes
             logits = logits.float()
-        raw = logits
-        # the edits below change logits in place; while rows want log-probabilities (read from
-        # the raw logits afterwards) the first edit of a step makes the one copy they work on
-        copy = bool((table.num_logprobs[rows] >= 0).any())
-        logits = self._apply_bias(logits, table, rows, copy)
-        logits = self._apply_bans(logits, table, rows, copy and logits is raw)
-        logits = self.penalties(logits, table, rows, copy and logits is raw)
+        asked = asked_logprobs(logits, table.num_logprobs[rows])
+        self._apply_bias(logits, table, rows)
+        self._apply_bans(logits, table, rows)
+        self.penalties(logits, table, rows)
         if grammar_mask is not None:
-            logits = grammar_mask(logits.clone() if copy and logits is raw else logits)
-        logits = self._apply_allowed(logits, table, rows, copy and logits is raw)
+            grammar_mask(logits)
+        self._apply_allowed(logits, table, rows)
         temperature = table.temperature[rows]
         tokens = cpu_kernels.argmax(logits)
         sampled = np.flatnonzero(temperature >= SAMPLING_EPS)
@@ -56,23 +55,21 @@ class Sampler:
                                 table.top_p[rows[sampled]], table.min_p[rows[sampled]])
             noise = self._noise(probs, table, rows[sampled])
             tokens[index] = (probs / noise).argmax(dim=-1)
-        return tokens.cpu().numpy(), step_logprobs(raw, tokens, table.num_logprobs[rows])
+        return tokens.cpu().numpy(), step_logprobs(asked, tokens)
 
     @staticmethod
-    def _apply_bias(logits: torch.Tensor, table: BatchTable, rows: np.ndarray, copy: bool) -> torch.Tensor:
+    def _apply_bias(logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> None:
         """OpenAI's logit_bias: each listed token's logit plus its bias."""
         biased = np.flatnonzero(table.has_logit_bias[rows])
         if not biased.size:
-            return logits
+            return
         entries = [(i, token, bias) for i in biased.tolist()
                    for token, bias in table.requests[int(rows[i])].params.logit_bias]
         at, tokens, biases = zip(*entries)
-        logits = logits.clone() if copy else logits
         logits[torch.tensor(at), torch.tensor(tokens)] += torch.tensor(biases, dtype=logits.dtype).to(logits.device)
-        return logits
 
     @staticmethod
-    def _apply_allowed(logits: torch.Tensor, table: BatchTable, rows: np.ndarray, copy: bool) -> torch.Tensor:
+    def _apply_allowed(logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> None:
         """vLLM's allowed_token_ids: -inf for every other token, EOS included. Last, so
         that it can see what the grammar and the bans left: a row where they exclude every allowed
         token (a grammar that can only end, with EOS not allowed; min_tokens banning the one allowed
@@ -80,7 +77,7 @@ class Sampler:
         from nothing (token 0, or NaN)."""
         limited = np.flatnonzero(table.has_allowed_ids[rows])
         if not limited.size:
-            return logits
+            return
         allowed = [table.requests[int(rows[i])].params.allowed_token_ids for i in limited.tolist()]
         device = logits.device
         at = np.repeat(np.arange(len(allowed)), [len(ids) for ids in allowed])
@@ -90,19 +87,16 @@ class Sampler:
         subset = logits[index]
         keep &= subset > -torch.inf
         keep |= ~keep.any(dim=-1, keepdim=True)
-        logits = logits.clone() if copy else logits
         logits[index] = subset.masked_fill(~keep, -torch.inf)
-        return logits
 
-    def _apply_bans(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray, copy: bool) -> torch.Tensor:
+    def _apply_bans(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> None:
         """-inf for stop tokens before min_tokens is reached (EOS also under ignore_eos, as vLLM's
         min_tokens bans every stop token), and for the last token of any bad word whose other
         tokens were just generated (in the output: a prompt's tail does not count, as in vLLM)."""
         below_min = np.flatnonzero(table.num_tokens[rows] < table.min_total[rows])
         with_bad_words = np.flatnonzero(table.has_bad_words[rows])
         if not below_min.size and not with_bad_words.size:
-            return logits
-        logits = logits.clone() if copy else logits
+            return
         if below_min.size:
             stops = table.stop_ids[rows[below_min]]
             i, j = np.nonzero(stops >= 0)
@@ -117,7 +111,6 @@ class Sampler:
                 prefix = word[:-1]
                 if len(prefix) <= generated and tuple(table.token_ids[row, length - len(prefix):length]) == prefix:
                     logits[i, word[-1]] = -torch.inf
-        return logits
 
     @staticmethod
     def _probs(logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,

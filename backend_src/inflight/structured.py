@@ -327,7 +327,7 @@ class StepMask:
     owner: StructuredOutputs
     rejected: list[int] = field(default_factory=list)   # positions whose token the grammar refused
 
-    def __call__(self, logits):
+    def __call__(self, logits) -> None:
         """Set every token outside each constrained row's grammar to -inf, in place."""
         import torch
         import xgrammar as xgr
@@ -340,7 +340,6 @@ class StepMask:
             index = torch.tensor(self.positions, device=logits.device)
             logits[index] += bias.to(logits.dtype)
         self.owner.mask_seconds += time.perf_counter() - started
-        return logits
 
     def advance(self, tokens: np.ndarray) -> np.ndarray:
         """Feed each constrained row its sampled token; True for rows whose grammar has terminated
