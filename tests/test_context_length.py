@@ -20,9 +20,10 @@ CASES = {
     "llama, a stray window in config.json": ("llama", {}, 256),       # Llama attends in full (transformers, vLLM)
     "qwen2, window 64 on, no layer past max_window_layers": (
         "qwen2", dict(sliding_window=64, use_sliding_window=True, max_window_layers=1), 256),
-    # rope scaling extends the context as vLLM derives it: YaRN from the original length
+    # rope scaling extends the context as vLLM 0.32 derives it: YaRN's max_position_embeddings
+    # already is the extended length (Qwen2.5's documented yarn block: vLLM serves 32768, not 131072)
     "qwen2, yarn x4 of 128": ("qwen2", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                          "original_max_position_embeddings": 128}), 512),
+                                                          "original_max_position_embeddings": 128}), 256),
     "llama, linear x4": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 4.0}), 1024),
     "llama, llama3 rope (already extended)": ("llama", dict(rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -75,3 +76,15 @@ def test_the_older_rope_scaling_key_counts_too():
     from inflight.context_length import context_length
     config = SimpleNamespace(max_position_embeddings=4096, rope_scaling={"type": "linear", "factor": 4.0})
     assert context_length(config) == 16384
+
+
+def test_a_yarn_checkpoint_takes_the_stretched_length_when_asked_and_refuses_past_it(tmp_path):
+    """YaRN's default is max_position_embeddings (vLLM 0.32); its frequencies are stretched to
+    original_max_position_embeddings x factor (transformers), so a max_model_len up to that is
+    served, and one past it is refused by name."""
+    yarn = dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})
+    directory = make_random_checkpoint(str(tmp_path / "ckpt"), "qwen2", **SMALL, **yarn)
+    engine = LLMEngine.from_pretrained(directory, EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=512))
+    assert engine.max_model_len == 512
+    with pytest.raises(ValueError, match=r"'max_model_len' 513 exceeds what the model supports \(512\)"):
+        LLMEngine.from_pretrained(directory, EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=513))

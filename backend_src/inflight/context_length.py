@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
-# rope types whose max_position_embeddings already is the extended length (vLLM's list)
-_EXTENDED_ALREADY = ("llama3", "longrope", "su")
+# rope types whose max_position_embeddings already is the extended length (vLLM 0.32's list, which
+# counts YaRN's: its factor is not applied again)
+_EXTENDED_ALREADY = ("llama3", "longrope", "su", "yarn")
 
 
 def rope_scaling(config) -> tuple[str, dict]:
@@ -16,17 +17,33 @@ def rope_scaling(config) -> tuple[str, dict]:
 
 
 def context_length(config) -> int:
-    """max_position_embeddings, times a rope scaling factor (of original_max_position_embeddings
-    for YaRN), as vLLM derives it; within the sliding window where the checkpoint's attention has
-    one (attention here is full attention: exact only while no sequence passes the window): a
-    Mistral's, and a Qwen2's only with use_sliding_window and layers at or past max_window_layers,
-    transformers' rule for which layers slide; a Llama's sliding_window key is ignored, as there. `config` is a transformers config
-    or any object with config.json's keys as attributes (rope_parameters, or the older rope_scaling)."""
+    """The default max_model_len: max_position_embeddings, times a rope scaling factor where the
+    rope type does not already count it (linear does; llama3 and YaRN do not), as vLLM 0.32 derives
+    it; within the sliding window where the checkpoint's attention has one (attention here is full
+    attention: exact only while no sequence passes the window): a Mistral's, and a Qwen2's only with
+    use_sliding_window and layers at or past max_window_layers, transformers' rule for which layers
+    slide; a Llama's sliding_window key is ignored, as there. `config` is a transformers config or
+    any object with config.json's keys as attributes (rope_parameters, or the older rope_scaling)."""
     positions = config.max_position_embeddings
     kind, rope = rope_scaling(config)
     if rope.get("factor") and kind not in _EXTENDED_ALREADY:
-        base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
-        positions = int((base or positions) * rope["factor"])
+        positions = int(positions * rope["factor"])
+    return _within_window(config, positions)
+
+
+def longest_context(config) -> int:
+    """The longest max_model_len the engine accepts: context_length, or where longer a YaRN rope's
+    original_max_position_embeddings x factor, the length transformers stretches its frequencies
+    to (Qwen2.5's documented yarn block keeps max_position_embeddings 32768 and stretches 4x: vLLM
+    0.32 serves 32768 by default and more only under VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+    kind, rope = rope_scaling(config)
+    stretched = 0
+    if kind == "yarn" and rope.get("factor") and rope.get("original_max_position_embeddings"):
+        stretched = _within_window(config, int(rope["original_max_position_embeddings"] * rope["factor"]))
+    return max(context_length(config), stretched)
+
+
+def _within_window(config, positions: int) -> int:
     window = getattr(config, "sliding_window", None)
     architecture = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
     if architecture == "Qwen2ForCausalLM":

@@ -146,10 +146,10 @@ class ModelRunner:
         return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * self.dtype.itemsize
 
     def _resolve_max_model_len(self, requested: int | None) -> int:
-        limit = self.spec.context_length
+        limit = self.spec.longest_context
         if requested is not None and requested > limit:
             raise ValueError(f"'max_model_len' {requested} exceeds what the model supports ({limit})")
-        return requested or limit
+        return requested or self.spec.context_length
 
     def _blocks_that_fit(self) -> int:
         """CUDA: the whole budget (more blocks, more prefix cache). CPU: no more than max_num_seqs

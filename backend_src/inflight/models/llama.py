@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import cpu_kernels
-from ..context_length import context_length, rope_scaling
+from ..context_length import context_length, longest_context, rope_scaling
 from ..attention import AttentionBackend, AttentionMetadata
 
 log = logging.getLogger("inflight")
@@ -38,7 +38,8 @@ class ModelSpec:
     o_bias: bool
     mlp_bias: bool
     tie_word_embeddings: bool
-    context_length: int          # positions it supports (max_position_embeddings, within a sliding window)
+    context_length: int          # the default max_model_len (context_length.py)
+    longest_context: int         # the longest max_model_len it supports
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelSpec":
@@ -66,6 +67,7 @@ class ModelSpec:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             context_length=context_length(config),
+            longest_context=longest_context(config),
         )
 
 
