@@ -250,3 +250,19 @@ def test_a_step_edits_the_logits_in_place_and_its_logprobs_stay_raw(logprobs):
         assert np.allclose(step_logprobs.sampled, [expected[0, 3], expected[1].max()], atol=1e-6)
         assert step_logprobs.ranks.tolist() == [int((expected[0] >= expected[0, 3]).sum()), 1]
         assert step_logprobs.top_ids.tolist() == expected.topk(3).indices.tolist()
+
+
+@pytest.mark.parametrize("top_ids, ranks", [([0, 1], {0: 1, 1: 2}), ([1, 0], {0: 2, 1: 1})])
+def test_a_sampled_token_tied_within_the_top_n_takes_its_place_there_as_in_vllm(top_ids, ranks):
+    """Tokens 0 and 1 tie for the most likely; token 0 was sampled (count rank 2). vLLM writes
+    the top-N entries after the sampled one into one dict, so the sampled token's rank is its
+    top-N place where it has one; the sampled token stays first."""
+    import numpy as np
+
+    from inflight.logprobs import StepLogprobs
+    value = float(np.log(0.5))
+    step = StepLogprobs(np.array([0]), np.array([value]), np.array([2]), np.array([top_ids]),
+                        np.array([[value, value]]), np.array([2]))
+    entry = step.entry(0, 0)
+    assert list(entry) == [0, 1]
+    assert {token: e.rank for token, e in entry.items()} == ranks

@@ -5,7 +5,8 @@ prompt token after the first, the same for that token (`SamplingParams.prompt_lo
 Values are those of the model's own distribution (log_softmax of the raw logits, before
 temperature, top-k/top-p and bans), as vLLM's default `raw_logprobs` mode. A rank counts the
 tokens at least as likely as the token (1 = the most likely; ties share the larger rank), as
-vLLM counts it. Only the rows that asked are computed: a step where nobody asked costs nothing.
+vLLM counts it; a sampled token that is also among the top N takes its place there, as in
+vLLM's per-position dict (where the top-N entries are written after the sampled one). Only the rows that asked are computed: a step where nobody asked costs nothing.
 """
 from __future__ import annotations
 
@@ -38,11 +39,11 @@ class StepLogprobs:
     num: np.ndarray            # [k] N asked for by each row
 
     def entry(self, i: int, token_id: int) -> TokenLogprobs:
-        """Row i's dict (sampled token first)."""
+        """Row i's dict (sampled token first; its rank the top-N place where it has one)."""
         out = {token_id: Logprob(float(self.sampled[i]), int(self.ranks[i]))}
         for rank, (top_id, top_logprob) in enumerate(zip(self.top_ids[i, :self.num[i]].tolist(),
                                                          self.top_logprobs[i, :self.num[i]].tolist()), start=1):
-            out.setdefault(top_id, Logprob(top_logprob, rank))
+            out[top_id] = Logprob(top_logprob, rank)
         return out
 
 
