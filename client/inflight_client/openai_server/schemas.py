@@ -81,8 +81,8 @@ class ResponseFormat(Body):
 
 
 class StreamOptions(Body):
-    include_usage: bool | None = None            # unset: false, unless continuous_usage_stats (vLLM's default)
-    continuous_usage_stats: bool = False         # vLLM's: every chunk also has its choice's usage
+    include_usage: bool = False                  # vLLM 0.32's default (as OpenAI's)
+    continuous_usage_stats: bool = False         # vLLM's: every chunk also has its choice's usage (with include_usage)
     include_obfuscation: bool | None = None      # OpenAI's: accepted, unused (nothing here is obfuscated)
 
 
@@ -157,11 +157,11 @@ class SamplingFields(Body):
         return as_token_ids(positions) if self.return_tokens_as_token_ids else positions
 
     def stream_usage(self) -> tuple[bool, bool]:
-        """(a usage chunk at the end, usage in every chunk): the second needs the first, as in vLLM,
-        where asking for continuous_usage_stats alone gives both (its include_usage defaults to true)."""
+        """(a usage chunk at the end, usage in every chunk): vLLM 0.32's should_include_usage, where
+        the second needs the first, so continuous_usage_stats alone gives no usage at all (its
+        include_usage defaults to false; earlier vLLM defaulted it to true)."""
         options = self.stream_options or StreamOptions()
-        include = options.continuous_usage_stats if options.include_usage is None else options.include_usage
-        return include, include and options.continuous_usage_stats
+        return options.include_usage, options.include_usage and options.continuous_usage_stats
 
     @model_validator(mode="after")
     def _check_shared(self):
