@@ -392,6 +392,8 @@ def test_logprobs_in_both_shapes(client, reference_engine, tokenizer):
     shown = chat_ids_shown.choices[0].logprobs.content
     assert all(c.token.startswith("token_id:") for c in shown)
     assert [tokenizer.decode([int(c.token.removeprefix("token_id:"))]) for c in shown] == [c.token for c in content]
+    # as vLLM's: a sampled token's bytes are those of its text, not of "token_id:<id>"
+    assert [c.bytes for c in shown] == [c.bytes for c in content]
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, reference_engine, tokenizer):

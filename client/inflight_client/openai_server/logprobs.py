@@ -20,9 +20,10 @@ def sampled_ids(positions: list[dict] | None) -> list[int]:
 
 def as_token_ids(positions: list[dict]) -> list[dict]:
     """vLLM's `return_tokens_as_token_ids`: every token shown as "token_id:<id>" instead of its
-    text (a token's text alone need not map back to that token)."""
-    return [{token: {**entry, "decoded_token": f"token_id:{token}"} for token, entry in position.items()}
-            for position in positions]
+    text (a token's text alone need not map back to that token). The text stays under "text":
+    a chat's sampled token has the bytes of its text, as in vLLM."""
+    return [{token: {**entry, "decoded_token": f"token_id:{token}", "text": entry["decoded_token"]}
+             for token, entry in position.items()} for position in positions]
 
 
 def completion_logprobs(positions: list[dict], text_offset: int = 0) -> dict:
@@ -44,9 +45,12 @@ def completion_logprobs(positions: list[dict], text_offset: int = 0) -> dict:
     return out
 
 
-def _token(entry: dict) -> dict:
+def _token(entry: dict, sampled: bool = False) -> dict:
+    """A chat token: the sampled one's bytes are its text's even where `token` is "token_id:<id>"
+    (vLLM's step_decoded; a client rebuilds the reply from them), the top N's those of `token`."""
     text = entry["decoded_token"]
-    return {"token": text, "logprob": _value(entry), "bytes": list(text.encode("utf-8"))}
+    raw = entry.get("text", text) if sampled else text
+    return {"token": text, "logprob": _value(entry), "bytes": list(raw.encode("utf-8", errors="replace"))}
 
 
 def chat_logprobs(positions: list[dict], top_n: int) -> dict:
@@ -57,5 +61,5 @@ def chat_logprobs(positions: list[dict], top_n: int) -> dict:
     for position in positions:
         sampled = next(iter(position.values()))
         top = sorted(position.values(), key=lambda entry: -entry["logprob"])[:top_n]    # stable: ties keep order
-        content.append({**_token(sampled), "top_logprobs": [_token(entry) for entry in top]})
+        content.append({**_token(sampled, sampled=True), "top_logprobs": [_token(entry) for entry in top]})
     return {"content": content}
