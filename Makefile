@@ -10,8 +10,20 @@ PYTEST_ARGS ?=
 
 .PHONY: venv serve test test-stress test-vllm-backend bench-engine bench-kernels tune-kernels bench-serve bench-prefix perf-sweep model clean gpu-check bench-openai
 
+# Python 3.11 or 3.12: requires-python >= 3.11, and numpy==1.26.4 has no wheel for 3.13. .venv is
+# (re)made with $(PYTHON) when its python is missing, has no pip (a venv that failed halfway) or is
+# another version; only then is $(PYTHON) checked, so a working .venv needs no PYTHON= later.
+PYTHON_VERSIONS := (3, 11), (3, 12)
+VENV_OK   := import sys, pip; sys.exit(sys.version_info[:2] not in ($(PYTHON_VERSIONS)))
+PYTHON_OK := import sys; v = sys.version_info[:2]; ok = v in ($(PYTHON_VERSIONS)); \
+	ok or sys.stderr.write("inflight needs Python 3.11 or 3.12, and $(PYTHON) is %d.%d: choose another, e.g. make serve PYTHON=python3.11\n" % v); \
+	sys.exit(not ok)
+
 $(STAMP): requirements.txt pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c '$(VENV_OK)' 2>/dev/null || { \
+	  command -v $(PYTHON) >/dev/null 2>&1 || { echo "inflight needs Python 3.11 or 3.12, and $(PYTHON) is not installed: choose another, e.g. make serve PYTHON=python3.11" >&2; exit 1; }; \
+	  $(PYTHON) -c '$(PYTHON_OK)' || exit 1; \
+	  echo "rm -rf $(VENV) && $(PYTHON) -m venv $(VENV)"; rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)
