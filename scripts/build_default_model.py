@@ -16,7 +16,7 @@ Steps:
   3. Save in standard HF format (weights in bfloat16) with a model card.
 
 Usage:
-  python scripts/build_default_model.py                 # full build (~40 min on 2 CPU cores, 1800 steps)
+  python scripts/build_default_model.py                 # full build (about an hour on 2 CPU cores, 1800 steps)
   python scripts/build_default_model.py --steps 20 --out /tmp/tiny   # quick smoke build
 """
 
@@ -69,7 +69,7 @@ SAMPLE_PROMPTS = [
     "Exceptions",
 ]
 
-# Files that belong in the output folder; anything else there is removed.
+# The files the script writes: the only ones it replaces in --out (anything else there is left alone).
 EXPECTED_FILES = {
     "config.json",
     "generation_config.json",
@@ -288,6 +288,22 @@ def clean_output_dir(out: Path) -> None:
                 p.unlink()
 
 
+def replace_output(new: Path, out: Path) -> list[str]:
+    """Move the files built in `new` into `out`, replacing only the names in EXPECTED_FILES: --out
+    may name a directory that holds other things (`--out .`), and those are left as they were.
+    Returns their names."""
+    for name in EXPECTED_FILES:
+        old = out / name
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        elif old.exists() or old.is_symlink():
+            old.unlink()
+    for p in new.iterdir():
+        shutil.move(str(p), str(out / p.name))
+        os.chmod(out / p.name, 0o644)
+    return sorted(p.name for p in out.iterdir() if p.name not in EXPECTED_FILES)
+
+
 def write_model_card(out: Path, info: dict) -> None:
     p = MODEL_PARAMS
     text = f"""# inflight-tiny
@@ -355,7 +371,9 @@ serving stack, not for anything that needs a real language model.
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=1800, help="optimizer steps (default: %(default)s)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                    help="output directory: the files the script writes are replaced there, nothing else "
+                         "(default: %(default)s)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -511,13 +529,10 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
         clean_output_dir(tmp_path)
-        # Replace the output folder's contents atomically-ish: clear old, move new in.
-        for p in out.iterdir():
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-        for p in tmp_path.iterdir():
-            shutil.move(str(p), str(out / p.name))
-            os.chmod(out / p.name, 0o644)
-    log(f"saved to {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
+        left = replace_output(tmp_path, out)
+    log(f"saved to {out}: " + ", ".join(sorted(EXPECTED_FILES)))
+    if left:
+        log(f"  (also in {out}, left as they were: {', '.join(left)})")
 
     # ---- verify the saved folder loads with the Auto classes
     from transformers import AutoModelForCausalLM, AutoTokenizer
