@@ -424,6 +424,16 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(client, refere
     only = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=0, max_tokens=0, temperature=0)
     assert only.choices[0].text == "<s>" + PROMPTS[1] and only.choices[0].logprobs.tokens == tokens[:-1]
     assert only.choices[0].logprobs.token_logprobs[1:] == pytest.approx(prompt_values, abs=1e-9)
+    # vLLM's rule: the prompt is scored at a request's own prompt_logprobs, and each echoed position
+    # keeps at most logprobs + 1 entries (the prompt token first), wider or narrower
+    for asked, logprobs, most in ((5, 1, 2), (0, 3, 1)):
+        scored = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=logprobs, max_tokens=1,
+                                           temperature=0, extra_body={"prompt_logprobs": asked}).choices[0]
+        tops = scored.logprobs.top_logprobs[1:len(ids)]
+        assert all(next(iter(top)) == tokens[i] for i, top in enumerate(tops, start=1))
+        assert max(map(len, tops)) == most and len(scored.logprobs.top_logprobs[-1]) <= logprobs + 1
+        assert scored.logprobs.token_logprobs[1:len(ids)] == pytest.approx(prompt_values, abs=1e-9)
+        assert {len(entry) for entry in scored.model_extra["prompt_logprobs"][1:]} <= {asked, asked + 1}
     streamed = [c.choices[0] for c in client.completions.create(
         model=MODEL, prompt=PROMPTS[1], echo=True, logprobs=1, max_tokens=4, temperature=0, stream=True)]
     assert sum((c.logprobs.tokens for c in streamed), [])[:len(ids)] == tokens[:-1]
@@ -1277,6 +1287,18 @@ def test_a_schema_too_deep_once_wrapped_and_odd_tool_arguments_are_not_500s():
     digits = "9" * 5000
     (call,) = ToolCallText(None).feed(f'[{{"name": "f", "parameters": {{"x": -1e999, "n": {digits}, "y": 0.5}}}}]')
     assert call["function"]["arguments"] == f'{{"x": -1e999, "n": {digits}, "y": 0.5}}'
+
+
+def test_minus_infinity_in_prompt_logprobs_is_sent_as_minus_9999():
+    """vLLM's clamp_prompt_logprobs: `llm` writes -inf as json's -Infinity, which a JSON response
+    cannot hold (a 500): it is read as -9999.0, as the generated tokens' log-probabilities are sent."""
+    from inflight_client.openai_server.triton import parse_event
+    scored = [None, {"5": {"logprob": float("-inf"), "rank": 7, "decoded_token": "a"},
+                     "6": {"logprob": -0.5, "rank": 1, "decoded_token": "b"}}]
+    event = {"text_output": "x", "finish_reason": "None", "num_output_tokens": 1, "num_input_tokens": 2,
+             "prompt_logprobs": json.dumps(scored)}
+    assert parse_event(event).prompt_logprobs == [None, {"5": {"logprob": -9999.0, "rank": 7, "decoded_token": "a"},
+                                                         "6": {"logprob": -0.5, "rank": 1, "decoded_token": "b"}}]
 
 
 def test_output_slots_are_taken_whole_in_arrival_order_and_given_back_on_cancel():

@@ -91,9 +91,10 @@ def _choice(index: int, out: generation.Output, body: CompletionRequest, prompt:
     logprobs = None
     if body.logprobs is not None:
         if echoed is not None:
-            logprobs = completion_logprobs(body.shown(echoed(index // body.n, out.prompt_logprobs) + positions))
+            logprobs = completion_logprobs(body.shown(echoed(index // body.n, out.prompt_logprobs) + positions),
+                                           body.logprobs)
         else:
-            logprobs = completion_logprobs(body.shown(positions))
+            logprobs = completion_logprobs(body.shown(positions), body.logprobs)
     choice = {"index": index, "text": echo + "".join(out.text) if generated else echo, "logprobs": logprobs,
               "finish_reason": out.finish_reason if generated else "length",
               "stop_reason": out.stop_reason if generated else None}
@@ -141,7 +142,8 @@ async def _chunks(head: dict, body: CompletionRequest, responses, prompts: list,
                     # text_offset counts the tokens' texts, as in the whole reply (and vLLM's stream)
                     # (n > 1: a choice's first chunk can come in a later response than its prompt's first)
                     prompt_positions = echoed(prompt_index, scored[prompt_index]) if first and echoed else []
-                    logprobs = completion_logprobs(body.shown(prompt_positions + positions), offsets[index])
+                    logprobs = completion_logprobs(body.shown(prompt_positions + positions), body.logprobs,
+                                                   offsets[index])
                     offsets[index] += sum(map(len, logprobs["tokens"]))
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
                 if reason is not None:          # vLLM's stop_reason, in the chunk that ends the choice

@@ -1,10 +1,24 @@
 """`llm`'s logprobs JSON (per token {token id: {logprob, rank, decoded_token}}, the sampled token
-first) in the OpenAI API's two shapes. -inf becomes -9999.0, as OpenAI and vLLM send it."""
+first) in the OpenAI API's two shapes. -inf becomes -9999.0, as OpenAI and vLLM send it (also in
+vLLM's `prompt_logprobs`, passed on as `llm` wrote them otherwise)."""
 from __future__ import annotations
+
+import itertools
+import json
 
 
 def _value(entry: dict) -> float:
     return max(entry["logprob"], -9999.0)
+
+
+def _constant(name: str) -> float:
+    return -9999.0 if name == "-Infinity" else float(name)
+
+
+def prompt_logprobs_json(text: str) -> list[dict | None] | None:
+    """`llm`'s prompt_logprobs JSON, -inf (json's -Infinity) read as -9999.0, as vLLM's
+    clamp_prompt_logprobs writes it: the response passes them on as they are, and -inf is not JSON."""
+    return json.loads(text, parse_constant=_constant)
 
 
 def echoed_positions(prompt_ids: list[int], prompt_logprobs: list[dict | None], first_text: str) -> list[dict]:
@@ -26,10 +40,12 @@ def as_token_ids(positions: list[dict]) -> list[dict]:
              for token, entry in position.items()} for position in positions]
 
 
-def completion_logprobs(positions: list[dict], text_offset: int = 0) -> dict:
+def completion_logprobs(positions: list[dict], top_n: int, text_offset: int = 0) -> dict:
     """/v1/completions: tokens, token_logprobs, top_logprobs (the sampled token and the top N,
-    by text; null for an echoed prompt's first token, as vLLM), text_offset (from `text_offset`,
-    the length of the earlier tokens' texts, counted as vLLM counts them)."""
+    by text: at most the first N + 1 entries of a position, vLLM's rule, also for an echoed
+    prompt scored with a larger `prompt_logprobs`; null for an echoed prompt's first token, as
+    vLLM), text_offset (from `text_offset`, the length of the earlier tokens' texts, counted as
+    vLLM counts them)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for position in positions:
         sampled = next(iter(position.values()))
@@ -39,7 +55,8 @@ def completion_logprobs(positions: list[dict], text_offset: int = 0) -> dict:
             out["top_logprobs"].append(None)
         else:
             out["token_logprobs"].append(_value(sampled))
-            out["top_logprobs"].append({entry["decoded_token"]: _value(entry) for entry in position.values()})
+            kept = itertools.islice(position.values(), top_n + 1)
+            out["top_logprobs"].append({entry["decoded_token"]: _value(entry) for entry in kept})
         out["text_offset"].append(text_offset)
         text_offset += len(sampled["decoded_token"])
     return out

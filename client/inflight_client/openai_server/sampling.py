@@ -47,8 +47,10 @@ def completion_sampling(body: CompletionRequest, default_max_tokens: int, constr
     params = _common(body, max_tokens, constraint, lora_name)
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
-    if body.echo and body.logprobs is not None:        # the echoed prompt's tokens get theirs
-        params["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
+    if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
+        # the echoed prompt's tokens get theirs; a request's own prompt_logprobs scores them as it
+        # asks, vLLM's rule (the echoed positions then keep at most logprobs + 1 entries each)
+        params["prompt_logprobs"] = body.logprobs
     return params
 
 

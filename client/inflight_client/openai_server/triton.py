@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from .errors import APIError, from_triton
+from .logprobs import prompt_logprobs_json
 
 
 # sampling_parameters keys of inflight's `llm` that vLLM's SamplingParams, and so the vLLM backend, lacks
@@ -60,7 +61,7 @@ def parse_event(event: dict) -> LLMResponse:
     reasons = [None if r == "None" else r for r in _elements(event["finish_reason"])]
     logprobs = [json.loads(s) for s in _elements(event["logprobs"])] if "logprobs" in event else [None] * len(texts)
     stops = [json.loads(s) for s in _elements(event["stop_reason"])] if "stop_reason" in event else [None] * len(texts)
-    prompt_logprobs = json.loads(event["prompt_logprobs"]) if "prompt_logprobs" in event else None
+    prompt_logprobs = prompt_logprobs_json(event["prompt_logprobs"]) if "prompt_logprobs" in event else None
     return LLMResponse(texts, reasons, stops, _elements(event["num_output_tokens"]), logprobs,
                        int(event["num_input_tokens"]), prompt_logprobs)
 
