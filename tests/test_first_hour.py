@@ -307,6 +307,49 @@ def test_engine_overrides_are_json_or_strings_and_unknown_keys_get_the_known_lis
     assert "expected key=value" in run_launcher("--engine", "max_num_seqs").stderr
 
 
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port", "--metrics-port", "--openai-port"])
+@pytest.mark.parametrize("value", ["0", "80000", "http"])
+def test_a_port_outside_1_to_65535_is_refused_naming_the_flag(flag, value):
+    done = run_launcher(flag, value)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"argument {flag}: '{value}' is not a port: give a number from 1 to 65535" in done.stderr
+
+
+def test_a_listener_on_ipv6_loopback_only_counts_as_in_use():
+    """Where localhost resolves to ::1 first, the readiness probe would reach it."""
+    import socket
+
+    from inflight.serving.launch import port_in_use
+    try:
+        held = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        held.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        held.bind(("::1", 0))
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here ({exc})")
+    with held:
+        held.listen()
+        port = held.getsockname()[1]
+        assert port_in_use(port)
+    assert not port_in_use(port)
+
+
+def test_without_the_shipped_model_json_model_ends_in_one_line_and_leaves_no_temporary_repository(
+        tmp_path, monkeypatch):
+    """As in an image whose model repository is not beside backend_src/: the path is named, and the
+    temporary repository made for --model is removed."""
+    from inflight.serving import launch
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(launch, "DEFAULT_REPOSITORY", str(tmp_path / "nowhere"))
+    monkeypatch.setattr(launch.tempfile, "tempdir", str(temp))
+    monkeypatch.setattr(sys, "argv", ["launch", "--model", str(tmp_path / "checkpoint"), "--engine", "max_num_seqs=2"])
+    with pytest.raises(SystemExit) as exited:
+        launch.main()
+    message = str(exited.value)
+    assert "\n" not in message and os.path.join(str(tmp_path / "nowhere"), "llm", "1", "model.json") in message
+    assert os.listdir(temp) == []
+
+
 def test_make_serve_passes_model_and_engine_to_the_launcher():
     if not shutil.which("make"):
         pytest.skip("no make")

@@ -13,6 +13,7 @@ ready, and if it does not start, a summary of the causes the models reported (st
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -136,8 +137,12 @@ def make_repository(dest: str, model_dir: str | None = None, engine: dict | None
     """A copy of model_repository/ whose llm serves `model_dir` (default: the shipped model) with
     these EngineConfig overrides: how tests and benchmarks run variants side by side."""
     settings_path = os.path.join(DEFAULT_REPOSITORY, "llm", "1", "model.json")
-    with open(settings_path) as f:
-        settings = json.load(f)
+    try:
+        with open(settings_path) as f:
+            settings = json.load(f)
+    except FileNotFoundError:
+        raise SystemExit(f"inflight: --model and --engine start from the shipped settings, and {settings_path} "
+                         "does not exist (the model repository belongs beside backend_src/)") from None
     # an override replaces a top-level key of the same name (model.json's LoRA keys)
     settings = {key: value for key, value in settings.items() if key not in (engine or {})}
     shipped = os.path.abspath(os.path.join(os.path.dirname(settings_path), settings["model"]))
@@ -484,6 +489,17 @@ def start_openai_server(children: Children, model_repository: str, endpoints: En
     return True
 
 
+def port_number(text: str) -> int:
+    """argparse's type for a port: 1-65535 (argparse names the flag in its error)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give a number from 1 to 65535")
+    return port
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-repository", help="serve this model repository (default: model_repository/)")
@@ -491,11 +507,11 @@ def main() -> None:
                                         "repository for it (llm, ensemble and its steps)")
     parser.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                         help="an EngineConfig field for the served model, e.g. max_num_seqs=128 (repeatable)")
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--http-port", type=port_number, default=8000)
+    parser.add_argument("--grpc-port", type=port_number, default=8001)
+    parser.add_argument("--metrics-port", type=port_number, default=8002)
     parser.add_argument("--production", action="store_true", help="the production-profile flags (see README)")
-    parser.add_argument("--openai-port", type=int, default=9000, help="the OpenAI-compatible server's port")
+    parser.add_argument("--openai-port", type=port_number, default=9000, help="the OpenAI-compatible server's port")
     parser.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible server")
     parser.add_argument("--openai-arg", action="append", default=[], metavar="FLAG",
                         help="a flag for the OpenAI server, in the = form: --openai-arg=--disable-any-whitespace "
@@ -511,10 +527,11 @@ def main() -> None:
             raise SystemExit("--production needs INFLIGHT_ADMIN_KEY (the header value for restricted APIs)")
         extra = [os.path.expandvars(flag) for flag in PRODUCTION_FLAGS] + extra
     written, note = None, None
-    if args.model or overrides:
-        written = make_repository(tempfile.mkdtemp(prefix="inflight-repository-"), args.model, overrides)
-        note = f"{written}/llm/1/model.json holds --model and --engine; it is removed on exit"
     try:
+        if args.model or overrides:
+            written = tempfile.mkdtemp(prefix="inflight-repository-")     # removed below, whatever happens
+            make_repository(written, args.model, overrides)
+            note = f"{written}/llm/1/model.json holds --model and --engine; it is removed on exit"
         code = serve(server, written or args.model_repository or DEFAULT_REPOSITORY,
                      Endpoints(args.http_port, args.grpc_port, args.metrics_port,
                                None if args.no_openai else args.openai_port, tuple(args.openai_arg)), extra, note)
@@ -534,13 +551,25 @@ def shown_command(cmd: list[str]) -> str:
 
 def port_in_use(port: int) -> bool:
     """Whether something listens on the port already (SO_REUSEADDR, as the servers bind: a port
-    left in TIME_WAIT by a server that just stopped is free)."""
+    left in TIME_WAIT by a server that just stopped is free), on IPv4 or on IPv6 (a listener on
+    [::1] only: where localhost resolves to ::1 first, the readiness probe would reach it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("0.0.0.0", port))
         except OSError:
             return True
+    try:
+        probe = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError:                 # no IPv6 on this host
+        return False
+    with probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            probe.bind(("::", port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE     # not "IPv6 is disabled"
     return False
 
 
