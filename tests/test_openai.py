@@ -1102,7 +1102,17 @@ BAD = [
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "'top_logprobs' needs 'logprobs'", "top_logprobs"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "response_format": {"type": "xml"}}, 400,
-     "'response_format': Input should be", "response_format"),
+     "'response_format.type': Input should be", "response_format"),
+    # a wrong value inside an object: the message has the path of field names down to it
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": 5}}]}, 400,
+     "'tools[0].function.parameters': Input should be a valid dictionary", "tools"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": 5, "schema": {}}}}, 400,
+     "'response_format.json_schema.name': Input should be a valid string", "response_format"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "stream": True,
+                          "stream_options": {"include_usage": "maybe"}}, 400,
+     "'stream_options.include_usage': Input should be a valid boolean", "stream_options"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "response_format": {"type": "json_schema"}}, 400,
      "needs 'json_schema.schema'", "response_format"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "response_format": {

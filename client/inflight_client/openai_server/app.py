@@ -9,7 +9,8 @@ import gc
 import importlib.metadata
 import json
 import logging
-import re
+import types
+import typing
 import uuid
 from dataclasses import dataclass
 
@@ -48,24 +49,50 @@ class Settings:
     max_triton_requests: int = 1024         # outputs in flight to Triton at once; more wait here (OutputSlots)
 
 
-FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+def _members(annotation) -> list:
+    """The types a value of this annotation may be: Optional and unions flattened, Annotated unwrapped."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _members(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [kind for arg in typing.get_args(annotation) for kind in _members(arg)]
+    return [annotation]
 
 
-def _validation_error(error: ValidationError) -> APIError:
+def _field(kinds: list, name: str):
+    """The field `name` (or its alias) of a model among `kinds`; None if none has it."""
+    for kind in kinds:
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            for field_name, field in kind.model_fields.items():
+                if name in (field_name, field.alias):
+                    return field
+    return None
+
+
+def _where(schema: type[BaseModel], loc: tuple, unknown: bool) -> str:
+    """An error's location as the request wrote it: the field names down to the value, with list
+    positions (`tools[0].function.parameters`), found by walking the schema's fields; not pydantic's
+    union member and validator tags (prompt.list[int], tool_choice.function-after[...]) nor dict
+    keys, which say nothing to a user. An unknown key is named last."""
+    where, kinds = "", [schema]
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            where += f"[{part}]"
+            kinds = [item for kind in kinds if typing.get_origin(kind) in (list, tuple)
+                     for item in _members(typing.get_args(kind)[0])]
+        elif (field := _field(kinds, part)) is not None or (unknown and i == len(loc) - 1):
+            where += f".{part}" if where else str(part)
+            kinds = _members(field.annotation) if field is not None else []
+    return where
+
+
+def _validation_error(error: ValidationError, schema: type[BaseModel]) -> APIError:
     errors = error.errors()
     # an unknown key, or a boolean for a number, is the likeliest mistake, even where a union's
     # other members also complain
     first = next((e for e in errors if e["type"] in ("extra_forbidden", "bool_not_number")), errors[0])
-    loc = [str(part) for part in first["loc"]]
-    name = loc[0] if loc else None
+    name = str(first["loc"][0]) if first["loc"] else None
     unknown = first["type"] == "extra_forbidden"
-    # the field and any list positions, and for an unknown or missing key the fields down to it and
-    # the key itself; not union member names (prompt.list[int], tool_choice.NamedToolChoice), which
-    # say nothing to a user
-    keyed = unknown or first["type"] == "missing"
-    where = (name or "") + "".join(
-        f"[{part}]" if part.isdigit() else f".{part}" for i, part in enumerate(loc[1:], start=2)
-        if part.isdigit() or (keyed and (FIELD_NAME.fullmatch(part) or i == len(loc))))
+    where = _where(schema, first["loc"], unknown)
     message = "unknown parameter" if unknown else first["msg"]
     return APIError(400, f"'{where}': {message}" if where else message, name)
 
@@ -87,7 +114,7 @@ async def _body(request: Request, schema: type[BaseModel]):
     try:
         return schema.model_validate(raw)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise _validation_error(exc, schema) from None
 
 
 async def _large(request: Request) -> bool:
