@@ -75,3 +75,46 @@ def test_an_error_page_that_is_not_json_is_one_line_with_the_status(capsys, extr
         server.shutdown()
     err = capsys.readouterr().err
     assert f"error: HTTP {status} " in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--url", "localhost:abc"], "--url"), (["--url", "localhost:0"], "--url"), (["--url", "localhost:65536"], "--url"),
+    (["--url", ":8001"], "--url"), (["--url", "http://localhost:8000"], "--url"),
+    (["--max-tokens", "0"], "--max-tokens"), (["--max-tokens", "3000000000"], "--max-tokens"),
+    (["--top-k", "-2"], "--top-k"), (["--top-k", str(2**31)], "--top-k"),
+    (["--seed", str(2**64)], "--seed"), (["--model", "ensemble", "--seed", "-1"], "--seed"),
+    (["--temperature", "nan"], "--temperature"), (["--top-p", "1e39"], "--top-p"),
+    (["--cancel-after", "0"], "--cancel-after")])
+def test_a_flag_out_of_range_is_refused_naming_it(capsys, argv, flag):
+    """Checked before any request: the ensemble's INT32/UINT64/FP32 inputs would wrap the value (or
+    numpy would warn), and a bad --url was blamed on the server."""
+    with pytest.raises(SystemExit) as exit:
+        main([*argv, "The assert statement"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and f"argument {flag}: " in err and "Traceback" not in err, err
+
+
+def test_the_extreme_values_in_range_reach_the_request(monkeypatch):
+    import inflight_client.cli as cli
+    sent = []
+    monkeypatch.setattr(cli, "_complete", lambda args, url, sampling, stream, show: sent.append((url, sampling)) or cli.Completion())
+    assert main(["--model", "ensemble", "--url", "[::1]:65535", "--seed", str(2**64 - 1), "--top-k", "-1",
+                 "--max-tokens", str(2**31 - 1), "The assert statement"]) == 0
+    assert main(["--seed", str(-2**63), "The assert statement"]) == 0       # llm's seed is signed or not
+    assert sent[0] == ("[::1]:65535", {"max_tokens": 2**31 - 1, "temperature": 0.0, "top_k": -1, "seed": 2**64 - 1})
+    assert sent[1][1]["seed"] == -2**63
+    assert cli._http_payload("ensemble", "x", sent[0][1], True) == {
+        "text_input": "x", "stream": True, "exclude_input_in_output": True, **sent[0][1]}
+
+
+def test_ensemble_inputs_are_typed_as_the_ensemble_declares_and_range_checked():
+    from inflight_client.streams import ensemble_inputs
+    inputs = ensemble_inputs("x", False, max_tokens=8, temperature=0.5, seed=2**64 - 1, stop_words=["a", "b"],
+                             priority="high", exclude_input_in_output=True)
+    assert [(t.name(), t.datatype(), t.shape()) for t in inputs] == [
+        ("text_input", "BYTES", [1]), ("stream", "BOOL", [1]), ("max_tokens", "INT32", [1]), ("temperature", "FP32", [1]),
+        ("seed", "UINT64", [1]), ("stop_words", "BYTES", [2]), ("priority", "BYTES", [1]),
+        ("exclude_input_in_output", "BOOL", [1])]
+    for bad in ({"max_tokens": 2**31}, {"seed": -1}, {"top_p": 1e39}, {"temperature": float("nan")}, {"top_k": 1.5}):
+        with pytest.raises(ValueError, match=f"'{next(iter(bad))}'"):
+            ensemble_inputs("x", **bad)

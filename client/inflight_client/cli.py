@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.client
+import math
 import sys
 import time
 
-from .streams import Completion, as_list, grpc_inputs, grpc_stream, http_generate, http_stream
+from .streams import (FP32_MAX, Completion, as_list, ensemble_inputs, grpc_inputs, grpc_stream, http_generate,
+                      http_stream)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,19 +22,20 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt")
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
-    parser.add_argument("--url", help="host:port (default localhost:8001 for gRPC, localhost:8000 for HTTP)")
+    parser.add_argument("--url", type=_host_port,
+                        help="host:port (default localhost:8001 for gRPC, localhost:8000 for HTTP)")
     parser.add_argument("--model", default="llm", help="llm (vLLM-style tensors) or ensemble")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float)
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--seed", type=int)
+    parser.add_argument("--max-tokens", type=_integer(1, 2**31 - 1), default=64)      # the ensemble's INT32
+    parser.add_argument("--temperature", type=_finite, default=0.0)
+    parser.add_argument("--top-p", type=_finite)
+    parser.add_argument("--top-k", type=_integer(-1, 2**31 - 1), help="-1 or 0: off")
+    parser.add_argument("--seed", type=_integer(-2**63, 2**64 - 1), help="the ensemble's: 0 to 2**64-1")
     parser.add_argument("--priority", choices=("high", "normal", "low"))
     parser.add_argument("--no-stream", action="store_true", help="one response with the whole text")
-    parser.add_argument("--cancel-after", type=int, help="cancel the request after this many responses")
+    parser.add_argument("--cancel-after", type=_integer(1, None), help="cancel the request after this many responses")
     args = parser.parse_args(argv)
-    if args.url is not None and "://" in args.url:
-        parser.error(f"--url takes host:port, without a scheme (got {args.url!r})")
+    if args.model == "ensemble" and args.seed is not None and args.seed < 0:     # its seed input is UINT64
+        parser.error(f"argument --seed: the ensemble's seed must be in [0, 2**64), got {args.seed}")
 
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     for key in ("top_p", "top_k", "seed", "priority"):
@@ -73,6 +76,41 @@ def main(argv: list[str] | None = None) -> int:
 _DEFAULT_URL = {"grpc": "localhost:8001", "http": "localhost:8000"}
 
 
+def _host_port(value: str) -> str:
+    """--url: host:port, the port an integer in 1..65535 (an IPv6 host in brackets: [::1]:8001)."""
+    if "://" in value:
+        raise argparse.ArgumentTypeError(f"takes host:port, without a scheme (got {value!r})")
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"takes host:port, the port an integer in 1..65535 (got {value!r})")
+    return value
+
+
+def _integer(low: int, high: int | None):
+    """An argparse type: an integer in [low, high] (high None: no bound)."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}") from None
+        if number < low or (high is not None and number > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
+        return number
+    return parse
+
+
+def _finite(value: str) -> float:
+    """An argparse type: a finite number within float32's range (the ensemble's FP32 inputs)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {value!r}") from None
+    if not math.isfinite(number) or abs(number) > FP32_MAX:
+        raise argparse.ArgumentTypeError(f"must be a finite number within +-3.4e38, got {value}")
+    return number
+
+
 def grpc_errors() -> type[Exception]:
     import grpc            # tritonclient's: its aio client raises grpc's own errors for a dead channel
     return grpc.RpcError
@@ -94,44 +132,20 @@ def _complete(args, url: str, sampling: dict, stream: bool, show) -> Completion:
 
 
 def _http_payload(model: str, prompt: str, sampling: dict, stream: bool) -> dict:
-    if model == "ensemble":     # TensorRT-LLM-style tensors
-        names = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                 "seed": "seed", "priority": "priority"}
-        return {"text_input": prompt, "stream": stream, "exclude_input_in_output": True,
-                **{names[k]: v for k, v in sampling.items()}}
-    return {"text_input": prompt, "stream": stream, "exclude_input_in_output": True,
-            "return_finish_reason": True, **sampling}
+    payload = {"text_input": prompt, "stream": stream, "exclude_input_in_output": True, **sampling}
+    if model != "ensemble":     # the ensemble (TensorRT-LLM-style tensors, the same names) returns no finish_reason
+        payload["return_finish_reason"] = True
+    return payload
 
 
 async def _grpc(args, url: str, sampling: dict, stream: bool, show) -> Completion:
     import tritonclient.grpc.aio as grpcclient
     async with grpcclient.InferenceServerClient(url) as client:
         if args.model == "ensemble":
-            inputs = _ensemble_inputs(args.prompt, sampling, stream)
+            inputs = ensemble_inputs(args.prompt, stream, exclude_input_in_output=True, **sampling)   # the completion alone, as from llm
         else:
             inputs = grpc_inputs(args.prompt, stream, sampling, exclude_input_in_output=True, return_finish_reason=True)
         return await grpc_stream(client, args.model, inputs, cancel_after=args.cancel_after, on_chunk=show)
-
-
-def _ensemble_inputs(prompt: str, sampling: dict, stream: bool):
-    import numpy as np
-    import tritonclient.grpc as grpcclient
-    kinds = {"max_tokens": ("INT32", np.int32), "temperature": ("FP32", np.float32), "top_p": ("FP32", np.float32),
-             "top_k": ("INT32", np.int32), "seed": ("UINT64", np.uint64)}
-    values = {"text_input": ("BYTES", np.array([prompt.encode()], dtype=object)), "stream": ("BOOL", np.array([stream])),
-              "exclude_input_in_output": ("BOOL", np.array([True]))}    # the completion alone, as from llm
-    for key, value in sampling.items():
-        if key in kinds:
-            dtype, np_type = kinds[key]
-            values[key] = (dtype, np.array([value], dtype=np_type))
-        else:
-            values[key] = ("BYTES", np.array([str(value).encode()], dtype=object))
-    inputs = []
-    for name, (dtype, array) in values.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
 
 
 if __name__ == "__main__":

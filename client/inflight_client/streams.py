@@ -59,30 +59,63 @@ def as_list(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
+def _tensor(name: str, array: np.ndarray, dtype: str):
+    import tritonclient.grpc as grpcclient
+    t = grpcclient.InferInput(name, list(array.shape), dtype)
+    t.set_data_from_numpy(array)
+    return t
+
+
 def grpc_inputs(prompt: str | list[int], stream: bool = True, sampling: dict | None = None,
                 **flags: bool | str):
     """InferInputs for the llm model: text_input or input_ids, stream, sampling_parameters JSON,
     and any BOOL flags (return_finish_reason=True, ...) or STRING inputs (priority='high')."""
-    import tritonclient.grpc as grpcclient
-
-    def tensor(name, array, dtype):
-        t = grpcclient.InferInput(name, list(array.shape), dtype)
-        t.set_data_from_numpy(array)
-        return t
-
     inputs = []
     if isinstance(prompt, str):
-        inputs.append(tensor("text_input", np.array([prompt.encode()], dtype=object), "BYTES"))
+        inputs.append(_tensor("text_input", np.array([prompt.encode()], dtype=object), "BYTES"))
     else:
-        inputs.append(tensor("input_ids", np.asarray(prompt, dtype=np.int32), "INT32"))
-    inputs.append(tensor("stream", np.array([stream]), "BOOL"))
+        inputs.append(_tensor("input_ids", np.asarray(prompt, dtype=np.int32), "INT32"))
+    inputs.append(_tensor("stream", np.array([stream]), "BOOL"))
     if sampling:
-        inputs.append(tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=object), "BYTES"))
+        inputs.append(_tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=object), "BYTES"))
     for name, value in flags.items():
         if isinstance(value, bool):
-            inputs.append(tensor(name, np.array([value]), "BOOL"))
+            inputs.append(_tensor(name, np.array([value]), "BOOL"))
         else:
-            inputs.append(tensor(name, np.array([str(value).encode()], dtype=object), "BYTES"))
+            inputs.append(_tensor(name, np.array([str(value).encode()], dtype=object), "BYTES"))
+    return inputs
+
+
+# the ensemble's numeric inputs and their types (model_repository/ensemble/config.pbtxt)
+ENSEMBLE_TYPES = {"max_tokens": "INT32", "min_tokens": "INT32", "min_length": "INT32", "top_k": "INT32",
+                  "end_id": "INT32", "pad_id": "INT32", "temperature": "FP32", "top_p": "FP32",
+                  "repetition_penalty": "FP32", "frequency_penalty": "FP32", "presence_penalty": "FP32",
+                  "seed": "UINT64", "random_seed": "UINT64"}
+FP32_MAX = float(np.finfo(np.float32).max)
+_TYPE_RANGES = {"INT32": (np.int32, int, -2**31, 2**31 - 1, "an integer in [-2**31, 2**31)"),
+                "UINT64": (np.uint64, int, 0, 2**64 - 1, "an integer in [0, 2**64)"),
+                "FP32": (np.float32, (int, float), -FP32_MAX, FP32_MAX, f"a finite number within +-{FP32_MAX:.7g}")}
+
+
+def ensemble_inputs(prompt: str, stream: bool = True, **values):
+    """InferInputs for the ensemble (TensorRT-LLM's tensor names, no batch dimension): text_input,
+    stream, and one tensor per value: numbers as ENSEMBLE_TYPES declares them, bools as BOOL,
+    strings (a list of them for stop_words, bad_words) as BYTES. A number outside its input's type
+    is a ValueError naming the input, where numpy would wrap it or overflow to inf."""
+    inputs = [_tensor("text_input", np.array([prompt.encode()], dtype=object), "BYTES"),
+              _tensor("stream", np.array([stream]), "BOOL")]
+    for name, value in values.items():
+        if isinstance(value, bool):
+            inputs.append(_tensor(name, np.array([value]), "BOOL"))
+        elif name in ENSEMBLE_TYPES:
+            dtype = ENSEMBLE_TYPES[name]
+            np_type, kinds, low, high, wording = _TYPE_RANGES[dtype]
+            if not isinstance(value, kinds) or not low <= value <= high:      # NaN fails too
+                raise ValueError(f"'{name}' ({dtype}) must be {wording}, got {value!r}")
+            inputs.append(_tensor(name, np.array([value], dtype=np_type), dtype))
+        else:
+            words = value if isinstance(value, list) else [value]
+            inputs.append(_tensor(name, np.array([str(w).encode() for w in words], dtype=object), "BYTES"))
     return inputs
 
 
