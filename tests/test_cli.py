@@ -118,3 +118,72 @@ def test_ensemble_inputs_are_typed_as_the_ensemble_declares_and_range_checked():
     for bad in ({"max_tokens": 2**31}, {"seed": -1}, {"top_p": 1e39}, {"temperature": float("nan")}, {"top_k": 1.5}):
         with pytest.raises(ValueError, match=f"'{next(iter(bad))}'"):
             ensemble_inputs("x", **bad)
+
+
+@pytest.mark.parametrize("model, said", [("llm", "[interrupted: request cancelled]"),
+                                         ("ensemble", "[interrupted: the ensemble's llm request runs to its end on the server]")])
+def test_ctrl_c_says_whether_the_server_stops(capsys, monkeypatch, model, said):
+    """Triton checks an ensemble's cancellation only between its steps: its llm step runs on."""
+    import inflight_client.cli as cli
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_complete", interrupted)
+    assert main(["--model", model, "The assert statement"]) == 130
+    assert capsys.readouterr().err.strip() == said
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-stream"]])
+def test_an_http_client_at_the_grpc_port_is_told_so(capsys, extra):
+    """Triton's gRPC port answers an HTTP/1.1 request with HTTP/2 frames: not the server's fault."""
+    import concurrent.futures
+    import grpc
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+    url = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        assert main(["--protocol", "http", "--url", url, *extra, "The assert statement"]) == 1
+    finally:
+        server.stop(0)
+    assert capsys.readouterr().err.startswith(f"error: {url} is not an HTTP Triton endpoint")
+
+
+def test_a_closed_stdout_ends_quietly():
+    """`inflight-client ... | head -c 5`: Python's documented SIGPIPE handling (stdout to devnull,
+    exit status 1), no message blaming the server and no traceback at exit."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import inflight_client
+
+    class Triton(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b"".join(b'data: {"text_output": "word "}\n\n' for _ in range(64))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Triton)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    read, write = os.pipe()
+    os.close(read)                  # the reader has gone before the first write
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(inflight_client.__file__))}
+    try:
+        done = subprocess.run([sys.executable, "-m", "inflight_client.cli", "--protocol", "http", "--url",
+                               f"127.0.0.1:{server.server_address[1]}", "The assert statement"],
+                              stdout=write, stderr=subprocess.PIPE, env=env, timeout=60)
+    finally:
+        os.close(write)
+        server.shutdown()
+    assert done.returncode == 1 and done.stderr == b"", done.stderr.decode()

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import http.client
 import math
+import os
 import sys
 import time
 
@@ -47,23 +48,35 @@ def main(argv: list[str] | None = None) -> int:
 
     def show(chunk: str) -> None:
         shown.append(chunk)
-        sys.stdout.write(chunk)
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+        except BrokenPipeError as exc:      # the reader went away (| head): not the server's fault
+            raise _StdoutClosed from exc
 
     url = args.url or _DEFAULT_URL[args.protocol]
     try:
         out = _complete(args, url, sampling, stream, show)
-    except KeyboardInterrupt:        # leaving the stream has cancelled the request on the server
-        print("\n[interrupted: request cancelled]", file=sys.stderr)
+        show("\n")
+    except _StdoutClosed:            # leaving the stream has cancelled the request, as below
+        return _stdout_closed()
+    except KeyboardInterrupt:
+        if args.model == "ensemble":     # Triton checks an ensemble's cancellation only between its steps
+            print("\n[interrupted: the ensemble's llm request runs to its end on the server]", file=sys.stderr)
+        else:                        # leaving the stream has cancelled the request on the server
+            print("\n[interrupted: request cancelled]", file=sys.stderr)
         return 130
     except (OSError, http.client.HTTPException, grpc_errors()) as exc:     # one line, not a traceback
+        if not shown and isinstance(exc, http.client.BadStatusLine) and not isinstance(exc, ConnectionError):
+            print(f"error: {url} is not an HTTP Triton endpoint: its reply is not HTTP/1.1 "
+                  f"(the gRPC port? Triton's HTTP port is 8000 by default)", file=sys.stderr)
+            return 1
         if shown or isinstance(exc, http.client.HTTPException):      # it answered, then broke off
             print(f"\nerror: the server at {url} ended the response early ({type(exc).__name__})", file=sys.stderr)
             return 1
         print(f"error: cannot reach the server at {url} ({args.protocol}): "
               f"{getattr(exc, 'details', lambda: None)() or exc}", file=sys.stderr)
         return 1
-    sys.stdout.write("\n")
     if out.error:
         print(f"error: {out.error}", file=sys.stderr)
         return 1
@@ -74,6 +87,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _DEFAULT_URL = {"grpc": "localhost:8001", "http": "localhost:8000"}
+
+
+class _StdoutClosed(Exception):
+    """stdout's reader is gone (a BrokenPipeError writing to it)."""
+
+
+def _stdout_closed() -> int:
+    """Python's documented handling of SIGPIPE: point stdout at devnull, so that the flush at exit
+    does not raise again, and exit with status 1, quietly."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
 
 
 def _host_port(value: str) -> str:
