@@ -63,18 +63,10 @@ def test_an_empty_text_input_starts_from_the_bos_as_the_vllm_backend(server, tok
 
 
 def test_ensemble_streams_the_same_text_as_llm(server):
-    import numpy as np
-    import tritonclient.grpc as grpcclient
+    from inflight_client.streams import ensemble_inputs
     prompt = PROMPTS[2]
     llm = run_streams(server, [llm_stream(prompt)])[0]
-    inputs = []
-    for name, dtype, value in (("text_input", "BYTES", np.array([prompt.encode()], dtype=object)),
-                               ("max_tokens", "INT32", np.array([24], dtype=np.int32)),
-                               ("temperature", "FP32", np.array([0.0], dtype=np.float32)),
-                               ("stream", "BOOL", np.array([True]))):
-        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
+    inputs = ensemble_inputs(prompt, True, max_tokens=24, temperature=0.0)
     ensemble = run_streams(server, [{"model": "ensemble", "inputs": inputs}])[0]
     assert ensemble.error is None and ensemble.text == llm.text and len(ensemble.chunks) > 1
     http = http_stream(server.http_url, "ensemble", {"text_input": prompt, "max_tokens": 24, "temperature": 0.0,
