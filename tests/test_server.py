@@ -86,6 +86,30 @@ def test_ensemble_streams_the_same_text_as_llm(server):
     assert off.get("text_output") == llm.text, off
 
 
+def test_the_ensemble_samples_and_ends_as_tensorrt_llm_reads_its_inputs(server):
+    """TensorRT-LLM is greedy unless top_k or top_p is above 0, whatever the temperature (its
+    example request, with no knobs, gives one text), and end_id is the token that ends generation,
+    in place of EOS."""
+    def ensemble(**inputs):
+        return http_generate(server.http_url, "ensemble", {"text_input": "hi", "max_tokens": 24,
+                                                           "exclude_input_in_output": True, **inputs})
+    greedy_text = ensemble(temperature=0.0)["text_output"]
+    for knobs in ({}, {}, {"top_k": 0, "top_p": 0.0}, {"temperature": 0.7, "seed": 8}):
+        assert ensemble(**knobs).get("text_output") == greedy_text, knobs
+    # sampled with seed 8, "hi" ends on EOS after 6 tokens
+    sampled = ensemble(top_p=1.0, seed=8)["text_output"]
+    assert sampled != greedy_text and ensemble(top_p=1.0, seed=8, end_id=2)["text_output"] == sampled
+    past_eos = ensemble(top_p=1.0, seed=8, end_id=4095)["text_output"]
+    assert past_eos.startswith(sampled) and len(past_eos) > len(sampled)
+    assert "'top_k' must be 0 (off) or more, got -1" in ensemble(top_k=-1).get("error", "")
+    # a key that is no ensemble input reaches the steps as a parameter: refused by name
+    error = ensemble(length_penalty=1.0).get("error", "")
+    assert "unknown input(s) ['length_penalty']; the ensemble's inputs: [" in error, error
+    # postprocessing is a public model too
+    reply = http_generate(server.http_url, "postprocessing", {"token_ids": [-1], "context_ids": []})
+    assert "'token_ids' must hold token ids (0 or more), got -1" in reply.get("error", ""), reply
+
+
 def test_streamed_text_equals_non_streamed_text(server):
     for prompt in PROMPTS[3:6]:
         stream = run_streams(server, [llm_stream(prompt, 40)])[0]

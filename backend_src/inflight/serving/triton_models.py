@@ -24,8 +24,8 @@ from ..context_length import checkpoint_max_len
 from ..detokenizer import decode_delta
 from ..structured import json_value
 from .metrics import EngineMetrics
-from .protocol import (BOOL_INPUTS, RequestError, bytes_per_token, check_text_size, one_value, parse_request,
-                       string_input, string_value)
+from .protocol import (BOOL_INPUTS, IGNORED_PARAMETERS, RequestError, bytes_per_token, check_text_size, one_value,
+                       parse_request, string_input, string_value)
 from .startup import (check_checkpoint, check_tokenizer, engine_config, engine_errors, one_line_errors,
                       StartupError, read_settings, tokenizer_error)
 
@@ -304,6 +304,10 @@ TRTLLM_KNOBS = {
     "seed": ("seed", int), "random_seed": ("seed", int), "repetition_penalty": ("repetition_penalty", float),
     "frequency_penalty": ("frequency_penalty", float), "presence_penalty": ("presence_penalty", float),
 }
+# the ensemble's inputs preprocessing reads (the others, stream and exclude_input_in_output, go to llm as they are)
+PREPROCESSING_INPUTS = ("text_input", "stop_words", "bad_words", "end_id", "pad_id", "return_log_probs", "priority",
+                        "cache_salt", "lora_name", "guided_decoding_guide_type", "guided_decoding_guide", *TRTLLM_KNOBS)
+ENSEMBLE_INPUTS = sorted((*PREPROCESSING_INPUTS, "stream", "exclude_input_in_output"))
 # TensorRT-LLM guided_decoding_guide_type -> the llm's structured_outputs key (None: needs no guide)
 GUIDE_TYPES = {"json": None, "json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar"}
 
@@ -319,22 +323,29 @@ class TokenizerModel:
         exit_with_server()
         settings = llm_settings(args["model_repository"])
         self.tokenizer = load_tokenizer(settings, without_torch=True)
-        # llm's bound on a text prompt, before tokenizing it (the engine's max_model_len is within both)
-        self.max_model_len = settings.engine.max_model_len or checkpoint_max_len(settings.model_dir)
-        self.bytes_per_token = bytes_per_token(self.tokenizer)
+        self.settings = settings
 
 
 class PreprocessingModel(TokenizerModel):
+    @one_line_errors
+    def initialize(self, args) -> None:
+        super().initialize(args)
+        # llm's bound on a text prompt, before tokenizing it (the engine's max_model_len is within both)
+        self.max_model_len = self.settings.engine.max_model_len or checkpoint_max_len(self.settings.model_dir)
+        self.bytes_per_token = bytes_per_token(self.tokenizer)
+
     def execute(self, requests):
         return [self._one(request) for request in requests]
 
     def _one(self, request):
         pb = self.pb
         try:
-            inputs = read_inputs(pb, request, ("text_input", "stop_words", "bad_words", "end_id", "pad_id",
-                                               "return_log_probs", "priority", "cache_salt", "lora_name",
-                                               "guided_decoding_guide_type", "guided_decoding_guide", *TRTLLM_KNOBS))
-            input_ids, sampling = self.translate(inputs)
+            # a key of an HTTP generate request that names no input arrives as a parameter, which
+            # Triton hands to every step: llm would take it as one of its own knobs
+            unknown = sorted(set(request_parameters(request)) - IGNORED_PARAMETERS)
+            if unknown:
+                raise RequestError(f"unknown input(s) {unknown}; the ensemble's inputs: {ENSEMBLE_INPUTS}")
+            input_ids, sampling = self.translate(read_inputs(pb, request, PREPROCESSING_INPUTS))
         except RequestError as exc:
             return pb.InferenceResponse(error=pb.TritonError(str(exc)))
         return pb.InferenceResponse(output_tensors=[
@@ -362,8 +373,7 @@ class PreprocessingModel(TokenizerModel):
                 if knob in sampling:
                     raise RequestError(f"'{name}' and another name for '{knob}' are both given")
                 sampling[knob] = kind(value)
-        if sampling.get("top_p", 1) <= 0:     # TensorRT-LLM's "top_p off" (its model drops top_p <= 0)
-            del sampling["top_p"]
+        _trtllm_sampling(sampling)
         for name, knob in (("stop_words", "stop"), ("bad_words", "bad_words")):
             if name in inputs:
                 words = [string_value(name, w) for w in inputs[name].reshape(-1)]
@@ -372,11 +382,12 @@ class PreprocessingModel(TokenizerModel):
         if "return_log_probs" in inputs and bool(_scalar("return_log_probs", inputs["return_log_probs"])):
             raise RequestError("'return_log_probs' is not available through the ensemble; "
                                "ask the llm model with 'return_logprobs'")
-        if "end_id" in inputs:          # TensorRT-LLM's end token: a stop token here
+        if "end_id" in inputs:          # TensorRT-LLM's end token: it ends generation instead of EOS
             end_id, vocab = int(_scalar("end_id", inputs["end_id"])), len(self.tokenizer)
             if not 0 <= end_id < vocab:
                 raise RequestError(f"'end_id' must be a token id in [0, {vocab}), got {end_id}")
             sampling["stop_token_ids"] = [end_id]
+            sampling["ignore_eos"] = True
         for name in ("priority", "cache_salt", "lora_name"):
             if name in inputs:
                 sampling[name] = string_input(name, inputs[name])
@@ -384,6 +395,20 @@ class PreprocessingModel(TokenizerModel):
         if constraint is not None:
             sampling["structured_outputs"] = constraint
         return self.tokenizer(prompt)["input_ids"], sampling
+
+
+def _trtllm_sampling(sampling: dict) -> None:
+    """TensorRT-LLM's rule for top_k and top_p: greedy unless either is above 0 (its default, both
+    0, is greedy, whatever the temperature); a 0 or less is that filter off."""
+    if sampling.get("top_k", 0) < 0:
+        raise RequestError(f"'top_k' must be 0 (off) or more, got {sampling['top_k']}")
+    top_k, top_p = sampling.pop("top_k", 0), sampling.pop("top_p", 0.0)
+    if top_k == 0 and top_p <= 0 and sampling.get("temperature", 0.0) >= 0:     # a negative one: llm refuses it
+        sampling["temperature"] = 0.0
+    if top_k > 0:
+        sampling["top_k"] = top_k
+    if top_p > 0:
+        sampling["top_p"] = top_p
 
 
 def _guided_decoding(inputs: dict) -> dict | None:
@@ -421,14 +446,27 @@ def _scalar(name: str, array: np.ndarray):
 
 
 class PostprocessingModel(TokenizerModel):
+    """Decodes the text llm's token ids add to their context; also a public model, so its ids are checked."""
+
     def execute(self, requests):
         pb = self.pb
         responses = []
         for request in requests:
             inputs = read_inputs(pb, request, ("token_ids", "context_ids"))
-            new = inputs.get("token_ids", np.zeros(0, dtype=np.int32)).reshape(-1).tolist()
-            context = inputs.get("context_ids", np.zeros(0, dtype=np.int32)).reshape(-1).tolist()
+            try:
+                new, context = (self._ids(name, inputs[name]) for name in ("token_ids", "context_ids"))
+            except RequestError as exc:
+                responses.append(pb.InferenceResponse(error=pb.TritonError(str(exc))))
+                continue
             text = decode_delta(self.tokenizer, context, new)
             responses.append(pb.InferenceResponse(output_tensors=[
                 pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object))]))
         return responses
+
+    @staticmethod
+    def _ids(name: str, array: np.ndarray) -> list[int]:
+        """Negative ids fail the tokenizer's decode; ids past its vocabulary (a padded one) decode to ''."""
+        ids = array.reshape(-1).tolist()
+        if any(token < 0 for token in ids):
+            raise RequestError(f"'{name}' must hold token ids (0 or more), got {min(ids)}")
+        return ids
