@@ -81,7 +81,7 @@ def test_an_error_page_that_is_not_json_is_one_line_with_the_status(capsys, extr
     (["--url", "localhost:abc"], "--url"), (["--url", "localhost:0"], "--url"), (["--url", "localhost:65536"], "--url"),
     (["--url", ":8001"], "--url"), (["--url", "http://localhost:8000"], "--url"),
     (["--max-tokens", "0"], "--max-tokens"), (["--max-tokens", "3000000000"], "--max-tokens"),
-    (["--top-k", "-2"], "--top-k"), (["--top-k", str(2**31)], "--top-k"),
+    (["--top-k", "-2"], "--top-k"), (["--top-k", str(2**31)], "--top-k"), (["--model", "ensemble", "--top-k", "-1"], "--top-k"),
     (["--seed", str(2**64)], "--seed"), (["--model", "ensemble", "--seed", "-1"], "--seed"),
     (["--temperature", "nan"], "--temperature"), (["--top-p", "1e39"], "--top-p"),
     (["--cancel-after", "0"], "--cancel-after")])
@@ -98,11 +98,11 @@ def test_the_extreme_values_in_range_reach_the_request(monkeypatch):
     import inflight_client.cli as cli
     sent = []
     monkeypatch.setattr(cli, "_complete", lambda args, url, sampling, stream, show: sent.append((url, sampling)) or cli.Completion())
-    assert main(["--model", "ensemble", "--url", "[::1]:65535", "--seed", str(2**64 - 1), "--top-k", "-1",
+    assert main(["--model", "ensemble", "--url", "[::1]:65535", "--seed", str(2**64 - 1), "--top-k", "0",
                  "--max-tokens", str(2**31 - 1), "The assert statement"]) == 0
-    assert main(["--seed", str(-2**63), "The assert statement"]) == 0       # llm's seed is signed or not
-    assert sent[0] == ("[::1]:65535", {"max_tokens": 2**31 - 1, "temperature": 0.0, "top_k": -1, "seed": 2**64 - 1})
-    assert sent[1][1]["seed"] == -2**63
+    assert main(["--seed", str(-2**63), "--top-k", "-1", "The assert statement"]) == 0    # llm's seed is signed or not
+    assert sent[0] == ("[::1]:65535", {"max_tokens": 2**31 - 1, "temperature": 0.0, "top_k": 0, "seed": 2**64 - 1})
+    assert sent[1][1]["seed"] == -2**63 and sent[1][1]["top_k"] == -1
     assert cli._http_payload("ensemble", "x", sent[0][1], True) == {
         "text_input": "x", "stream": True, "exclude_input_in_output": True, **sent[0][1]}
 

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=_integer(1, 2**31 - 1), default=64)      # the ensemble's INT32
     parser.add_argument("--temperature", type=_finite, default=0.0)
     parser.add_argument("--top-p", type=_finite)
-    parser.add_argument("--top-k", type=_integer(-1, 2**31 - 1), help="-1 or 0: off")
+    parser.add_argument("--top-k", type=_integer(-1, 2**31 - 1), help="0 (or -1 for llm): off")
     parser.add_argument("--seed", type=_integer(-2**63, 2**64 - 1), help="the ensemble's: 0 to 2**64-1")
     parser.add_argument("--priority", choices=("high", "normal", "low"))
     parser.add_argument("--no-stream", action="store_true", help="one response with the whole text")
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.model == "ensemble" and args.seed is not None and args.seed < 0:     # its seed input is UINT64
         parser.error(f"argument --seed: the ensemble's seed must be in [0, 2**64), got {args.seed}")
+    if args.model == "ensemble" and args.top_k is not None and args.top_k < 0:   # TensorRT-LLM's top_k: 0 is off
+        parser.error(f"argument --top-k: the ensemble's top_k must be 0 (off) or more, got {args.top_k}")
 
     sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     for key in ("top_p", "top_k", "seed", "priority"):
