@@ -1,10 +1,12 @@
 """Static checks of the deployment files (docker/, docs/scaling.md); no docker engine needed.
 
 The Dockerfiles' pins agree with requirements.txt, what they COPY exists and reaches the build context,
-the GPU image starts tritonserver with launch.py's PRODUCTION_FLAGS, compose and Kubernetes YAML parse
-and agree on image, ports and probes, and the Dockerfiles pass hadolint (skipped, with the reason, where
-hadolint is not installed).
+the GPU image starts tritonserver with launch.py's PRODUCTION_FLAGS, the CPU image has the layout
+launch.py expects, the OpenAI server's image installs what its code imports with requirements.txt's pins
+and runs it as `make serve` would, compose and Kubernetes YAML parse and agree on images, ports and
+probes, and the Dockerfiles pass hadolint (skipped, with the reason, where hadolint is not installed).
 """
+import ast
 import json
 import os
 import re
@@ -12,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 
 import pytest
 import yaml
@@ -23,9 +26,13 @@ from inflight.serving.metrics import GAUGES
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCKER = os.path.join(REPO, "docker")
 K8S = os.path.join(DOCKER, "k8s")
-DOCKERFILES = ("Dockerfile", "Dockerfile.cpu")
+DOCKERFILES = ("Dockerfile", "Dockerfile.cpu")            # the Triton images
+ALL_DOCKERFILES = (*DOCKERFILES, "Dockerfile.openai")
 PORTS = {8000, 8001, 8002}
+OPENAI_PORT = 9000
 READY, LIVE = "/v2/health/ready", "/v2/health/live"
+OPENAI_HEALTH = "/health"
+SHIPPED_MODEL = os.path.join(REPO, "model_repository", "llm", "1", "inflight-tiny")
 PIN = re.compile(r"(?<![\w.-])([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?==([0-9][0-9A-Za-z.+!-]*)")
 
 
@@ -93,9 +100,32 @@ def k8s_objects() -> dict:
     return objects
 
 
-def project_image() -> str:
+def project_image(name: str = "inflight") -> str:
     version = re.search(r'^version\s*=\s*"([^"]+)"', read("pyproject.toml"), re.M).group(1)
-    return f"inflight:{version}"
+    return f"{name}:{version}"
+
+
+def openai_args(argv: list[str], model_dirs: dict[str, str]):
+    """The OpenAI server's own argument parsing of a deployed command line (its flags exist, its
+    checkpoint's config gives a context length), with the image's paths mapped to this checkout."""
+    from inflight_client.openai_server.cli import parse_args
+    assert argv[0] == "inflight-openai", argv
+    assert "inflight-openai" in tomllib.loads(read("pyproject.toml"))["project"]["scripts"]
+    argv = [model_dirs.get(arg, arg) for arg in argv[1:]]
+    return parse_args(argv)
+
+
+def make_serve_openai_flags(model_json: str) -> tuple[list[str], int]:
+    """What launch.start_openai_server passes for this model.json: the LoRA adapters' names and
+    --max-triton-requests (max_num_seqs + max_queue_size)."""
+    with open(model_json) as f:
+        settings = json.load(f)
+    engine = EngineConfig.from_dict(settings["engine"])
+    loras = []
+    if settings.get("enable_lora"):
+        with open(os.path.join(os.path.dirname(model_json), "multi_lora.json")) as f:
+            loras = sorted(json.load(f))
+    return loras, engine.max_num_seqs + engine.max_queue_size
 
 
 # ---- Dockerfiles ------------------------------------------------------------------------------------
@@ -115,9 +145,12 @@ def test_dockerfile_pins_match_requirements(dockerfile):
     assert expected <= set(found), f"{dockerfile} does not install {sorted(expected - set(found))}"
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+@pytest.mark.parametrize("dockerfile", ALL_DOCKERFILES)
 def test_every_pip_install_is_pinned(dockerfile):
+    """Pinned with ==, or a name whose pin comes from requirements.txt as a constraints file, or this
+    project itself (a local path, without dependencies)."""
     takes_value = {"--index-url", "--extra-index-url", "-i", "-r", "-c", "--constraint", "-f", "--find-links"}
+    pins, _ = requirements()
     installs = 0
     for instr, args in instructions(dockerfile):
         if instr != "RUN":
@@ -128,18 +161,22 @@ def test_every_pip_install_is_pinned(dockerfile):
                 continue
             installs += 1
             rest = words[words.index("install") + 1:]
+            constrained = any(w in ("-c", "--constraint") for w in rest)
             skip = False
             for word in rest:
                 if skip:
                     skip = False
                 elif word in takes_value:
                     skip = True
+                elif word.startswith(("/", ".")):
+                    assert "--no-deps" in rest, f"{dockerfile}: pip install {word} without --no-deps"
                 elif not word.startswith("-"):
-                    assert PIN.fullmatch(word), f"{dockerfile}: unpinned pip install argument {word!r}"
+                    assert PIN.fullmatch(word) or (constrained and normalize(word) in pins), \
+                        f"{dockerfile}: unpinned pip install argument {word!r}"
     assert installs, f"{dockerfile} has no pip install"
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+@pytest.mark.parametrize("dockerfile", ALL_DOCKERFILES)
 def test_copy_sources_exist_and_reach_the_build_context(dockerfile):
     ignore = read("docker", f"{dockerfile}.dockerignore").split()
     for instr, args in instructions(dockerfile):
@@ -182,10 +219,157 @@ def test_gpu_image_runs_tritonserver_with_the_production_flags():
         f"CMD does not carry launch.PRODUCTION_FLAGS in order:\n{cmd}\n{PRODUCTION_FLAGS}"
 
 
-def test_cpu_image_runs_the_launcher_in_production_mode():
+def copy_destinations(dockerfile: str) -> dict[str, str]:
+    return {words[0]: words[-1] for instr, args in instructions(dockerfile) if instr == "COPY"
+            for words in [[w for w in shlex.split(args) if not w.startswith("--")]] if len(words) == 2}
+
+
+def test_cpu_image_runs_the_launcher_in_production_mode_with_the_layout_it_expects():
+    """launch.py finds the shipped repository (--model and --engine start from its model.json) beside
+    backend_src/: the image copies it there, and /models links to it for --model-repository=/models."""
     cmd = json.loads(only("Dockerfile.cpu", "CMD"))
     assert cmd[:3] == ["python", "-m", "inflight.serving.launch"] and "--production" in cmd
-    assert "--model-repository=/models" in cmd
+    assert not any(arg.startswith("--model-repository") for arg in cmd), "the launcher's default repository"
+    copies = copy_destinations("Dockerfile.cpu")
+    root = os.path.dirname(copies["backend_src/"].rstrip("/"))
+    assert copies["kernels/"].rstrip("/") == f"{root}/kernels"
+    assert copies["model_repository/"].rstrip("/") == f"{root}/model_repository"
+    assert any(f"ln -s {root}/model_repository /models" in args for i, args in instructions("Dockerfile.cpu")
+               if i == "RUN")
+
+
+# ---- the OpenAI server's image ---------------------------------------------------------------------
+
+OPENAI_SERVER = os.path.join(REPO, "client", "inflight_client", "openai_server")
+# import names whose distribution has another name, or comes with one that is installed
+IMPORT_DISTRIBUTION = {"pydantic_core": "pydantic", "yaml": "pyyaml", "jinja2": "jinja2"}
+
+
+def _imports(path: str, everywhere: bool) -> list[tuple[str, int]]:
+    """(module, level) imported by a file: everywhere, or only at module level (the import that runs
+    when the module is imported, in top-level try/if blocks included)."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    nodes = ast.walk(tree) if everywhere else [
+        node for top in tree.body for node in ast.walk(top) if not isinstance(top, (ast.FunctionDef,
+                                                                                     ast.AsyncFunctionDef,
+                                                                                     ast.ClassDef))]
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [(alias.name, 0) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.module or "", node.level))
+            found += [(f"{node.module}.{alias.name}" if node.module else alias.name, node.level)
+                      for alias in node.names]
+    return found
+
+
+def _module_file(module: str) -> str | None:
+    base = os.path.join(REPO, "backend_src", *module.split("."))
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def openai_server_third_party_imports() -> dict[str, str]:
+    """Third-party top-level module -> a file importing it: every import of the OpenAI server's own
+    files (lazy ones included), and the module-level imports of the engine modules they import."""
+    third_party, seen = {}, set()
+    todo = [(os.path.join(OPENAI_SERVER, name), True, "inflight_client.openai_server")
+            for name in sorted(os.listdir(OPENAI_SERVER)) if name.endswith(".py")]
+    while todo:
+        path, everywhere, package = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for module, level in _imports(path, everywhere):
+            if level:
+                module = ".".join(package.split(".")[:len(package.split(".")) - level + 1] + ([module] if module else []))
+            top = module.split(".")[0]
+            if top in ("inflight_client", "__future__") or top in sys.stdlib_module_names or not top:
+                continue
+            if top == "inflight":
+                parts = module.split(".")
+                for i in range(1, len(parts) + 1):      # each package's __init__ runs too
+                    found = _module_file(".".join(parts[:i]))
+                    if found:
+                        is_package = found.endswith("__init__.py")
+                        todo.append((found, False, ".".join(parts[:i]) if is_package else ".".join(parts[:i - 1])))
+                continue
+            third_party.setdefault(top, os.path.relpath(path, REPO))
+    return third_party
+
+
+def openai_image_packages() -> tuple[set, str]:
+    """The names the OpenAI image's pip installs, and the RUN that installs them."""
+    for instr, args in instructions("Dockerfile.openai"):
+        if instr == "RUN" and "-c" in shlex.split(args):
+            command = next(c for c in args.split("&&") if "pip" in c and "install" in c)
+            words = shlex.split(command)
+            rest, names, skip = words[words.index("install") + 1:], set(), False
+            for word in rest:
+                if skip:
+                    skip = False
+                elif word in ("-c", "--constraint"):
+                    skip = True
+                elif not word.startswith("-"):
+                    names.add(normalize(word))
+            return names, args
+    raise AssertionError("Dockerfile.openai: no pip install with requirements.txt as constraints")
+
+
+def test_openai_image_installs_the_openai_block_with_requirements_pins():
+    pins, _ = requirements()
+    names, run = openai_image_packages()
+    openai_block, section = set(), None
+    for line in read("requirements.txt").splitlines():
+        if line.startswith("# ---"):
+            section = line
+        elif section and "OpenAI" in section and PIN.match(line.split("#")[0].strip() or "#"):
+            openai_block.add(normalize(PIN.match(line.split("#")[0].strip()).group(1)))
+    assert openai_block and openai_block <= names, f"Dockerfile.openai leaves out {sorted(openai_block - names)}"
+    assert names <= set(pins), f"Dockerfile.openai installs {sorted(names - set(pins))}, not pinned in requirements.txt"
+    assert "torch" not in names, "the OpenAI server needs no torch"
+    # the constraints file is requirements.txt itself, copied in, with only the extras cut
+    copies = copy_destinations("Dockerfile.openai")
+    constraints = shlex.split(run)[shlex.split(run).index("-c") + 1]
+    assert f"{copies['requirements.txt']} > {constraints}" in run
+    assert not PIN.search(read("docker", "Dockerfile.openai")), "versions belong in requirements.txt only"
+
+
+def test_openai_image_installs_what_the_openai_server_imports():
+    """Every third-party module the OpenAI server's files import (and the engine modules they
+    import load at module level) comes from a package the image installs."""
+    names, _ = openai_image_packages()
+    for module, where in sorted(openai_server_third_party_imports().items()):
+        distribution = normalize(IMPORT_DISTRIBUTION.get(module, module))
+        assert distribution in names, f"{where} imports {module}, which Dockerfile.openai does not install"
+
+
+def test_openai_image_runs_the_server_as_make_serve_would_for_the_shipped_model():
+    base = only("Dockerfile.openai", "FROM")
+    image, _, tag = base.partition(":")
+    assert image == "python" and re.match(r"3\.1[12]-", tag), f"Python 3.11 or 3.12, pinned: {base}"
+    assert {int(p) for p in only("Dockerfile.openai", "EXPOSE").split()} == {OPENAI_PORT}
+    assert f"localhost:{OPENAI_PORT}{OPENAI_HEALTH}" in only("Dockerfile.openai", "HEALTHCHECK")
+    assert only("Dockerfile.openai", "USER").split(":")[0] not in ("0", "root")
+    # the package is installed (the command and /version), from the same sources as the other images
+    copies = copy_destinations("Dockerfile.openai")
+    assert {"pyproject.toml", "backend_src/", "kernels/", "client/"} <= set(copies)
+    assert os.path.dirname(copies["backend_src/"].rstrip("/")) == os.path.dirname(copies["kernels/"].rstrip("/"))
+    # the shipped model's tokenizer files (not its weights) where the command points
+    (tokenizer_copy,) = [args for instr, args in instructions("Dockerfile.openai")
+                         if instr == "COPY" and "inflight-tiny" in args]
+    *sources, model_dir = shlex.split(tokenizer_copy)
+    assert not any(src.endswith(".safetensors") for src in sources)
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {os.path.basename(s) for s in sources}
+    cmd = json.loads(only("Dockerfile.openai", "CMD"))
+    settings, args = openai_args(cmd, {model_dir.rstrip("/"): SHIPPED_MODEL})
+    assert args.port == OPENAI_PORT and args.host == "0.0.0.0" and args.triton_url == "localhost:8000"
+    loras, max_triton = make_serve_openai_flags(os.path.join(REPO, "model_repository", "llm", "1", "model.json"))
+    assert sorted(args.lora_modules) == loras and args.max_triton_requests == max_triton
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
@@ -208,7 +392,7 @@ def hadolint_binary() -> str | None:
     return local if os.access(local, os.X_OK) else shutil.which("hadolint")
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+@pytest.mark.parametrize("dockerfile", ALL_DOCKERFILES)
 def test_hadolint(dockerfile):
     binary = hadolint_binary()
     if binary is None:
@@ -240,6 +424,25 @@ def test_compose_service():
     assert os.path.isfile(os.path.join(DOCKER, default_json))
 
 
+def test_compose_openai_service_talks_to_the_triton_service():
+    (compose,) = load_yaml(os.path.join(DOCKER, "compose.yaml"))
+    service = compose["services"]["openai"]
+    assert service["image"] == project_image("inflight-openai")
+    assert service["build"]["dockerfile"] == "docker/Dockerfile.openai"
+    assert os.path.samefile(os.path.join(DOCKER, service["build"]["context"]), REPO)
+    assert service["ports"] == [f"{OPENAI_PORT}:{OPENAI_PORT}"]
+    assert any(f"localhost:{OPENAI_PORT}{OPENAI_HEALTH}" in word for word in service["healthcheck"]["test"])
+    assert "inflight" in service["depends_on"]
+    # compose fills in ${VAR:-default} (the default here), then splits the command as a shell would
+    command = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", service["command"])
+    settings, args = openai_args(shlex.split(command), {"/models/inflight-tiny": SHIPPED_MODEL})
+    triton = compose["services"]["inflight"]
+    assert args.triton_url == "inflight:8000" and "8000:8000" in triton["ports"]
+    assert args.port == OPENAI_PORT
+    loras, max_triton = make_serve_openai_flags(os.path.join(REPO, "model_repository", "llm", "1", "model.json"))
+    assert sorted(args.lora_modules) == loras and args.max_triton_requests == max_triton
+
+
 def test_compose_prometheus_scrapes_the_metrics_port():
     (compose,) = load_yaml(os.path.join(DOCKER, "compose.yaml"))
     prometheus = compose["services"]["prometheus"]
@@ -252,8 +455,11 @@ def test_compose_prometheus_scrapes_the_metrics_port():
 
 # ---- Kubernetes -------------------------------------------------------------------------------------
 
-def container_of(pod_spec: dict) -> dict:
-    (container,) = pod_spec["containers"]
+def container_of(pod_spec: dict, name: str | None = None) -> dict:
+    if name is None:
+        (container,) = pod_spec["containers"]
+        return container
+    (container,) = [c for c in pod_spec["containers"] if c["name"] == name]
     return container
 
 
@@ -283,15 +489,16 @@ def test_kustomization_lists_existing_files_and_the_image_tag():
     for generator in kustomization.get("configMapGenerator", []):
         for name in generator["files"]:
             assert os.path.isfile(os.path.join(K8S, name)), name
-    image, _, tag = project_image().partition(":")
-    assert [(i["name"], i["newTag"]) for i in kustomization["images"]] == [(image, tag)]
+    expected = [project_image(name).partition(":")[::2] for name in ("inflight", "inflight-openai")]
+    assert [(i["name"], i["newTag"]) for i in kustomization["images"]] == expected
 
 
 def test_deployment():
     objects = k8s_objects()
     deployment = objects[("Deployment", "inflight")]
     pod = deployment["spec"]["template"]
-    container = container_of(pod["spec"])
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["tritonserver", "openai"]
+    container = container_of(pod["spec"], "tritonserver")
     assert container["image"] == project_image()
     assert {p["containerPort"] for p in container["ports"]} == PORTS
     check_probes(container, "http")
@@ -306,6 +513,21 @@ def test_deployment():
     assert mounts["/checkpoints"]["readOnly"] and mounts["/models/llm/1/model.json"]["subPath"] == "model.json"
 
 
+def test_deployment_runs_the_openai_server_beside_tritonserver():
+    pod = k8s_objects()[("Deployment", "inflight")]["spec"]["template"]
+    container = container_of(pod["spec"], "openai")
+    assert container["image"] == project_image("inflight-openai")
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"openai": OPENAI_PORT}
+    readiness = container["readinessProbe"]["httpGet"]
+    assert readiness["path"] == OPENAI_HEALTH and readiness["port"] == "openai"
+    # liveness must not follow /health: that is 503 while Triton loads, which is no reason to restart
+    assert container["livenessProbe"].get("httpGet", {}).get("path") != OPENAI_HEALTH
+    settings, args = openai_args(container["command"], {"/models/inflight-tiny": SHIPPED_MODEL})
+    assert args.triton_url == "localhost:8000" and args.port == OPENAI_PORT
+    loras, max_triton = make_serve_openai_flags(os.path.join(K8S, "model.json"))
+    assert sorted(args.lora_modules) == loras and args.max_triton_requests == max_triton
+
+
 def test_model_json_for_kubernetes_is_a_valid_engine_config():
     with open(os.path.join(K8S, "model.json")) as f:
         settings = json.load(f)
@@ -315,7 +537,8 @@ def test_model_json_for_kubernetes_is_a_valid_engine_config():
 
 def test_service_ports():
     service = k8s_objects()[("Service", "inflight")]
-    assert {p["port"] for p in service["spec"]["ports"]} == PORTS
+    assert {p["port"] for p in service["spec"]["ports"]} == PORTS | {OPENAI_PORT}
+    assert {p["port"]: p["targetPort"] for p in service["spec"]["ports"]}[OPENAI_PORT] == "openai"
     assert service["spec"]["selector"] == k8s_objects()[("Deployment", "inflight")]["spec"]["selector"]["matchLabels"]
 
 
