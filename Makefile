@@ -63,7 +63,9 @@ bench-serve: venv
 perf-sweep: venv
 	$(PY) perf/perf_sweep.py $(BENCH_ARGS)
 
-# rebuild the shipped default model (tokenizer + weights) from pydoc text; about an hour on 2 cores
+# rebuild the shipped default model (tokenizer + weights) from pydoc text; about an hour on 2 cores. The
+# text differs between Python versions (the shipped model was built on 3.11.7), and the demo LoRA adapter
+# belongs to the model it was trained on: run `make lora-adapter` after
 model: venv
 	$(PY) scripts/build_default_model.py
 
