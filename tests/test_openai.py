@@ -300,6 +300,46 @@ def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, refere
                        for effort in ("low True", "none False")]
 
 
+def test_the_checkpoints_generation_config_sets_the_defaults_of_fields_a_request_leaves_out(
+        server, tmp_path, reference_engine, tokenizer, caplog):
+    """vLLM's --generation-config auto (its default): generation_config.json's sampling keys are the
+    defaults of requests that leave them out, and its max_new_tokens a chat's default max_tokens (a
+    completion's stays 16, as in vLLM); a request's own value wins. --generation-config vllm
+    ignores them. (The shipped model's generation_config.json sets none: only its token ids.)"""
+    from inflight_client.openai_server.cli import parse_args
+    from inflight_client.openai_server.generation_config import diff_sampling_params, sampling_defaults
+    checkpoint = tmp_path / "checkpoint"        # the tokenizer and config, with sampling defaults
+    checkpoint.mkdir()
+    for name in os.listdir(DEFAULT_MODEL):
+        if name.endswith(".json"):
+            shutil.copy(os.path.join(DEFAULT_MODEL, name), checkpoint)
+    config = json.loads((checkpoint / "generation_config.json").read_text())
+    assert not diff_sampling_params(config), "the shipped model sets no sampling defaults"
+    (checkpoint / "generation_config.json").write_text(json.dumps(
+        {**config, "do_sample": True, "temperature": 0.0, "repetition_penalty": 1.8, "max_new_tokens": 5}))
+    with caplog.at_level("WARNING", logger="inflight.openai"):
+        assert sampling_defaults(str(checkpoint)) == {"temperature": 0.0, "repetition_penalty": 1.8, "max_tokens": 5}
+    assert "generation_config.json" in caplog.text and "--generation-config vllm" in caplog.text
+    assert sampling_defaults(str(checkpoint), "vllm") == {}
+    assert parse_args(["--model-dir", str(checkpoint), "--generation-config", "vllm"])[0].generation_config == "vllm"
+    assert diff_sampling_params({"top_k": 20, "min_p": None, "do_sample": True, "eos_token_id": 2}) == {"top_k": 20}
+    messages = [{"role": "user", "content": PROMPTS[4]}]
+    ids = chat_ids(tokenizer, messages)
+    with openai_server(server.http_url, tmp_path, "--model-dir", str(checkpoint), "--served-model-name",
+                       MODEL) as other:
+        other_client = openai.OpenAI(base_url=other.base_url, api_key="-")
+        chat = other_client.chat.completions.create(model=MODEL, messages=messages)
+        own = other_client.completions.create(model=MODEL, prompt=PROMPTS[4], extra_body={"repetition_penalty": 1.0})
+        completion = other_client.completions.create(model=MODEL, prompt=PROMPTS[4])
+    assert chat.choices[0].message.content == reference(reference_engine, tokenizer, [ids], 5,
+                                                        repetition_penalty=1.8)[0]
+    assert chat.usage.completion_tokens <= 5
+    penalized, plain = (reference(reference_engine, tokenizer, PROMPTS[4:5], 16, repetition_penalty=penalty)[0]
+                        for penalty in (1.8, 1.0))
+    assert penalized != plain, "the penalty changes this output"
+    assert (completion.choices[0].text, own.choices[0].text) == (penalized, plain)
+
+
 def test_n_seeds_and_stop_strings(client, reference_engine, tokenizer):
     kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=7)
     first = client.completions.create(n=3, **kwargs)

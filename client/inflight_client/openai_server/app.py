@@ -26,6 +26,7 @@ from .chat_template import ChatTemplate
 from .completions import create_completion
 from .context import LARGE_BODY_BYTES, Context
 from .errors import APIError
+from .generation_config import sampling_defaults
 from .models import ServedModels
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .tokenization import detokenize, tokenize
@@ -47,6 +48,7 @@ class Settings:
     disable_any_whitespace: bool = False
     trust_request_chat_template: bool = False
     max_triton_requests: int = 1024         # outputs in flight to Triton at once; more wait here (OutputSlots)
+    generation_config: str = "auto"         # vLLM's: "auto" reads the checkpoint's sampling defaults, "vllm" ignores them
 
 
 def _members(annotation) -> list:
@@ -160,7 +162,8 @@ def create_app(settings: Settings) -> FastAPI:
     ctx = Context(TritonLLM(settings.triton_url, settings.triton_model, settings.max_triton_requests), tokenizer,
                   ChatTemplate(tokenizer, settings.chat_template, settings.trust_request_chat_template),
                   ServedModels(settings.served_model_name, settings.max_model_len, settings.lora_names),
-                  settings.default_max_tokens, settings.disable_any_whitespace)
+                  settings.default_max_tokens, settings.disable_any_whitespace,
+                  sampling_defaults(settings.tokenizer_dir, settings.generation_config))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -33,7 +33,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                              "runs on this server, in transformers' Jinja sandbox), instead of refusing it")
     parser.add_argument("--default-max-tokens", type=int,
                         help="max_tokens when a request gives none (default: as vLLM's server and OpenAI's API, 16 "
-                             "for a completion, and a chat runs to the end of the context)")
+                             "for a completion, and a chat runs to the end of the context, or to the checkpoint's "
+                             "max_new_tokens, see --generation-config)")
+    parser.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                        help="vLLM's: auto (the default) takes the sampling defaults of the checkpoint's "
+                             "generation_config.json (temperature, top_p, top_k, min_p, the penalties; max_new_tokens "
+                             "as a chat's default max_tokens) for requests that leave them out; vllm ignores them")
     parser.add_argument("--disable-any-whitespace", action="store_true",
                         help="constrained JSON (response_format, tool calls, guided_json) without whitespace between "
                              "its tokens, as vLLM's structured-outputs option of that name: a small model may "
@@ -74,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
         parser.error(f"--max-model-len must be at least 2 (a prompt token and an output token), got {max_model_len}")
     settings = Settings(args.triton_url, directory, name, max_model_len, args.triton_model, args.chat_template,
                         args.default_max_tokens, tuple(args.lora_modules), args.disable_any_whitespace,
-                        args.trust_request_chat_template, args.max_triton_requests)
+                        args.trust_request_chat_template, args.max_triton_requests, args.generation_config)
     return settings, args
 
 

@@ -27,7 +27,7 @@ from .triton import Prompt
 async def create_completion(body: CompletionRequest, ctx: Context, request_id: str, large: bool):
     lora_name = ctx.models.check(body.model)
     constraint = single(request_constraints(body), ctx.disable_any_whitespace)
-    sampling = completion_sampling(body, ctx.completion_max_tokens, constraint, lora_name)
+    sampling = completion_sampling(body, ctx.completion_max_tokens, constraint, lora_name, ctx.sampling_defaults)
     sent, echoes = await ctx.offload(large, _prompts, body, ctx)
     prompts = [prompt.ids for prompt in sent]
     echoed = None               # with echo and logprobs: (prompt i, its prompt_logprobs) -> positions

@@ -32,6 +32,8 @@ class Context:
     models: ServedModels
     default_max_tokens: int | None               # --default-max-tokens; None: vLLM's defaults, below
     disable_any_whitespace: bool = False         # added to every output constraint (structured.py)
+    # the checkpoint's generation_config.json sampling defaults (generation_config.py; {}: none or ignored)
+    sampling_defaults: dict = field(default_factory=dict)
     large_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(thread_name_prefix="large"))
     bytes_per_token: int = field(init=False)     # protocol.bytes_per_token of the tokenizer
     added_bos: str | None = field(init=False)    # added_bos() of the tokenizer
@@ -55,9 +57,12 @@ class Context:
 
     @property
     def chat_max_tokens(self) -> int:
-        """For a chat that gives none: the whole context, which fit() cuts to the room the prompt
+        """For a chat that gives none: --default-max-tokens, else the checkpoint's max_new_tokens
+        (as vLLM's get_max_tokens), else the whole context; fit() cuts each to the room the prompt
         leaves (a reply runs to its end, as from vLLM's server and OpenAI's API)."""
-        return self.models.max_model_len if self.default_max_tokens is None else self.default_max_tokens
+        if self.default_max_tokens is not None:
+            return self.default_max_tokens
+        return self.sampling_defaults.get("max_tokens", self.models.max_model_len)
 
     def prompt_text(self, prompt: str | list[int]) -> str:
         """A prompt as text (for echo): a token prompt decoded with its special tokens, as vLLM

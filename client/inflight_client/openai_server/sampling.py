@@ -19,7 +19,8 @@ PASSED = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "stop"
           "spaces_between_special_tokens", "stream_interval")
 
 
-def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None, lora_name: str | None) -> dict:
+def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None, lora_name: str | None,
+            defaults: dict | None) -> dict:
     params = {"max_tokens": max_tokens}
     if constraint is not None:      # as JSON text: the vLLM backend json.loads this key (`llm` takes either)
         try:
@@ -30,6 +31,8 @@ def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None
         params["lora_name"] = lora_name
     for name in PASSED:
         value = getattr(body, name)
+        if value is None and defaults:      # the checkpoint's generation_config.json (generation_config.py)
+            value = defaults.get(name)
         if value is not None:
             params[name] = value
     if body.n != 1:
@@ -42,9 +45,11 @@ def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None
 
 
 def completion_sampling(body: CompletionRequest, default_max_tokens: int, constraint: Constraint | None,
-                        lora_name: str | None = None) -> dict:
+                        lora_name: str | None = None, defaults: dict | None = None) -> dict:
+    """`defaults`: the sampling defaults of the checkpoint (generation_config.py), for the fields
+    the request leaves out (its max_tokens goes with a chat's only)."""
     max_tokens = default_max_tokens if body.max_tokens is None else body.max_tokens or 1    # 0: echo only
-    params = _common(body, max_tokens, constraint, lora_name)
+    params = _common(body, max_tokens, constraint, lora_name, defaults)
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
     if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
@@ -55,9 +60,9 @@ def completion_sampling(body: CompletionRequest, default_max_tokens: int, constr
 
 
 def chat_sampling(body: ChatCompletionRequest, default_max_tokens: int, constraint: Constraint | None,
-                  lora_name: str | None = None) -> dict:
+                  lora_name: str | None = None, defaults: dict | None = None) -> dict:
     max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), default_max_tokens)
-    params = _common(body, max_tokens, constraint, lora_name)
+    params = _common(body, max_tokens, constraint, lora_name, defaults)
     if body.logprobs:
         params["logprobs"] = body.top_logprobs or 0
     return params
