@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="host:port (default localhost:8001 for gRPC, localhost:8000 for HTTP)")
     parser.add_argument("--model", default="llm", help="llm (vLLM-style tensors) or ensemble")
     parser.add_argument("--max-tokens", type=_integer(1, 2**31 - 1), default=64)      # the ensemble's INT32
-    parser.add_argument("--temperature", type=_finite, default=0.0)
+    parser.add_argument("--temperature", type=_finite, default=0.0,
+                        help="the ensemble samples only with --top-k or --top-p above 0 (TensorRT-LLM's rule)")
     parser.add_argument("--top-p", type=_finite)
     parser.add_argument("--top-k", type=_integer(-1, 2**31 - 1), help="0 (or -1 for llm): off")
     parser.add_argument("--seed", type=_integer(-2**63, 2**64 - 1), help="the ensemble's: 0 to 2**64-1")
