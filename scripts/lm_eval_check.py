@@ -189,7 +189,7 @@ def main() -> int:
     served_metrics, served = read_results(os.path.join(tmp, "served"))
     hf_metrics, reference = read_results(os.path.join(tmp, "hf"))
     worst, disagreements, count = compare(served, reference)
-    print(f"\n| task | metric | lm-eval local-completions -> inflight | lm-eval hf (transformers) |\n|---|---|---|---|")
+    print("\n| task | metric | lm-eval local-completions -> inflight | lm-eval hf (transformers) |\n|---|---|---|---|")
     for task in TASKS:
         for metric, value in hf_metrics[task].items():
             if metric.endswith(",none") and "stderr" not in metric:
