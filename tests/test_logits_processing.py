@@ -1,7 +1,8 @@
 """vLLM's logits processing: repetition, frequency and presence penalties and logit_bias give the
 greedy token ids of transformers' `generate` with the same settings (its own repetition_penalty
 and sequence_bias; OpenAI's frequency/presence definition as a logits processor), each request
-with its own settings in one mixed batch, chunked and not; min_p keeps only tokens that likely."""
+with its own settings in one mixed batch, chunked and not; min_p keeps only tokens that likely;
+sampled tokens follow the model's softmax at the temperature, truncated by top_k, top_p and min_p."""
 import math
 import re
 
@@ -176,6 +177,81 @@ def test_extreme_knob_values_mean_what_they_say(tiny_checkpoint):
     hot = tokens(temperature=1e39, min_tokens=12)
     assert len(set(hot)) > 1, "a NaN row samples token 0 every time"
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+# ---- sampled tokens follow the model's distribution ------------------------------------------------
+# The first token after "This": a moderately peaked distribution on the default model (the
+# likeliest token 0.28 at T = 1), so that a sampler too sharp or too flat shows at these counts.
+DISTRIBUTION_PROMPT = "This"
+DRAWS = 2000
+KNOBS = [dict(temperature=0.7), dict(temperature=1.0), dict(temperature=1.5),
+         dict(temperature=1.0, top_k=10), dict(temperature=1.0, top_p=0.6),
+         dict(temperature=1.5, top_k=50, top_p=0.5), dict(temperature=1.5, min_p=0.1)]
+
+
+def truncated_softmax(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    """vLLM's sampling distribution, from its definitions: softmax(logits / T); min_p drops the
+    tokens less likely than min_p x the likeliest; top-k keeps the k likeliest (and ties with the
+    k-th); top-p, on what top-k kept renormalised, keeps a token while the ones more likely than it
+    hold less than top_p (the likeliest always); renormalised."""
+    p = torch.softmax(logits / temperature, -1)
+    p = torch.where(p >= min_p * p.max(), p, 0)
+    if top_k:
+        p = torch.where(p >= p.sort(descending=True).values[top_k - 1], p, 0)
+    p = p / p.sum()
+    if top_p < 1:
+        ordered, order = p.sort(descending=True)
+        dropped = ordered.cumsum(0) - ordered >= top_p
+        dropped[0] = False
+        p[order[dropped]] = 0
+        p = p / p.sum()
+    return p
+
+
+@pytest.fixture(scope="module")
+def first_token_logits(tokenizer, hf_model):
+    prompt = tokenizer(DISTRIBUTION_PROMPT)["input_ids"]
+    with torch.no_grad():
+        return prompt, hf_model(torch.tensor([prompt])).logits[0, -1]
+
+
+@pytest.fixture(scope="module")
+def sampling_engine():
+    return LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float64", num_kv_blocks=512, max_num_seqs=256,
+                                                                 max_num_batched_tokens=4096))
+
+
+@pytest.mark.parametrize("knobs", KNOBS, ids=["-".join(f"{k}={v}" for k, v in knobs.items()) for knobs in KNOBS])
+def test_sampled_tokens_follow_the_models_truncated_tempered_softmax(first_token_logits, sampling_engine, knobs):
+    """DRAWS seeded requests for one token: every token drawn is one the knobs leave in, and the
+    counts pass a chi-square test against transformers' float64 softmax(logits / T), truncated by
+    min_p / top_k / top_p and renormalised (bins of at least 5 expected draws; bound about 5 sigma
+    above the statistic's mean). Seeded: the same counts every run. A temperature ignored, a
+    sampler too sharp or too flat, a top-k or top-p edge one token off, top-p over the whole
+    distribution instead of top-k's, min_p before the temperature: each fails here."""
+    prompt, logits = first_token_logits
+    p = truncated_softmax(logits, **knobs)
+    outs = sampling_engine.generate([prompt] * DRAWS, [SamplingParams(max_tokens=1, seed=seed, ignore_eos=True, **knobs)
+                                                       for seed in range(DRAWS)])
+    counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=p.numel()).double()
+    outside = torch.nonzero((p == 0) & (counts > 0)).flatten().tolist()
+    assert not outside, f"{knobs} drew tokens it leaves out: {outside}"
+    expected = DRAWS * p
+    big = expected >= 5
+    observed, expect = counts[big], expected[big]
+    rest = (~big) & (p > 0)
+    if expected[rest].sum() >= 5:           # the unlikely tokens together, as one bin
+        observed = torch.cat([observed, counts[rest].sum().view(1)])
+        expect = torch.cat([expect, expected[rest].sum().view(1)])
+    else:                                    # too few to stand alone: in with the least likely bin
+        least = int(expect.argmin())
+        observed[least] += counts[rest].sum()
+        expect[least] += expected[rest].sum()
+    chi2 = (((observed - expect) ** 2) / expect).sum().item()
+    df = observed.numel() - 1
+    bound = df + 5 * math.sqrt(2 * df)
+    assert chi2 < bound, f"{knobs}: chi-square {chi2:.1f} over {df} degrees of freedom (bound {bound:.1f})"
+    assert sampling_engine.stats()["kv_blocks_used"] == 0
 
 
 def test_min_tokens_bans_eos_under_ignore_eos_and_bad_words_ignore_the_prompt(tiny_checkpoint, tmp_path):
