@@ -645,6 +645,89 @@ def test_a_running_stream_whose_stream_interval_holds_its_tokens_gets_heartbeats
         loop.shutdown()
 
 
+def test_a_high_priority_request_is_served_before_normal_ones_that_came_first(tokenizer):
+    """priority reaches the engine through the serving loop: with one seat, a "high" request queued
+    behind two "normal" ones runs first; the normal ones keep their arrival order."""
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+
+    from .helpers import RecordingSink
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=1, num_kv_blocks=256,
+                                                                   cpu_threads=1))
+    loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05)
+    prompt = tokenizer("The assert statement")["input_ids"]
+    try:
+        sinks = {name: RecordingSink() for name in ("first", "second", "high")}
+        # all queued before the loop starts, so the engine thread adds them in one go, in this order
+        for name, priority in (("first", "normal"), ("second", "normal"), ("high", "high")):
+            loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=8, ignore_eos=True), priority=priority,
+                                        stream=True), sinks[name])
+        loop.start()
+        assert all(sink.finished.wait(60) for sink in sinks.values()), "a request was left waiting"
+        assert all(sink.sends[-1][3] is None for sink in sinks.values())
+        ends = {name: sink.sends[-1][0] for name, sink in sinks.items()}
+        assert sorted(ends, key=ends.get) == ["high", "first", "second"], ends
+    finally:
+        loop.shutdown()
+
+
+def test_cache_salt_reaches_the_engine_so_tenants_share_no_prefix_cache(tokenizer):
+    """cache_salt reaches the engine through the serving loop: a prompt sent again with the same
+    salt is found in the prefix cache; the same prompt with another tenant's salt is not."""
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+
+    from .helpers import RecordingSink
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=4, num_kv_blocks=256,
+                                                                   cpu_threads=1))
+    loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05).start()
+    prompt = tokenizer("The assert statement is a convenient way to insert debugging assertions into a program. "
+                       * 3)["input_ids"]
+    assert len(prompt) > 2 * engine.config.block_size, "whole blocks to cache"
+    try:
+        hits = []
+        for salt in ("tenant-a", "tenant-a", "tenant-b"):
+            sink = RecordingSink()
+            loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=2), cache_salt=salt), sink)
+            assert sink.finished.wait(60) and sink.sends[-1][3] is None
+            hits.append(engine.stats()["prefix_cache_hit_tokens"])
+        assert hits[1] > hits[0], "the same tenant's prompt is found in the cache"
+        assert hits[2] == hits[1], "another tenant's is not"
+    finally:
+        loop.shutdown()
+
+
+def test_a_cancelled_n_request_stops_every_one_of_its_outputs(tokenizer):
+    """A client that leaves an n = 2 stream: both outputs are aborted, not only the first, so the
+    engine does not generate the other's 900 tokens for nobody."""
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+
+    from .helpers import RecordingSink
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=4, num_kv_blocks=256,
+                                                                   cpu_threads=1))
+    loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05).start()
+    prompt = tokenizer("The assert statement")["input_ids"]
+    try:
+        sink = RecordingSink()
+        loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=900, ignore_eos=True, temperature=1.0,
+                                                                 seed=1), stream=True, n=2), sink)
+        deadline = time.monotonic() + 30
+        while len(sink.sends) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(sink.sends) >= 3 and not sink.finished.is_set(), "it streams"
+        sink.left = True
+        assert sink.finished.wait(5) and sink.sends[-1][2:] == (True, None)
+        assert_drains(engine, 30)
+        # a few steps ran between the last response and the abort; the 2 x 900 tokens did not
+        assert engine.num_generated_tokens < 300, engine.num_generated_tokens
+    finally:
+        loop.shutdown()
+
+
 def test_the_serving_loop_keeps_nothing_of_requests_that_ended(tokenizer):
     """Refused requests (a prompt that fills max_model_len, a full queue), finished ones and
     n > 1 ones all leave the response thread's bookkeeping: nothing grows with the requests served."""
