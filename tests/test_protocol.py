@@ -79,6 +79,9 @@ BAD = [
     ({"text_input": text()}, {"temprature": 0.5}, "unknown sampling parameter(s) ['temprature']"),
     ({"text_input": text()}, {"priority": "urgent"}, "'priority' must be 'high', 'normal', 'low' or an integer"),
     ({"text_input": text()}, {"priority": 1.5}, "'priority' must be 'high', 'normal', 'low' or an integer"),
+    # the token ids tensor holds one output's ids: an n > 1 request would get the first output's alone
+    ({"text_input": text(), "return_token_ids": flag()}, {"n": 2}, "'return_token_ids' needs 'n' = 1"),
+    ({"text_input": text(), "return_token_ids": flag()}, {"n": "3"}, "'return_token_ids' needs 'n' = 1"),
     ({"text_input": text(), "sampling_parameters": text("[" * 100000 + "]" * 100000)}, {},
      "'sampling_parameters' is nested too deeply"),
     ({"text_input": text(), "sampling_parameters": text('{"max_tokens": ' + "1" * 5000 + "}")}, {},
