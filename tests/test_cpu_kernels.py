@@ -292,7 +292,7 @@ def test_rotary_write_kv_is_the_rotations_and_the_kv_write(kernels, dtype, dim, 
     g = torch.Generator().manual_seed(8)
     spec = ModelSpec(vocab_size=8, hidden_size=4 * dim, intermediate_size=8, num_layers=1, num_heads=4,
                      num_kv_heads=2, head_dim=dim, rms_norm_eps=1e-5, qkv_bias=False, o_bias=False, mlp_bias=False,
-                     tie_word_embeddings=False, context_length=64)
+                     tie_word_embeddings=False, context_length=64, longest_context=64)
     layer = Attention(spec)
     wide = torch.randn(11, 2 * 8 * dim, generator=g).to(dtype)
     qkv = wide[:, :8 * dim]                                               # rows at a stride, as a view would be

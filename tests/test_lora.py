@@ -258,7 +258,7 @@ def test_kernels_give_the_torch_paths_tokens(tiny_checkpoint, adapters, kernels)
 # ---- the kernels against the torch path, on synthetic stacked weights ----------------------------
 SPEC = ModelSpec(vocab_size=64, hidden_size=96, intermediate_size=160, num_layers=1, num_heads=6, num_kv_heads=2,
                  head_dim=16, rms_norm_eps=1e-6, qkv_bias=False, o_bias=False, mlp_bias=False,
-                 tie_word_embeddings=True, context_length=64)
+                 tie_word_embeddings=True, context_length=64, longest_context=64)
 # per adapter: rank and modules (slot 1 leaves k and gate/up alone: their columns stay zero)
 SYNTHETIC = [(8, ("q_proj", "k_proj", "v_proj", "down_proj")), (4, ("q_proj", "v_proj", "o_proj", "down_proj")),
              (16, ("k_proj", "gate_proj", "up_proj", "down_proj"))]
