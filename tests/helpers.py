@@ -66,6 +66,27 @@ def wait_for_metric(server, name: str, expected: float, timeout_s: float = 10.0,
         time.sleep(0.1)
 
 
+def computed_tokens(server) -> float:
+    """Tokens the engine has run through the model, read once it is idle (its metrics are then exact)."""
+    assert wait_for_metric(server, "inflight_requests_running", 0, timeout_s=60) == 0
+    assert wait_for_metric(server, "inflight_kv_blocks_used", 0, timeout_s=60) == 0
+    return server.metric("inflight_prompt_and_decode_tokens_total")
+
+
+def latency_sums(server, prefix: str, **labels) -> tuple[float, float, float]:
+    """The sums of the time-to-first-token, end-to-end and time-per-output-token histograms."""
+    return tuple(server.metric(f"{prefix}{name}_sum", **labels) for name in (
+        "time_to_first_token_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds"))
+
+
+def assert_latencies_add_up(ttft: float, e2e: float, tpot: float, tokens: int) -> None:
+    """One request's latencies, as a dashboard reads them: the first token before the end, and the
+    time per output token the rest of the request spread over its other tokens."""
+    assert 0 < ttft < e2e, (ttft, e2e)
+    per_token = (e2e - ttft) / (tokens - 1)
+    assert 0.5 * per_token < tpot <= 1.01 * per_token + 1e-4, (tpot, per_token)
+
+
 class RecordingSink:
     """Collects what the serving loop sends for one request (Triton's response sender, in a server);
     setting `left` is its client going away (is_cancelled turns true)."""

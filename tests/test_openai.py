@@ -22,7 +22,7 @@ from inflight.serving.launch import ServerProcess, make_repository
 from inflight_client.openai_server.schemas import ChatCompletionRequest, CompletionRequest
 
 from .conftest import DEFAULT_MODEL, TEST_ENGINE
-from .helpers import openai_server, wait_for_metric
+from .helpers import computed_tokens, openai_server, wait_for_metric
 
 pytestmark = pytest.mark.server
 
@@ -878,7 +878,10 @@ def test_50_concurrent_async_streams_are_all_correct(api, reference_engine, toke
 
 
 def test_a_dropped_stream_frees_its_kv_blocks(api, client, server):
+    """...because the engine stops the request soon after the client goes, not at its 900 tokens
+    (which would also free its blocks, seconds later)."""
     cancelled = server.metric("inflight_requests_total", finish_reason="cancelled")
+    start = computed_tokens(server)
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=900, stream=True,
                                        extra_body={"ignore_eos": True})
     chunks = [next(iter(stream)) for _ in range(3)]
@@ -888,9 +891,13 @@ def test_a_dropped_stream_frees_its_kv_blocks(api, client, server):
         time.sleep(0.05)
     assert server.metric("inflight_kv_blocks_used") > 0, "the request holds blocks while it runs"
     stream.close()                                  # the client goes away mid-stream
+    left = server.metric("inflight_prompt_and_decode_tokens_total")
     assert wait_for_metric(server, "inflight_requests_total", cancelled + 1, finish_reason="cancelled") \
         == cancelled + 1
     assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
+    end = computed_tokens(server)
+    # stopped a few steps after the client left, not run to its 900 tokens
+    assert end - start < 900 and end - left < 300, f"{left - start} tokens before the client left, {end - left} after"
     assert client.completions.create(model=MODEL, prompt="The", max_tokens=2).choices[0].text
 
 
@@ -899,12 +906,17 @@ def test_a_client_that_leaves_a_request_not_streamed_frees_its_kv_blocks(api, se
     one per step even when its client does not stream, so the request is cancelled, not run to
     its 900 tokens for nobody."""
     cancelled = server.metric("inflight_requests_total", finish_reason="cancelled")
+    start = computed_tokens(server)
     body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 900, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{api.base_url}/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+    left = server.metric("inflight_prompt_and_decode_tokens_total")
     assert wait_for_metric(server, "inflight_requests_total", cancelled + 1, timeout_s=5,
                            finish_reason="cancelled") == cancelled + 1
     assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
+    end = computed_tokens(server)
+    # stopped a few steps after the client left, not run to its 900 tokens
+    assert end - start < 900 and end - left < 300, f"{left - start} tokens before the client left, {end - left} after"
 
 
 def test_a_client_that_leaves_while_its_request_is_queued_has_it_cancelled_in_the_queue(api, server):

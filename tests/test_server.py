@@ -12,7 +12,7 @@ from inflight.serving.launch import DEFAULT_REPOSITORY, ServerProcess
 from inflight_client.streams import grpc_inputs, http_generate, http_stream
 
 from .conftest import DEFAULT_MODEL
-from .helpers import run_streams, wait_for_metric
+from .helpers import assert_latencies_add_up, computed_tokens, latency_sums, run_streams, wait_for_metric
 
 pytestmark = pytest.mark.server
 
@@ -130,32 +130,47 @@ def test_64_concurrent_streams_complete_with_correct_outputs(server, tokenizer, 
     assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
 
 
-def test_grpc_cancel_aborts_the_request_and_frees_its_blocks(server):
+# a cancelled request asks for 900 tokens: the engine must stop it within a few steps of the
+# cancel, not run it to its end for nobody (which would also free its blocks, in seconds)
+CANCELLED_MAX_TOKENS = 900
+AFTER_CANCEL_BOUND = 300
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_grpc_cancel_aborts_the_request_and_frees_its_blocks(server, n):
+    """With n = 2, both outputs: the cancel aborts each of them, not only the first."""
     cancelled_before = server.metric("inflight_requests_total", finish_reason="cancelled")
-    long = {"model": "llm", "inputs": grpc_inputs(PROMPTS[0], True, {"max_tokens": 900, "ignore_eos": True}),
+    long = {"model": "llm", "inputs": grpc_inputs(PROMPTS[0], True, {"max_tokens": CANCELLED_MAX_TOKENS,
+                                                                      "ignore_eos": True, "n": n}),
             "cancel_after": 3}
     others = [llm_stream(p) for p in PROMPTS[:3]]
+    start = computed_tokens(server)
     alone = run_streams(server, others)
+    middle = computed_tokens(server)
     outs = run_streams(server, [long] + others)
     assert outs[0].cancelled and len(outs[0].chunks) == 3
     assert [o.text for o in outs[1:]] == [o.text for o in alone], "other streams are unaffected"
-    assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
-    assert wait_for_metric(server, "inflight_requests_running", 0) == 0
+    long_ran = (computed_tokens(server) - middle) - (middle - start)      # less what the others ran alone
+    assert long_ran < AFTER_CANCEL_BOUND, f"the cancelled request ran {long_ran} tokens"
     assert server.metric("inflight_requests_total", finish_reason="cancelled") == cancelled_before + 1
 
 
 def test_http_disconnect_aborts_the_request_and_frees_its_blocks(server):
     cancelled_before = server.metric("inflight_requests_total", finish_reason="cancelled")
+    start = computed_tokens(server)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         dropped = pool.submit(http_stream, server.http_url, "llm",
-                              {"text_input": PROMPTS[4], "stream": True, "max_tokens": 900, "ignore_eos": True},
+                              {"text_input": PROMPTS[4], "stream": True, "max_tokens": CANCELLED_MAX_TOKENS,
+                               "ignore_eos": True},
                               cancel_after=2)
         normal = pool.submit(http_stream, server.http_url, "llm", {"text_input": PROMPTS[5], "stream": True, **greedy()})
         assert dropped.result().cancelled and normal.result().error is None
-    assert normal.result().text == run_streams(server, [llm_stream(PROMPTS[5])])[0].text
     assert wait_for_metric(server, "inflight_requests_total", cancelled_before + 1, finish_reason="cancelled") \
         == cancelled_before + 1
-    assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
+    middle = computed_tokens(server)
+    assert normal.result().text == run_streams(server, [llm_stream(PROMPTS[5])])[0].text
+    dropped_ran = (middle - start) - (computed_tokens(server) - middle)   # less what the other ran alone
+    assert dropped_ran < AFTER_CANCEL_BOUND, f"the dropped request ran {dropped_ran} tokens"
 
 
 ERRORS = [
@@ -213,11 +228,16 @@ def test_ensemble_errors_name_the_field(server):
 def test_engine_metrics_are_served_next_to_tritons(server):
     steps = server.metric("inflight_scheduler_step_seconds_count")
     tokens = server.metric("inflight_generation_tokens_total")
+    ended = server.metric("inflight_e2e_request_latency_seconds_count")
+    latencies = latency_sums(server, "inflight_")
     run_streams(server, [{"model": "llm", "inputs": grpc_inputs(PROMPTS[0], True, {**greedy(8), "ignore_eos": True})}])
     # alone on the server: one prefill step (the first token) and 7 decode steps, counted as they
     # ran (idle polls are not steps)
     assert wait_for_metric(server, "inflight_generation_tokens_total", tokens + 8) == tokens + 8
     assert wait_for_metric(server, "inflight_scheduler_step_seconds_count", steps + 8) == steps + 8
+    assert wait_for_metric(server, "inflight_e2e_request_latency_seconds_count", ended + 1) == ended + 1
+    assert_latencies_add_up(*(after - before for after, before in zip(latency_sums(server, "inflight_"), latencies)),
+                            tokens=8)
     text = server.metrics_text()
     assert "nv_inference_request_success" in text            # Triton's own
     assert server.metric("inflight_kv_blocks_total") == 2048

@@ -444,3 +444,11 @@ def test_the_vllm_backends_metrics_with_report_custom_metrics(tmp_path, tokenize
         assert server.metric("vllm:request_prompt_tokens_count", **labels) == 4
         assert server.metric("inflight_e2e_request_latency_seconds_count") == 3
         assert wait_for_metric(server, "inflight_requests_total", 2, finish_reason="error") == 2
+        # the latencies of one more request, alone: TTFT is not the end-to-end latency, and the
+        # token gaps add up to the time between the first token and the end
+        from .helpers import assert_latencies_add_up, latency_sums
+        before = latency_sums(server, "vllm:", **labels)
+        llm(server, grpc_inputs(PROMPT, True, {"max_tokens": 30, "temperature": 0, "ignore_eos": True}))
+        assert wait_for_metric(server, "vllm:e2e_request_latency_seconds_count", 5, **labels) == 5
+        ttft, e2e, gaps_s = (after - b for after, b in zip(latency_sums(server, "vllm:", **labels), before))
+        assert_latencies_add_up(ttft, e2e, gaps_s / 29, tokens=30)
