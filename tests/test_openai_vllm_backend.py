@@ -103,8 +103,17 @@ def test_logprobs_and_stops_work_without_inflights_inputs(client):
     reply = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2)
     assert len(reply.choices[0].logprobs.tokens) == 6
     assert all(len(top) == 2 for top in reply.choices[0].logprobs.top_logprobs)
+    # a stop string from the middle of the greedy text: the text ends before it
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    assert len(full) > 12, full
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop],
+                                    logprobs=2, extra_body={"ignore_eos": True}).choices[0]
+    assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop", (cut.text, stop, full)
+    assert all(len(top) == 2 for top in cut.logprobs.top_logprobs)
     # the vLLM backend returns no stop_reason: null, as the README says
-    assert reply.choices[0].model_extra["stop_reason"] is None
+    assert reply.choices[0].model_extra["stop_reason"] is None and cut.model_extra["stop_reason"] is None
 
 
 TEXT_ONLY = "takes a prompt as text only"
