@@ -609,6 +609,7 @@ def test_a_long_prompt_is_tokenized_without_holding_up_other_requests(api, clien
     repeats = 125_000                           # 2 MB: seconds of tokenizing
     assert count(3) - count(2) == count(2) - count(1)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        began = time.monotonic()
         counted = pool.submit(httpx.post, f"{root}/tokenize", json={"model": MODEL, "prompt": sentence * repeats},
                               timeout=120)
         waits = []
@@ -616,8 +617,12 @@ def test_a_long_prompt_is_tokenized_without_holding_up_other_requests(api, clien
             start = time.monotonic()
             assert httpx.get(f"{root}/health", timeout=60).status_code == 200
             waits.append(time.monotonic() - start)
+        took = time.monotonic() - began
     assert counted.result().json()["count"] == count(1) + (repeats - 1) * (count(2) - count(1))
-    assert len(waits) > 3 and max(waits) < 0.7, waits
+    # bounded by the tokenizing's own time, which a busy machine stretches as it does the waits: a
+    # loop blocked by it keeps a /health waiting for nearly all of it (2.1 s of 2.2), where a free
+    # loop answers in hundredths of a second
+    assert len(waits) > 3 and max(waits) < took / 2, (took, waits)
 
 
 def test_huge_prompts_do_not_hold_up_the_prompts_of_other_requests(api, tokenizer):
@@ -629,6 +634,7 @@ def test_huge_prompts_do_not_hold_up_the_prompts_of_other_requests(api, tokenize
     small = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1}
     threads = min(32, (os.cpu_count() or 1) + 4)          # the size of asyncio's default pool
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        began = time.monotonic()
         counted = [pool.submit(httpx.post, f"{root}/tokenize", json={"model": MODEL, "prompt": huge}, timeout=300)
                    for _ in range(threads)]
         time.sleep(0.3)
@@ -637,8 +643,11 @@ def test_huge_prompts_do_not_hold_up_the_prompts_of_other_requests(api, tokenize
             start = time.monotonic()
             assert httpx.post(f"{api.base_url}/completions", json=small, timeout=60).status_code == 200
             waits.append(time.monotonic() - start)
+        took = time.monotonic() - began
     assert all(f.result().json()["count"] > 65_000 for f in counted)
-    assert len(waits) > 3 and max(waits) < 1.5, waits
+    # bounded by the tokenizing's own time, as above: a small prompt left without a thread waits for
+    # most of it (3.1 s of 4.3 with the default pool alone), where each takes about 0.25 s
+    assert len(waits) > 3 and max(waits) < took / 2, (took, waits)
 
 
 def test_max_tokens_is_fitted_to_the_context_as_vllm(api, client, tokenizer):
