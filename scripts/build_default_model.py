@@ -288,6 +288,19 @@ def clean_output_dir(out: Path) -> None:
                 p.unlink()
 
 
+def check_output(out: Path) -> None:
+    """Refuse, before any training, an --out that holds files of our names not written by an
+    earlier build (whose model card starts "# inflight-tiny"): `--out .` from the repository root
+    would replace the project's README.md."""
+    card = out / "README.md"
+    if card.is_file() and card.read_text(errors="replace").startswith("# inflight-tiny"):
+        return
+    taken = sorted(name for name in EXPECTED_FILES if (out / name).exists() or (out / name).is_symlink())
+    if taken:
+        raise SystemExit(f"--out {out} already holds {', '.join(taken)}, not from an earlier build of this "
+                         "model: choose an empty or new directory")
+
+
 def replace_output(new: Path, out: Path) -> list[str]:
     """Move the files built in `new` into `out`, replacing only the names in EXPECTED_FILES: --out
     may name a directory that holds other things (`--out .`), and those are left as they were.
@@ -393,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     seed_everything(args.seed)
     warmup = args.warmup if args.warmup is not None else max(1, round(0.05 * args.steps))
     out: Path = args.out.resolve()
+    check_output(out)
 
     # Silence the "no accelerator" / generation-flag chatter from transformers.
     from transformers.utils import logging as hf_logging

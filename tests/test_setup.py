@@ -132,3 +132,18 @@ def test_build_default_model_replaces_only_its_own_files_in_out(tmp_path):
     assert left == ["mydata", "precious.txt"]
     assert (out / "precious.txt").read_text() == "keep" and (out / "mydata" / "notes.txt").read_text() == "keep"
     assert all((out / name).read_text() == "new" for name in script.EXPECTED_FILES)
+
+
+def test_build_default_model_refuses_an_out_holding_files_of_its_names_from_elsewhere(tmp_path):
+    """`--out .` from the repository root would replace the project's README.md with the model card."""
+    spec = importlib.util.spec_from_file_location("build_default_model",
+                                                  os.path.join(REPO, "scripts", "build_default_model.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.check_output(tmp_path / "new")           # a new directory
+    (tmp_path / "README.md").write_text("# my project\n")
+    (tmp_path / "Makefile").write_text("all:\n")
+    with pytest.raises(SystemExit, match="already holds README.md, not from an earlier build"):
+        script.check_output(tmp_path)
+    (tmp_path / "README.md").write_text("# inflight-tiny\n\nA deliberately tiny ...\n")
+    script.check_output(tmp_path)                   # an earlier build: replaced

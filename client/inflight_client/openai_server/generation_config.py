@@ -1,6 +1,7 @@
 """The checkpoint's sampling defaults, as vLLM's server reads them (`--generation-config auto`,
-its default): the sampling keys of generation_config.json that differ from transformers' own
-defaults (vLLM's try_get_generation_config and ModelConfig.get_diff_sampling_param) become the
+its default): every sampling key generation_config.json sets (transformers 5's own defaults are
+all unset, so to_diff_dict keeps even a neutral top_k 50; vLLM's try_get_generation_config and
+ModelConfig.get_diff_sampling_param) becomes one of the
 defaults of requests that leave those fields out; `max_new_tokens` is a chat's default
 `max_tokens` (a completion's stays 16, as in vLLM, whose CompletionRequest defaults it).
 `--generation-config vllm` ignores the file: requests get the neutral defaults."""
