@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 import torch
 
-from inflight.serving.launch import ServerProcess, failure_cause, failure_summary, free_port, make_repository
+from inflight.serving.launch import ServerProcess, failure_cause, failure_summary, free_ports, make_repository
 from inflight_client.streams import http_generate
 
 from .conftest import DEFAULT_MODEL, REPO, TEST_ENGINE
@@ -32,8 +32,7 @@ class Launcher:
     """`python -m inflight.serving.launch ARGS` on free ports, its output collected line by line."""
 
     def __init__(self, *args: str, env: dict | None = None):
-        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.openai_port = free_port()
+        self.http_port, self.grpc_port, self.metrics_port, self.openai_port = free_ports(4)
         cmd = [sys.executable, "-m", "inflight.serving.launch", f"--http-port={self.http_port}",
                f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
                f"--openai-port={self.openai_port}", *args]
@@ -166,9 +165,10 @@ def test_ports_in_use_are_refused_before_anything_starts(capsys):
         held.listen()
         port = held.getsockname()[1]
         assert port_in_use(port)
+        http, metrics, openai = free_ports(3)
         with pytest.raises(SystemExit, match=f"port {port} \\(--grpc-port\\) is in use"):
-            check_ports(Endpoints(free_port(), port, free_port(), free_port()))
-        endpoints = Endpoints(free_port(), free_port(), free_port(), port)
+            check_ports(Endpoints(http, port, metrics, openai))
+        endpoints = Endpoints(*free_ports(3), port)
         check_ports(endpoints)
         assert endpoints.openai_port is None and "without the OpenAI server" in capsys.readouterr().out
     assert not port_in_use(port)

@@ -159,10 +159,22 @@ def make_repository(dest: str, model_dir: str | None = None, engine: dict | None
     return dest
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free local ports: the sockets are held together, since one closed before
+    the next binds can hand the same port back (http and metrics once got one port, and
+    tritonserver refused to start)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 class ServerProcess:
@@ -170,7 +182,7 @@ class ServerProcess:
 
     def __init__(self, model_repository: str, extra: list[str] = (), log_path: str | None = None,
                  ready_timeout_s: float = 300.0, env: dict[str, str] | None = None, auto_complete: bool = False):
-        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
         self.model_repository = model_repository
         self.extra = list(extra)
         self.log_path = log_path or os.path.join(model_repository, "tritonserver.log")
