@@ -1,8 +1,38 @@
 """inflight-client without a server to reach: one line naming where it looked, exit status 1."""
+import contextlib
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 import pytest
 
 from inflight.serving.launch import free_port
 from inflight_client.cli import main
+
+
+@contextlib.contextmanager
+def canned_server(status: int, body: bytes, headers: dict | None = None, protocol: str = "HTTP/1.0"):
+    """A local HTTP server answering every POST with this status, headers and body: host:port."""
+    class Canned(BaseHTTPRequestHandler):
+        protocol_version = protocol
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(status)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Canned)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
 
 
 @pytest.mark.parametrize("protocol, extra", [("grpc", []), ("http", []), ("http", ["--no-stream"])])
@@ -17,7 +47,6 @@ def test_a_response_cut_short_is_one_line_not_a_traceback(capsys):
     """A server that starts a streamed reply and drops the connection mid-chunk (the process died):
     one line saying so, exit status 1."""
     import socket
-    import threading
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
@@ -51,28 +80,8 @@ def test_a_response_cut_short_is_one_line_not_a_traceback(capsys):
 def test_an_error_page_that_is_not_json_is_one_line_with_the_status(capsys, extra, status, body):
     """A proxy in front of Triton (an ingress) answers with its own page, or nothing: the status in
     one line, exit status 1, streamed or not."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    import threading
-
-    class Proxy(BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"127.0.0.1:{server.server_address[1]}"
+    with canned_server(status, body) as url:
         assert main(["--protocol", "http", "--url", url, *extra, "The assert statement"]) == 1
-    finally:
-        server.shutdown()
     err = capsys.readouterr().err
     assert f"error: HTTP {status} " in err and "Traceback" not in err
 
@@ -154,36 +163,17 @@ def test_a_closed_stdout_ends_quietly():
     import os
     import subprocess
     import sys
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     import inflight_client
-
-    class Triton(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            body = b"".join(b'data: {"text_output": "word "}\n\n' for _ in range(64))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Triton)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    events = b"".join(b'data: {"text_output": "word "}\n\n' for _ in range(64))
     read, write = os.pipe()
     os.close(read)                  # the reader has gone before the first write
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(inflight_client.__file__))}
     try:
-        done = subprocess.run([sys.executable, "-m", "inflight_client.cli", "--protocol", "http", "--url",
-                               f"127.0.0.1:{server.server_address[1]}", "The assert statement"],
-                              stdout=write, stderr=subprocess.PIPE, env=env, timeout=60)
+        with canned_server(200, events, {"Content-Type": "text/event-stream"}, "HTTP/1.1") as url:
+            done = subprocess.run([sys.executable, "-m", "inflight_client.cli", "--protocol", "http", "--url",
+                                   url, "The assert statement"],
+                                  stdout=write, stderr=subprocess.PIPE, env=env, timeout=60)
     finally:
         os.close(write)
-        server.shutdown()
     assert done.returncode == 1 and done.stderr == b"", done.stderr.decode()
