@@ -235,6 +235,12 @@ def test_requests_that_can_never_run_are_rejected_at_once(engine):
         engine.add_request("salt", [5], cache_salt="\ud800")
     with pytest.raises(ValueError, match="'cache_salt' must be a non-empty string"):    # it would share the unsalted
         engine.add_request("salt", [5], cache_salt="")
+    for salt in (5, b"salt"):
+        with pytest.raises(ValueError, match="'cache_salt' must be a non-empty string"):
+            engine.add_request("salt", [5], cache_salt=salt)
+    for prompt in ([[5, 6]], [[5, 6], [7]], [5, [6]], ["5"], [True]):
+        with pytest.raises(ValueError, match="'prompt_token_ids' must be a list of integers"):
+            engine.add_request("nested", prompt)
     engine.add_request("dup", [5], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("dup", [5])

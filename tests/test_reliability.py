@@ -546,7 +546,8 @@ def test_a_request_registered_after_the_loop_failed_gets_the_failure_at_once(tok
 
 def test_a_request_cancelled_before_the_engine_takes_it_is_never_admitted(tokenizer):
     """Its cancellation can reach the engine thread before its "add" (the response thread polls
-    between submit()'s two messages): the request must not then run to its end holding blocks."""
+    between submit()'s two messages): the request must not then run to its end holding blocks, and
+    the response thread, to which no step will ever report it, keeps nothing of it."""
     from inflight import EngineConfig, LLMEngine, SamplingParams
     from inflight.serving.loop import EngineLoop
     from inflight.serving.protocol import GenerateRequest
@@ -556,15 +557,16 @@ def test_a_request_cancelled_before_the_engine_takes_it_is_never_admitted(tokeni
     loop = EngineLoop(engine, tokenizer)          # not started: the messages are handed over by hand, in that order
     sink = RecordingSink()
     job = loop._make_job(GenerateRequest(None, tokenizer("The assert statement")["input_ids"],
-                                         SamplingParams(max_tokens=50), stream=True), sink)
+                                         SamplingParams(max_tokens=50), stream=True, n=2), sink)
     loop._dispatch("register", job)
     sink.left = True
     loop._poll_cancelled()
     assert sink.sends[-1][2:] == (True, None)
-    while not loop.inbox.empty():                 # the abort, which finds nothing to abort
+    while not loop.inbox.empty():                 # the aborts, which find nothing to abort
         loop._handle(loop.inbox.get())
     loop._handle(("add", job))
     assert not engine.has_unfinished() and engine.kv.num_used_blocks == 0
+    assert (loop._jobs, loop._samples, loop._owner) == ({}, {}, {})
 
 
 def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancelled_in_the_queue(tokenizer,

@@ -380,12 +380,13 @@ def test_a_model_without_a_tokenizer_refuses_constraints_clearly(tiny_checkpoint
 
 def test_a_grammar_whose_every_token_is_banned_ends_with_an_error(reference_engine, tokenizer):
     """bad_words can ban every token the grammar allows: the request fails with a clear message
-    instead of emitting text outside its grammar."""
+    instead of emitting text outside its grammar, and keeps no trace of the refused token (its
+    output and log-probabilities are what was streamed: nothing)."""
     vocab = tokenizer.get_vocab()
     starts = [[i] for i in vocab.values() if decode(tokenizer, [i]) and "yes".startswith(decode(tokenizer, [i]))]
     engine = reference_engine
     req = engine.add_request("all-banned", prompt_ids(tokenizer, 0), SamplingParams(
-        max_tokens=8, structured_outputs={"choice": ["yes"]}, bad_words_ids=starts))
+        max_tokens=8, structured_outputs={"choice": ["yes"]}, bad_words_ids=starts, logprobs=2))
     emitted, finished, errors = [], {}, {}
     while engine.has_unfinished():
         out = engine.step()
@@ -394,6 +395,7 @@ def test_a_grammar_whose_every_token_is_banned_ends_with_an_error(reference_engi
         errors.update(out.errors)
     assert emitted == [] and finished["all-banned"] == req.finish_reason == "error"
     assert "no token allowed by the grammar" in errors["all-banned"] == req.error
+    assert req.output_token_ids == [] and req.logprobs == []
     assert engine.kv.num_used_blocks == 0 and engine.num_constrained == 0
 
 

@@ -138,7 +138,8 @@ class LLMEngine:
     @staticmethod
     def _salt_key(cache_salt: str | None) -> bytes:
         """The salt's part of the prefix-cache key: a digest of fixed length."""
-        if cache_salt == "":         # it would share the unsalted requests' blocks; vLLM refuses it too
+        # "" would share the unsalted requests' blocks; vLLM refuses it too
+        if cache_salt == "" or not isinstance(cache_salt, str | None):
             raise ValueError("'cache_salt' must be a non-empty string")
         try:
             salt = (cache_salt or "").encode("utf-8")
@@ -163,9 +164,10 @@ class LLMEngine:
         prompt = list(prompt_token_ids)
         if not prompt:
             raise ValueError("'prompt_token_ids' is empty")
-        ids = np.asarray(prompt)
-        if ids.dtype.kind not in "iu":
-            raise ValueError("'prompt_token_ids' must be integers")
+        # as objects where an element is a list: numpy would raise its own error on a ragged one
+        ids = np.asarray(prompt, dtype=object if any(isinstance(t, Sequence) for t in prompt) else None)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValueError("'prompt_token_ids' must be a list of integers")
         bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
         if bad.size:
             raise ValueError(f"'prompt_token_ids': token id {int(ids[bad[0]])} at position {int(bad[0])} "
@@ -256,10 +258,14 @@ class LLMEngine:
     def _fail_rejected(self, rejected: list[int], request_ids: list[str], token_ids: list[int],
                        logprobs: list | None, errors: dict[str, str]):
         """Requests whose sampled token their grammar refused (every token it allowed was banned,
-        by bad_words): already finished by update(); report them as errors, without the token."""
+        by bad_words): already finished by update(); report them as errors, without the token,
+        which leaves the request too (it was never allowed, and never streamed)."""
         finished = self.scheduler.finished
         for i in rejected:
             req = self.requests[request_ids[i]]
+            req.token_ids.pop()
+            if logprobs is not None and logprobs[i] is not None:
+                req.logprobs.pop()
             req.finish_reason = finished[req.request_id] = "error"
             req.error = errors[req.request_id] = (
                 "'structured_outputs': no token allowed by the grammar was left to sample "

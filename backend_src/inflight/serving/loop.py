@@ -309,9 +309,6 @@ class EngineLoop:
             self._deliver(payload)
         elif kind == "error":         # refused by the engine: no step will ever report its samples
             job, message = payload
-            for sample in job.samples:
-                self._samples.pop(sample.request_id, None)
-                self._owner.pop(sample.request_id, None)
             self._fail(job, message, refused=True)
         elif kind in ("fail", "drain"):
             for job in self._jobs.values():
@@ -405,6 +402,7 @@ class EngineLoop:
         `refused`: the engine would not take it, so it never ran."""
         if job.done:
             return
+        self._forget(job)
         for sample in job.samples:
             if not sample.finished:
                 self.inbox.put(("abort", sample.request_id))
@@ -422,6 +420,7 @@ class EngineLoop:
         except Exception as exc:   # the client is gone, or this response could not be built or sent
             log.warning("inflight: sending a response for %s failed; aborting it", job.job_id, exc_info=True)
             job.done = True
+            self._forget(job)
             for sample in job.samples:
                 if not sample.finished:
                     self.inbox.put(("abort", sample.request_id))
@@ -442,8 +441,16 @@ class EngineLoop:
         except Exception:
             return True
 
+    def _forget(self, job: Job) -> None:
+        """Drop an ended job's samples: a step reporting them later finds nothing to deliver, and
+        one the engine never took (cancelled or failed before its "add") is reported by no step."""
+        for sample in job.samples:
+            self._samples.pop(sample.request_id, None)
+            self._owner.pop(sample.request_id, None)
+
     def _cancel(self, job: Job) -> None:
         job.done = True            # first: an "add" the engine thread has not taken yet is then dropped
+        self._forget(job)
         for sample in job.samples:
             self.inbox.put(("abort", sample.request_id))
         try:
