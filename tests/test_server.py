@@ -69,6 +69,11 @@ def test_ensemble_streams_the_same_text_as_llm(server):
     inputs = ensemble_inputs(prompt, True, max_tokens=24, temperature=0.0)
     ensemble = run_streams(server, [{"model": "ensemble", "inputs": inputs}])[0]
     assert ensemble.error is None and ensemble.text == llm.text and len(ensemble.chunks) > 1
+    # a knob sent as a request parameter, as the vLLM backend takes them, is told to be a tensor
+    as_parameter = run_streams(server, [{"model": "ensemble", "inputs": ensemble_inputs(prompt, True),
+                                         "parameters": {"max_tokens": 4}}])[0]
+    assert "['max_tokens'] sent as request parameter(s); the ensemble reads them only as input tensors" \
+        in as_parameter.error, as_parameter.error
     http = http_stream(server.http_url, "ensemble", {"text_input": prompt, "max_tokens": 24, "temperature": 0.0,
                                                      "stream": True})
     assert http.text == llm.text

@@ -326,6 +326,18 @@ class TokenizerModel:
         self.settings = settings
 
 
+def check_parameters(names: set[str]) -> None:
+    """The ensemble reads its knobs from input tensors only; a request parameter (gRPC's
+    `parameters`, or an HTTP generate key that is no input) is refused, naming the tensor where
+    there is one, so that the vLLM backend's habit of sending knobs as parameters is told what to do."""
+    as_inputs = sorted(names & set(ENSEMBLE_INPUTS))
+    if as_inputs:
+        raise RequestError(f"{as_inputs} sent as request parameter(s); the ensemble reads them only as input "
+                           "tensors of the same name (see its config.pbtxt)")
+    if names:
+        raise RequestError(f"unknown input(s) {sorted(names)}; the ensemble's inputs: {ENSEMBLE_INPUTS}")
+
+
 class PreprocessingModel(TokenizerModel):
     @one_line_errors
     def initialize(self, args) -> None:
@@ -342,9 +354,7 @@ class PreprocessingModel(TokenizerModel):
         try:
             # a key of an HTTP generate request that names no input arrives as a parameter, which
             # Triton hands to every step: llm would take it as one of its own knobs
-            unknown = sorted(set(request_parameters(request)) - IGNORED_PARAMETERS)
-            if unknown:
-                raise RequestError(f"unknown input(s) {unknown}; the ensemble's inputs: {ENSEMBLE_INPUTS}")
+            check_parameters(set(request_parameters(request)) - IGNORED_PARAMETERS)
             input_ids, sampling = self.translate(read_inputs(pb, request, PREPROCESSING_INPUTS))
         except RequestError as exc:
             return pb.InferenceResponse(error=pb.TritonError(str(exc)))
