@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 
 import httpx
@@ -805,6 +806,21 @@ def test_an_unknown_path_or_method_is_an_openai_error(api):
         assert reply.json()["error"]["type"] == "invalid_request_error" and reply.json()["error"]["code"] == status
 
 
+def test_a_client_that_leaves_while_sending_its_body_is_not_logged_as_a_server_error(api):
+    """Reading the body then raises Starlette's ClientDisconnect: nobody is left to answer, and a
+    slow uploader giving up must not look like a crash in the log (it was logged as an unexpected
+    error, with two tracebacks)."""
+    log_before = len(open(api.log_path, encoding="utf-8", errors="replace").read())
+    with socket.create_connection((api.host, api.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": \"hi\"")
+        time.sleep(0.3)
+    time.sleep(1)
+    assert httpx.get(f"{api.base_url}/models", timeout=30).status_code == 200
+    logged = open(api.log_path, encoding="utf-8", errors="replace").read()[log_before:]
+    assert "Traceback" not in logged and "unexpected error" not in logged, logged
+
+
 def test_echo_alone_streamed_as_vllm(client, tokenizer):
     """max_tokens 0 with echo in a stream: each choice's one chunk is the prompt (with its
     log-probabilities when asked), finish_reason "length", as the same request unstreamed."""
@@ -1181,6 +1197,12 @@ BAD = [
      "'response_format.json_schema.schema' is not a valid JSON schema", "response_format"),
     ("completions", {"model": MODEL, "prompt": "x", "guided_regex": "(ab"}, 400,
      "'guided_regex' is not a valid regex", "guided_regex"),
+    # another field's error names the constraint as the request sent it, and stays that field's
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "min_tokens": 2,
+                          "response_format": {"type": "json_object"}}, 400,
+     "'min_tokens' cannot be combined with 'response_format'", "min_tokens"),
+    ("completions", {"model": MODEL, "prompt": "x", "min_tokens": 2, "guided_choice": ["a", "b"]}, 400,
+     "'min_tokens' cannot be combined with 'guided_choice'", "min_tokens"),
     # a tool's schema: the message names the tool, not llm's field
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": [*TOOLS, {"type": "function", "function": {
         "name": "bad", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}],

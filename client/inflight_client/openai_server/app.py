@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from inflight.serving.protocol import LONE_SURROGATE, lone_surrogate_field
@@ -186,6 +187,10 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(_request, exc: HTTPException):      # unknown path, wrong method
         return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(_request, _exc):      # while it sent its body: nobody to answer, nothing wrong here
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def unexpected(_request, exc: Exception):

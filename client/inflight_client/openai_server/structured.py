@@ -66,10 +66,13 @@ def single(constraints: list[Constraint], disable_any_whitespace: bool = False) 
 
 
 def blame(error: APIError, constraint: Constraint | None) -> APIError:
-    """`llm`'s error about the constraint, with `param` set to the request field it came from and
-    the message naming where the request wrote it (`llm` names its own 'structured_outputs.json')."""
+    """`llm`'s error about the constraint, naming the request field it came from where `llm` names
+    its own ('structured_outputs', 'structured_outputs.json'): in the message, and in `param` unless
+    the error is another field's ('min_tokens' cannot be combined with one)."""
     if constraint is not None and "'structured_outputs" in error.message:
-        error.param = constraint.source
+        if error.param == "structured_outputs" or not error.message.startswith(f"'{error.param}' "):
+            error.param = constraint.source         # the constraint's own error, not another field's
         if constraint.written_at is not None:
             error.message = _LLM_FIELD.sub(f"'{constraint.written_at}'", error.message)
+        error.message = error.message.replace("'structured_outputs'", f"'{constraint.source}'")
     return error
