@@ -254,8 +254,9 @@ SHAPE_ERRORS = [
      "uses 'if' at /anyOf/1"),
     ({"json": {"type": "array", "items": {"type": "string", "format": "date", "minLength": 10}}},
      "combines 'format' with 'minLength' at /items"),
+    ({"json": {"anyOf": [{"type": "integer"}, {"required": ["a"]}]}}, "uses 'required' without a 'type' at /anyOf/1"),
     ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"required": ["a"]}]}},
-     "uses 'required' without a 'type' at /anyOf/0"),
+     "gives 'properties' next to 'anyOf' at the top level"),
     ({"json": {"allOf": [{"type": "integer"}, {"type": "integer", "minimum": 5}]}}, "uses 'allOf' of 2 schemas"),
     ({"json": {"type": "object", "required": ["a"]}},
      "requires 'a' at the top level, which its 'properties' do not define"),
@@ -279,6 +280,20 @@ COMPILED_AWAY = [
     ({"minimum": 5}, "3"),
     ({"maxLength": 2}, '"abcd"'),
     ({"$defs": {"X": {"type": "integer"}}, "$ref": "#/$defs/X", "maximum": 5}, "9"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),    # a pydantic set[int]
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "[]"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 1}, "maxContains": 1}, "[1, 1]"),
+    ({"type": "number", "multipleOf": 0.25}, "5.1"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 1}'),
+    ({"type": "object", "propertyNames": {"pattern": "^a+$"}, "properties": {"b": {"type": "integer"}}}, '{"b": 1}'),
+    ({"type": "object", "propertyNames": {"pattern": "^a+$"}, "patternProperties": {"^b": {"type": "integer"}}},
+     '{"b": 1}'),
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}], "minimum": 10}, "2"),
+    ({"enum": [1, 2, 30], "minimum": 10}, "2"),
+    ({"const": 2, "minimum": 10}, "2"),
 ]
 
 
@@ -307,6 +322,30 @@ def test_constrained_json_strings_hold_no_raw_control_character(string):
     assert _is_grammar_accept_string(grammar, '{"tz": "UTC+1"}')
     for code in range(0x20):
         assert not _is_grammar_accept_string(grammar, '{"tz": "a%sb"}' % chr(code)), hex(code)
+
+
+@pytest.mark.parametrize("schema, valid", [
+    ({"type": "object", "properties": {"Straße": {"enum": ["décembre", "café1"]}}, "required": ["Straße"]},
+     ['{"Straße": "décembre"}', '{"Straße": "café1"}']),
+    ({"type": "string", "pattern": "^[é1]{3}$"}, ['"é1é"', '"111"']),
+    ({"type": "object", "properties": {"naïve\\xe9": {"const": "\\xe91"}}, "required": ["naïve\\xe9"]},
+     ['{"naïve\\\\xe9": "\\\\xe91"}']),          # a backslash and "xe9" in the text: no escape
+])
+def test_schema_text_outside_ascii_is_enforced_as_written(schema, valid, reference_engine, tokenizer):
+    """xgrammar prints U+0080-U+00FF as \\xHH and reads a hex digit after it into the escape:
+    "café1" was enforced as "caf" + U+0E91, so a constrained output could never be right."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from inflight.structured import json_schema_grammar
+    grammar = xgr.Grammar.from_ebnf(json_schema_grammar(json.dumps(schema), any_whitespace=False))
+    for text in valid:
+        jsonschema.validate(json.loads(text), schema)
+        assert _is_grammar_accept_string(grammar, text), text
+    out = reference_engine.generate([prompt_ids(tokenizer, 0)], SamplingParams(
+        max_tokens=32, temperature=0, structured_outputs={"json": schema, "disable_any_whitespace": True}))[0]
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(text_of(tokenizer, out)), schema)
 
 
 def test_the_schemas_pydantic_and_openai_examples_write_are_served():

@@ -143,13 +143,23 @@ _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comme
                           "writeOnly", "$schema", "$id", "$defs", "definitions"})
 
 
+# keywords xgrammar drops wherever they stand (measured)
+_IGNORED = ("uniqueItems", "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas")
+# keywords that decide a value alone: xgrammar drops any rule beside them but these (a pydantic
+# enum writes its 'type' next to 'enum'; a discriminated union, its 'discriminator' next to 'oneOf')
+_DECIDING = {"$ref": frozenset(), "allOf": frozenset(), "enum": frozenset({"type"}), "const": frozenset({"type"}),
+             "anyOf": frozenset({"type", "discriminator"}), "oneOf": frozenset({"type", "discriminator"})}
+
+
 def unenforced(schema, path: str = "") -> str | None:
     """What in a JSON schema xgrammar would compile away (measured: it accepts output that breaks
     it), with where it is; None if nothing. Checked: `not` and `if`/`then`/`else` (ignored), a
     `format` outside XGRAMMAR_FORMATS (any string), a `pattern` or `format` with `minLength` or
     `maxLength` (the lengths dropped), an `allOf` of several schemas (any value), a rule next to a
-    `$ref` or a one-schema `allOf` (dropped), a type-specific keyword without anything that types
-    the schema (any value), a `required` name its `properties` lack (not enforced)."""
+    `$ref`, a one-schema `allOf`, `enum`, `const`, `anyOf` or `oneOf` (dropped), a type-specific
+    keyword without anything that types the schema (any value), a `required` name its `properties`
+    lack (not enforced), the _IGNORED keywords, `multipleOf` on a non-integer, `propertyNames`
+    with `properties` or `patternProperties` (vLLM refuses these for xgrammar too)."""
     if not isinstance(schema, dict):
         return None
     where = path or "the top level"
@@ -158,10 +168,17 @@ def unenforced(schema, path: str = "") -> str | None:
             return f"uses '{keyword}' at {where}"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return f"uses 'allOf' of {len(schema['allOf'])} schemas at {where} (merge them into one)"
-    for keyword in ("$ref", "allOf"):
-        rules = sorted(set(schema) - _ANNOTATIONS - {keyword})
+    for keyword, also in _DECIDING.items():
+        rules = sorted(set(schema) - _ANNOTATIONS - also - {keyword})
         if keyword in schema and rules:
             return f"gives {', '.join(repr(r) for r in rules)} next to '{keyword}' at {where}"
+    ignored = [k for k in _IGNORED if k in schema]
+    if ignored:
+        return f"uses '{ignored[0]}' at {where}"
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        return f"uses 'multipleOf' on a type other than 'integer' at {where}"
+    if "propertyNames" in schema and (shaped := [k for k in ("properties", "patternProperties") if k in schema]):
+        return f"combines 'propertyNames' with '{shaped[0]}' at {where}"
     if not any(k in schema for k in _TYPING):
         untyped = [k for k in _TYPE_SPECIFIC if k in schema]
         if untyped:
@@ -192,10 +209,18 @@ _BOUNDED_STRING_CHARACTER = r'[^\"\\\r\n]'
 _JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
 
 
+# xgrammar 0.2.9 prints U+0080-U+00FF as \xHH, and its EBNF parser reads \x with every hex digit
+# after it: "é1" came back as U+0E91 (a schema's "café1", an enum's "décembre", a pattern's [é1]).
+# Rewritten as \u00HH, which has a fixed length; an escaped backslash before it is left alone.
+_LATIN1_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9a-fA-F]{2})")
+
+
 def json_schema_grammar(schema: str, any_whitespace: bool) -> str:
-    """xgrammar's EBNF for a JSON schema, its length-bounded strings' characters made JSON's."""
+    """xgrammar's EBNF for a JSON schema, its length-bounded strings' characters made JSON's and
+    its Latin-1 escapes read back as printed."""
     import xgrammar as xgr
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
+    ebnf = _LATIN1_ESCAPE.sub(r"\1\\u00\2", ebnf)
     return ebnf.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
 
 
