@@ -351,8 +351,10 @@ def test_schema_text_outside_ascii_is_enforced_as_written(schema, valid, referen
 def test_the_schemas_pydantic_and_openai_examples_write_are_served():
     """What the added checks must not refuse: pydantic 2's shapes ($defs, a $ref with a
     description, Optional as anyOf with null, enums, defaults), pydantic 1's one-schema allOf
-    around a $ref, and OpenAI's function-calling example."""
+    around a $ref, pydantic 2.7-2.9's discriminated union (a one-value enum next to the tag's const),
+    OpenAPI's nullable and x- keys, and OpenAI's function-calling example."""
     from enum import Enum
+    from typing import Literal
 
     from pydantic import BaseModel, Field
 
@@ -376,7 +378,24 @@ def test_the_schemas_pydantic_and_openai_examples_write_are_served():
     weather = {"type": "object", "properties": {"location": {"type": "string"},
                                                 "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                "required": ["location"], "additionalProperties": False}
-    for schema in (Order.model_json_schema(), pydantic_1, weather):
+    class Cat(BaseModel):
+        pet_type: Literal["cat"]
+        lives: int
+
+    class Dog(BaseModel):
+        pet_type: Literal["dog"]
+
+    class Owner(BaseModel):
+        pet: Cat | Dog = Field(discriminator="pet_type")
+
+    pydantic_2_9 = Owner.model_json_schema()
+    for name in ("Cat", "Dog"):      # what 2.7-2.9 write for a Literal: const and a one-value enum
+        tag = pydantic_2_9["$defs"][name]["properties"]["pet_type"]
+        tag["enum"] = [tag["const"]]
+    openapi = {"type": "object", "properties": {"kind": {"type": "string", "enum": ["a", "b"], "nullable": True,
+                                                         "x-order": 1}}}
+    for schema in (Order.model_json_schema(), pydantic_1, pydantic_2_9, openapi, weather):
+        assert structured.unenforced(schema) is None, schema
         SamplingParams(structured_outputs={"json": schema})
 
 
@@ -417,15 +436,19 @@ def test_a_model_without_a_tokenizer_refuses_constraints_clearly(tiny_checkpoint
     assert not engine.requests
 
 
-def test_a_grammar_whose_every_token_is_banned_ends_with_an_error(reference_engine, tokenizer):
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_a_grammar_whose_every_token_is_banned_ends_with_an_error(policy, reference_engine, tokenizer):
     """bad_words can ban every token the grammar allows: the request fails with a clear message
     instead of emitting text outside its grammar, and keeps no trace of the refused token (its
-    output and log-probabilities are what was streamed: nothing)."""
+    output and log-probabilities are what was streamed: nothing), also where static batching holds
+    its row until the batch's other request ends."""
     vocab = tokenizer.get_vocab()
     starts = [[i] for i in vocab.values() if decode(tokenizer, [i]) and "yes".startswith(decode(tokenizer, [i]))]
-    engine = reference_engine
+    engine = reference_engine if policy == "continuous" else LLMEngine.from_pretrained(
+        DEFAULT_MODEL, EngineConfig(dtype="float32", policy="static", num_kv_blocks=64, cpu_threads=1))
     req = engine.add_request("all-banned", prompt_ids(tokenizer, 0), SamplingParams(
         max_tokens=8, structured_outputs={"choice": ["yes"]}, bad_words_ids=starts, logprobs=2))
+    engine.add_request("beside", prompt_ids(tokenizer, 1), SamplingParams(max_tokens=4, ignore_eos=True))
     emitted, finished, errors = [], {}, {}
     while engine.has_unfinished():
         out = engine.step()

@@ -264,6 +264,8 @@ class LLMEngine:
         for i in rejected:
             req = self.requests[request_ids[i]]
             req.token_ids.pop()
+            if req.row >= 0:       # static batching holds its row to the group's end, then copies it back
+                self.scheduler.table.num_tokens[req.row] -= 1
             if logprobs is not None and logprobs[i] is not None:
                 req.logprobs.pop()
             req.finish_reason = finished[req.request_id] = "error"

@@ -145,10 +145,12 @@ _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comme
 
 # keywords xgrammar drops wherever they stand (measured)
 _IGNORED = ("uniqueItems", "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas")
-# keywords that decide a value alone: xgrammar drops any rule beside them but these (a pydantic
-# enum writes its 'type' next to 'enum'; a discriminated union, its 'discriminator' next to 'oneOf')
+# keywords that decide a value alone: xgrammar drops any rule beside them but these (pydantic
+# writes 'type' next to 'enum' and 'const', and 2.7-2.9 a one-value 'enum' next to 'const'), notes
+# and OpenAPI's 'nullable', 'discriminator' and x- extensions, which no JSON schema validator reads
 _DECIDING = {"$ref": frozenset(), "allOf": frozenset(), "enum": frozenset({"type"}), "const": frozenset({"type"}),
-             "anyOf": frozenset({"type", "discriminator"}), "oneOf": frozenset({"type", "discriminator"})}
+             "anyOf": frozenset({"type"}), "oneOf": frozenset({"type"})}
+_OPENAPI_NOTES = frozenset({"nullable", "discriminator"})
 
 
 def unenforced(schema, path: str = "") -> str | None:
@@ -168,8 +170,11 @@ def unenforced(schema, path: str = "") -> str | None:
             return f"uses '{keyword}' at {where}"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return f"uses 'allOf' of {len(schema['allOf'])} schemas at {where} (merge them into one)"
+    notes = _ANNOTATIONS | {k for k in schema if k in _OPENAPI_NOTES or k.startswith("x-")}
+    if isinstance(schema.get("enum"), list) and "const" in schema and schema["const"] in schema["enum"]:
+        notes |= {"enum", "const"}       # one value said twice
     for keyword, also in _DECIDING.items():
-        rules = sorted(set(schema) - _ANNOTATIONS - also - {keyword})
+        rules = sorted(set(schema) - notes - also - {keyword})
         if keyword in schema and rules:
             return f"gives {', '.join(repr(r) for r in rules)} next to '{keyword}' at {where}"
     ignored = [k for k in _IGNORED if k in schema]
