@@ -1330,6 +1330,20 @@ def test_bodies_json_reads_but_python_cannot_use_are_400s(api):
         assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"], reply.text
 
 
+def test_a_constraint_error_in_mid_stream_names_the_field_the_request_used(api):
+    """The regex "ab" with its "b" tokens banned: "a" streams, then no token is left to sample, and
+    the error event names 'guided_regex', as the same error before the first chunk would (it said
+    'structured_outputs', llm's name)."""
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "stream": True,
+            "guided_regex": "ab", "bad_words": ["ab", "b"]}
+    reply = httpx.post(f"{api.base_url}/completions", json=body, timeout=60)
+    events = [json.loads(line[5:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+    assert reply.status_code == 200 and events[0]["choices"][0]["text"] == "a", reply.text
+    error = events[-1]["error"]
+    assert error["message"].startswith("'guided_regex': no token allowed by the grammar") and \
+        error["param"] == "guided_regex", error
+
+
 def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event_and_done():
     """A bug after the first chunk (not an APIError): the client gets an error event in OpenAI's
     shape and [DONE], not a connection cut mid-stream; several prompts' pumps raise it too."""
@@ -1341,7 +1355,7 @@ def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event_and_done():
 
     async def read(stream):
         return [part async for part in stream]
-    parts = asyncio.run(read(sse._with_errors(chunks())))
+    parts = asyncio.run(read(sse._with_errors(chunks(), lambda error: error)))
     assert parts[0] == b"data: {}\n\n" and parts[-1] == sse.DONE
     assert json.loads(parts[1][5:]) == {"error": {"message": "internal error: TypeError", "type": "internal_error",
                                                   "param": None, "code": 500}}

@@ -36,14 +36,16 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
             "model": body.model or ctx.models.name}
     top_n = body.top_logprobs or 0
     prompt_text = prompt if body.return_prompt_text else None      # vLLM's: the rendered template
+    def as_sent(error: APIError) -> APIError:
+        return blame(_as_sent(error, body), constraint)
     try:
         if body.stream:
             responses = await generation.stream(calls)
             return sse_response(_chunks({**head, "object": "chat.completion.chunk"}, body, responses, top_n,
-                                        prompt_ids, _echo(body), prompt_text))
+                                        prompt_ids, _echo(body), prompt_text), as_sent)
         outputs, usage = await generation.gather(calls, body.n)
     except APIError as exc:
-        raise blame(_as_sent(exc, body), constraint) from None
+        raise as_sent(exc) from None
     choices = []
     echo = _echo(body)
     for index, out in enumerate(outputs):

@@ -36,13 +36,15 @@ async def create_completion(body: CompletionRequest, ctx: Context, request_id: s
     calls = [ctx.triton.generate(prompt, ctx.fit(sampling, prompt.ids, "prompt")) for prompt in sent]
     head = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or ctx.models.name}
+    def as_sent(error: APIError) -> APIError:
+        return blame(error, constraint)
     try:
         if body.stream:
             responses = await generation.stream(calls)
-            return sse_response(_chunks(head, body, responses, prompts, echoes, echoed))
+            return sse_response(_chunks(head, body, responses, prompts, echoes, echoed), as_sent)
         outputs, usage = await generation.gather(calls, body.n)
     except APIError as exc:
-        raise blame(exc, constraint) from None
+        raise as_sent(exc) from None
     choices = [_choice(index, out, body, prompts[index // body.n], echoes[index // body.n], echoed)
                for index, out in enumerate(outputs)]
     return JSONResponse({**head, "choices": choices, "usage": usage.body()})
