@@ -161,7 +161,7 @@ def unenforced(schema, path: str = "") -> str | None:
     `$ref`, a one-schema `allOf`, `enum`, `const`, `anyOf` or `oneOf` (dropped), a type-specific
     keyword without anything that types the schema (any value), a `required` name its `properties`
     lack (not enforced), the _IGNORED keywords, `multipleOf` on a non-integer, `propertyNames`
-    with `properties` or `patternProperties` (vLLM refuses these for xgrammar too)."""
+    with `properties` or `patternProperties` (vLLM refuses most of these for xgrammar too)."""
     if not isinstance(schema, dict):
         return None
     where = path or "the top level"
