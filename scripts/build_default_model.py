@@ -38,6 +38,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "model_repository" / "llm" / "1" / "inflight-tiny"
+CARD_TITLE = "# inflight-tiny"      # the model card's first line: how a later build knows an earlier one
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0, 1, 2, 3
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
@@ -290,10 +291,10 @@ def clean_output_dir(out: Path) -> None:
 
 def check_output(out: Path) -> None:
     """Refuse, before any training, an --out that holds files of our names not written by an
-    earlier build (whose model card starts "# inflight-tiny"): `--out .` from the repository root
+    earlier build (whose model card starts with CARD_TITLE): `--out .` from the repository root
     would replace the project's README.md."""
     card = out / "README.md"
-    if card.is_file() and card.read_text(errors="replace").startswith("# inflight-tiny"):
+    if card.is_file() and card.read_text(errors="replace").startswith(CARD_TITLE):
         return
     taken = sorted(name for name in EXPECTED_FILES if (out / name).exists() or (out / name).is_symlink())
     if taken:
@@ -319,7 +320,7 @@ def replace_output(new: Path, out: Path) -> list[str]:
 
 def write_model_card(out: Path, info: dict) -> None:
     p = MODEL_PARAMS
-    text = f"""# inflight-tiny
+    text = f"""{CARD_TITLE}
 
 A deliberately tiny Llama-architecture causal language model that ships with the
 `inflight` repository as its default model, so the Triton model repository can be

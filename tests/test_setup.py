@@ -115,11 +115,17 @@ def test_a_working_venv_is_kept_whatever_python_is_on_path(project):
 
 # ---- scripts/build_default_model.py --out ----------------------------------------------------------
 
-def test_build_default_model_replaces_only_its_own_files_in_out(tmp_path):
+@pytest.fixture(scope="module")
+def script():
+    """scripts/build_default_model.py as a module (it is not in a package)."""
     spec = importlib.util.spec_from_file_location("build_default_model",
                                                   os.path.join(REPO, "scripts", "build_default_model.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_build_default_model_replaces_only_its_own_files_in_out(script, tmp_path):
     new, out = tmp_path / "new", tmp_path / "out"
     new.mkdir()
     (out / "mydata").mkdir(parents=True)
@@ -134,12 +140,8 @@ def test_build_default_model_replaces_only_its_own_files_in_out(tmp_path):
     assert all((out / name).read_text() == "new" for name in script.EXPECTED_FILES)
 
 
-def test_build_default_model_refuses_an_out_holding_files_of_its_names_from_elsewhere(tmp_path):
+def test_build_default_model_refuses_an_out_holding_files_of_its_names_from_elsewhere(script, tmp_path):
     """`--out .` from the repository root would replace the project's README.md with the model card."""
-    spec = importlib.util.spec_from_file_location("build_default_model",
-                                                  os.path.join(REPO, "scripts", "build_default_model.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     script.check_output(tmp_path / "new")           # a new directory
     (tmp_path / "README.md").write_text("# my project\n")
     (tmp_path / "Makefile").write_text("all:\n")
