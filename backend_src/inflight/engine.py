@@ -164,9 +164,11 @@ class LLMEngine:
         prompt = list(prompt_token_ids)
         if not prompt:
             raise ValueError("'prompt_token_ids' is empty")
-        # as objects where an element is a list: numpy would raise its own error on a ragged one
-        ids = np.asarray(prompt, dtype=object if any(isinstance(t, Sequence) for t in prompt) else None)
-        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        try:
+            ids = np.asarray(prompt)
+        except ValueError:          # ragged nesting: numpy's own message names no field
+            ids = None
+        if ids is None or ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise ValueError("'prompt_token_ids' must be a list of integers")
         bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
         if bad.size:
