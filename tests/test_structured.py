@@ -308,6 +308,39 @@ def test_what_xgrammar_compiles_away_is_refused(schema, breaking):
         SamplingParams(structured_outputs={"json": schema})
 
 
+@pytest.mark.parametrize("schema, broken", [
+    ({"type": "string", "pattern": '^a"b$'}, '"a"b"'),
+    ({"type": "string", "pattern": "^a\\x22$"}, '"a""'),
+    ({"type": "string", "pattern": '^[\\"]+$'}, '"""'),
+    ({"type": "string", "pattern": "^a\\u005cb$"}, '"a\\b"'),       # JSON's backspace escape: not a backslash
+    ({"type": "object", "properties": {"note": {"type": "string", "pattern": "^a\\nb$"}}}, '{"note": "a\nb"}'),
+    ({"type": "object", "patternProperties": {'^k"$': {"type": "integer"}}}, '{"k"": 1}'),
+])
+def test_a_pattern_matching_a_character_json_escapes_is_refused(schema, broken):
+    """xgrammar 0.2.9 writes a quote, backslash or control character a pattern matches literally
+    into the JSON string as it is: output json.loads refuses, or reads as another string."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from inflight.structured import json_schema_grammar
+    assert _is_grammar_accept_string(xgr.Grammar.from_ebnf(json_schema_grammar(json.dumps(schema), False)), broken)
+    try:
+        value = json.loads(broken)
+    except ValueError:
+        pass
+    else:                                   # valid JSON, but not the string the pattern matched
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(value, schema)
+    with pytest.raises(ValueError, match="literally, a character JSON escapes"):
+        SamplingParams(structured_outputs={"json": schema})
+
+
+@pytest.mark.parametrize("pattern", ['^[^"\\\\]*$', "^[^\\n]+$", "^\\S+@\\S+\\.\\S+$", "^\\d{3}-\\d{4}$",
+                                     "^https?://[a-z.]+/$", "^\\w+$", "^[!-~]+$"])
+def test_patterns_without_a_literal_json_escape_are_served(pattern):
+    SamplingParams(structured_outputs={"json": {"type": "string", "pattern": pattern}})     # not refused
+
+
 @pytest.mark.parametrize("string", [{"type": "string"}, {"type": "string", "maxLength": 8},
                                     {"type": "string", "minLength": 1}, {"type": "string", "pattern": "^.+$"}])
 def test_constrained_json_strings_hold_no_raw_control_character(string):

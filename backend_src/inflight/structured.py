@@ -161,7 +161,8 @@ def unenforced(schema, path: str = "") -> str | None:
     `$ref`, a one-schema `allOf`, `enum`, `const`, `anyOf` or `oneOf` (dropped), a type-specific
     keyword without anything that types the schema (any value), a `required` name its `properties`
     lack (not enforced), the _IGNORED keywords, `multipleOf` on a non-integer, `propertyNames`
-    with `properties` or `patternProperties` (vLLM refuses most of these for xgrammar too)."""
+    with `properties` or `patternProperties` (vLLM refuses most of these for xgrammar too), and a
+    pattern matching a character JSON escapes (written raw: invalid JSON; vLLM lets it through)."""
     if not isinstance(schema, dict):
         return None
     where = path or "the top level"
@@ -199,12 +200,55 @@ def unenforced(schema, path: str = "") -> str | None:
     shapes = [k for k in ("pattern", "format") if k in schema]
     if lengths and shapes:
         return f"combines '{shapes[0]}' with '{lengths[0]}' at {where}"
+    patterns = [("'pattern'", schema["pattern"])] if isinstance(schema.get("pattern"), str) else []
+    if isinstance(schema.get("patternProperties"), dict):
+        patterns += [("'patternProperties' key", name) for name in schema["patternProperties"]]
+    for keyword, pattern in patterns:
+        if (char := _json_escaped_literal(pattern)) is not None:
+            return (f"has a {keyword} at {where} matching {json.dumps(char)} literally, a character JSON "
+                    "escapes (xgrammar writes it raw: invalid JSON)")
     children = [(f"{path}/{key}/{name}", sub) for key in _SUBSCHEMA_MAPS if isinstance(schema.get(key), dict)
                 for name, sub in schema[key].items()]
     children += [(f"{path}/{key}/{i}", sub) for key in _SUBSCHEMA_LISTS if isinstance(schema.get(key), list)
                  for i, sub in enumerate(schema[key])]
     children += [(f"{path}/{key}", schema[key]) for key in _SUBSCHEMAS if isinstance(schema.get(key), dict)]
     return next(filter(None, (unenforced(sub, sub_path) for sub_path, sub in children)), None)
+
+
+# escapes of a regex (ECMA-262, as JSON schema's) that stand for one character JSON must escape
+_REGEX_ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v", "0": "\0"}
+_REGEX_CODE_ESCAPE = re.compile(r"x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|c([A-Za-z])")
+
+
+def _json_escaped_literal(pattern: str) -> str | None:
+    """The first quote, backslash or control character a pattern matches literally; None if none.
+    xgrammar 0.2.9 puts such a character into the JSON string as it is ('^a"b$' lets '"a"b"'
+    through, '^a\\nb$' a raw newline), while ranges, `.` and classes such as `\\S` it limits to
+    JSON's characters; a character in a negated class is excluded, so it is fine there."""
+    i, negated = 0, None            # negated: None outside a [class], else whether it starts with ^
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\" and i + 1 < len(pattern):
+            code = _REGEX_CODE_ESCAPE.match(pattern, i + 1)
+            if code:
+                char = chr(ord(code[3]) % 32) if code[3] else chr(int(code[1] or code[2], 16))
+                i += 1 + len(code[0])
+            else:
+                char = _REGEX_ESCAPES.get(pattern[i + 1])
+                i += 2
+        elif char == "[" and negated is None:
+            negated = pattern.startswith("^", i + 1)
+            i += 1 + negated
+            continue
+        elif char == "]" and negated is not None:
+            negated = None
+            i += 1
+            continue
+        else:
+            i += 1
+        if char is not None and not negated and (char in '"\\' or ord(char) < 0x20):
+            return char
+    return None
 
 
 # xgrammar 0.2.9 writes a string with minLength/maxLength as a run of this character class, which
