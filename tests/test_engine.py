@@ -90,6 +90,20 @@ def test_bad_words_are_never_generated(engine):
     assert all(out[i:i + 2] != pair for i in range(len(out) - 1))
 
 
+def test_thousands_of_bad_words_of_mixed_lengths_are_each_enforced(engine):
+    """Bad words are looked up by prefix, not compared one by one: among 5,000 others, the
+    output's own 3-gram and 2-gram still bite where their prefix was generated, and no word occurs."""
+    p = prompts(1, seed=11)[0]
+    full = greedy(engine, p, max_tokens=20, ignore_eos=True).token_ids
+    rng = random.Random(0)
+    others = [[rng.randrange(engine.vocab_size) for _ in range(rng.randint(1, 4))] for _ in range(5000)]
+    words = [w for w in others if w[-1] not in full] + [full[3:6], full[9:11]]
+    out = greedy(engine, p, max_tokens=20, ignore_eos=True, bad_words_ids=words).token_ids
+    assert out[:5] == full[:5] and out[5] != full[5]
+    banned = {tuple(w) for w in words}
+    assert not [out[i:j] for j in range(len(out) + 1) for i in range(max(j - 4, 0), j) if tuple(out[i:j]) in banned]
+
+
 def test_logprobs_are_the_models_own(engine, tiny_checkpoint):
     """vLLM's meaning: per token the sampled token's log-prob and rank, then the top N by rank."""
     from transformers import AutoModelForCausalLM

@@ -15,6 +15,16 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 
+def bad_word_endings(words: tuple[tuple[int, ...], ...]) -> list[tuple[int, dict[tuple[int, ...], list[int]]]]:
+    """A request's bad words as (prefix length, {prefix: the tokens it bans next}), shortest
+    first: a step looks its last tokens up once per length instead of comparing every word (40,000
+    words took 145 ms a step, with every request in the batch waiting)."""
+    grouped: dict[int, dict[tuple[int, ...], list[int]]] = {}
+    for word in words:
+        grouped.setdefault(len(word) - 1, {}).setdefault(word[:-1], []).append(word[-1])
+    return sorted(grouped.items())
+
+
 class BatchTable:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, eos_token_ids: tuple[int, ...] = ()):
         rows = max_num_seqs
@@ -41,6 +51,7 @@ class BatchTable:
         self.frequency_penalty = np.zeros(rows, dtype=np.float32)
         self.presence_penalty = np.zeros(rows, dtype=np.float32)
         self.has_bad_words = np.zeros(rows, dtype=bool)
+        self.bad_words: list[list | None] = [None] * rows      # bad_word_endings of the row's request
         self.has_logit_bias = np.zeros(rows, dtype=bool)
         self.has_allowed_ids = np.zeros(rows, dtype=bool)      # sampling limited to allowed_token_ids
         self.constrained = np.zeros(rows, dtype=bool)          # has structured outputs (a grammar matcher)
@@ -86,6 +97,7 @@ class BatchTable:
         self.frequency_penalty[row] = params.frequency_penalty
         self.presence_penalty[row] = params.presence_penalty
         self.has_bad_words[row] = bool(params.bad_words_ids)
+        self.bad_words[row] = bad_word_endings(params.bad_words_ids) if params.bad_words_ids else None
         self.has_logit_bias[row] = bool(params.logit_bias)
         self.has_allowed_ids[row] = params.allowed_token_ids is not None
         self.constrained[row] = req.matcher is not None
@@ -104,6 +116,7 @@ class BatchTable:
         req.row = -1
         self.requests[row] = None
         self.request_ids[row] = None
+        self.bad_words[row] = None
         self.num_blocks[row] = 0
         self._clear_stop_ids(row)
         self._free_rows.append(row)

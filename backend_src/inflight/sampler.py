@@ -107,10 +107,12 @@ class Sampler:
             row = int(rows[i])
             length = int(table.num_tokens[row])
             generated = length - int(table.num_prompt[row])
-            for word in table.requests[row].params.bad_words_ids:
-                prefix = word[:-1]
-                if len(prefix) <= generated and tuple(table.token_ids[row, length - len(prefix):length]) == prefix:
-                    logits[i, word[-1]] = -torch.inf
+            for size, endings in table.bad_words[row]:
+                if size > generated:
+                    break
+                banned = endings.get(tuple(table.token_ids[row, length - size:length].tolist()))
+                if banned:
+                    logits[i, torch.tensor(banned, device=logits.device)] = -torch.inf
 
     @staticmethod
     def _probs(logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
