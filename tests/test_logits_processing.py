@@ -140,6 +140,12 @@ def test_a_logit_bias_past_openais_range_is_clamped_as_vllm_clamps_it():
     assert SamplingParams(logit_bias=((5, 3.0), (6, 1.0), (5, 4.0))).logit_bias == ((5, 4.0), (6, 1.0))
 
 
+def test_allowed_token_ids_repeated_are_kept_once():
+    """The sampler spreads them into a mask every step: two million ids of a vocabulary of 8,192
+    cost every step in the batch 0.35 s."""
+    assert SamplingParams(allowed_token_ids=[7, 5, 7] * 100_000).allowed_token_ids == (7, 5)
+
+
 def test_top_k_keeps_ties_and_top_p_keeps_what_the_nucleus_needs():
     """vLLM's and transformers' edges: top-k keeps every token tied with the k-th; top-p keeps a
     token while the ones more likely hold less than p (the likeliest always)."""

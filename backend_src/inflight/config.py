@@ -193,7 +193,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             _check(_is_sequence(self.allowed_token_ids) and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
                    "allowed_token_ids", "must be a list of non-negative integers")
-            self.allowed_token_ids = tuple(self.allowed_token_ids)
+            # once each: the sampler spreads them into a mask every step (at most the vocabulary)
+            self.allowed_token_ids = tuple(dict.fromkeys(self.allowed_token_ids))
             _check(bool(self.allowed_token_ids), "allowed_token_ids", "must not be empty")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
