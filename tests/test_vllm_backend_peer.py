@@ -216,9 +216,11 @@ def vllm_samples(server) -> dict[tuple[str, tuple[str, ...]], float]:
 
 def test_the_vllm_metrics_have_the_same_names_buckets_and_counts(ours, peer):
     """REPORT_CUSTOM_METRICS on both: the same families and histogram buckets, and the same
-    requests add the same token counts and the same number of observations (times differ)."""
+    requests add the same token counts and the same number of observations (times differ): with
+    n = 2, one of each histogram per output but request_params_n."""
     requests = [(PROMPT, False, greedy(max_tokens=8)), ("Hi", True, greedy(max_tokens=12, ignore_eos=True)),
                 (PROMPT, True, greedy(max_tokens=30, stop=["non"]))]
+    n_request = {"n": 2, "seed": 1, "temperature": 0.8, "max_tokens": 5, "ignore_eos": True}
     deltas = []
     for server, model in ((peer, PEER_MODEL), (ours, "llm")):
         before = vllm_samples(server)
@@ -226,15 +228,20 @@ def test_the_vllm_metrics_have_the_same_names_buckets_and_counts(ours, peer):
         for prompt, stream, sampling in requests:
             out = responses(server, model, grpc_inputs(prompt, stream, sampling, return_num_output_tokens=True))
             delivered += sum(values["num_output_tokens"] for values, _ in out)
+        # the backend's one response holds only the outputs of the last step: counted, not read
+        responses(server, model, grpc_inputs(PROMPT, False, n_request))
+        delivered += 2 * n_request["max_tokens"]
         assert wait_for_metric(server, "vllm:generation_tokens_total", delivered, model=model) == delivered
         wait_for_metric(server, "vllm:e2e_request_latency_seconds_count",
-                        before.get(("vllm:e2e_request_latency_seconds_count", ()), 0.0) + len(requests), model=model)
+                        before.get(("vllm:e2e_request_latency_seconds_count", ()), 0.0) + len(requests) + 2,
+                        model=model)
         after = vllm_samples(server)
         deltas.append({key: value - before.get(key, 0.0) for key, value in after.items()
                        if "seconds" not in key[0] or key[0].endswith("_count")})
     theirs, ours_ = deltas
     assert theirs.keys() - ours_.keys() == set() and ours_.keys() - theirs.keys() == set()
-    assert theirs == ours_ and theirs[("vllm:request_params_n_count", ())] == len(requests)
+    assert theirs == ours_ and theirs[("vllm:request_params_n_count", ())] == len(requests) + 1
+    assert theirs[("vllm:time_to_first_token_seconds_count", ())] == len(requests) + 2
 
 
 def random_request(rng: random.Random, texts: list[str]) -> tuple[str, bool, dict, dict]:

@@ -437,7 +437,7 @@ def test_the_vllm_backends_metrics_with_report_custom_metrics(tmp_path, tokenize
         assert server.metric("inflight_generation_tokens_total") == delivered
         assert server.metric("vllm:prompt_tokens_total", **labels) == prompts
         assert server.metric("vllm:time_per_output_token_seconds_count", **labels) == gaps
-        assert server.metric("vllm:time_to_first_token_seconds_count", **labels) == 3
+        assert server.metric("vllm:time_to_first_token_seconds_count", **labels) == 4
         assert server.metric("vllm:request_params_n_count", **labels) == 3
         assert server.metric("vllm:request_generation_tokens_sum", **labels) == delivered
         assert server.metric("vllm:e2e_request_latency_seconds_count", **labels) == 4

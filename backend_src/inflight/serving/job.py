@@ -48,6 +48,7 @@ class Sample:
     finish_reason: str | None = None
     stop_reason: str | int | None = None    # vLLM's: the stop string, or the stop token (not EOS), that ended it
     ready: bool = False                     # got tokens (or its end) since the last response
+    first_token_time: float | None = None   # when its first token was delivered (the metrics' TTFT)
     last_token_time: float | None = None    # when its latest token was delivered (the metrics' token gaps)
     _text: list[str] = field(default_factory=list)          # not sent yet
     _logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -121,7 +122,6 @@ class Job:
     prompt_ids: list[int]
     arrival: float
     samples: list[Sample]
-    first_token_time: float | None = None
     done: bool = False                      # its final response went out
     grammar: object = None                  # structured outputs: compiled on the request's thread, not the engine's
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)   # from the second prompt token on
@@ -131,6 +131,11 @@ class Job:
     @property
     def finished(self) -> bool:
         return all(sample.finished for sample in self.samples)
+
+    @property
+    def first_token_time(self) -> float | None:
+        """When the first token of any of its outputs was delivered."""
+        return min((s.first_token_time for s in self.samples if s.first_token_time is not None), default=None)
 
     @property
     def output_ids(self) -> list[int]:

@@ -341,8 +341,8 @@ class EngineLoop:
             job = owner.get(request_id)
             if sample is None or sample.finished or job.done:
                 continue
-            if job.first_token_time is None:
-                job.first_token_time = now
+            if sample.first_token_time is None:
+                sample.first_token_time = now
             if self.metrics is not None:
                 self.metrics.delivered(job, None if sample.last_token_time is None else now - sample.last_token_time)
             sample.last_token_time = now

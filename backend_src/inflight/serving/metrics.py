@@ -199,12 +199,13 @@ class EngineMetrics:
             self._after_request_vllm(job, now)
 
     def _after_request_vllm(self, job, now: float) -> None:
-        """Per output, as the vLLM backend records each finished (child) request; n per request."""
+        """Per output, as vLLM records each (child) request of the vLLM backend's: its first token
+        and its end; n per request."""
         vllm = self._vllm
         vllm["n"].observe(len(job.samples))
-        if job.first_token_time is not None:
-            vllm["ttft"].observe(job.first_token_time - job.arrival)
         for sample in job.samples:
+            if sample.first_token_time is not None:
+                vllm["ttft"].observe(sample.first_token_time - job.arrival)
             vllm["e2e"].observe(now - job.arrival)
             vllm["request_prompt"].observe(len(job.prompt_ids))
             vllm["request_generation"].observe(len(sample.output_ids))
