@@ -7,6 +7,7 @@ postprocessing (context_ids, token_ids) from `llm` -> exactly the text those tok
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -251,6 +252,7 @@ class LLMModel:
     def __init__(self, pb_utils):
         self.pb = pb_utils
         self.loop: EngineLoop | None = None
+        self.metrics: EngineMetrics | None = None
 
     @one_line_errors
     def initialize(self, args) -> None:
@@ -294,6 +296,11 @@ class LLMModel:
     def finalize(self) -> None:
         if self.loop is not None:
             self.loop.shutdown()
+        # Triton 2.51's stub would free the metric families with this object as it is destroyed,
+        # when a family can no longer reach its shared memory: a segfault's stack in the log at a
+        # stop (triton-inference-server/python_backend#429, fixed after 2.51). Freed here instead.
+        self.loop = self.metrics = None
+        gc.collect()
 
 
 # ---- ensemble steps ---------------------------------------------------------------------------------
