@@ -1147,6 +1147,8 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": True}, 400,        # not read as 1
      "'max_tokens': Input should be a number, not a boolean", "max_tokens"),
     ("completions", {"model": MODEL, "prompt": [1, True]}, 400, "'prompt[1]': Input should be a number", "prompt"),
+    ("completions", {"model": MODEL, "prompt": "x", "priority": 1.5}, 400,      # each member of the union says its kind
+     "'priority': Input should be 'high', 'normal' or 'low'; or input should be a valid integer", "priority"),
     ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "'logprobs'", "logprobs"),
     ("completions", {"model": MODEL, "prompt": "x", "temprature": 0}, 400, "'temprature': unknown parameter",
      "temprature"),

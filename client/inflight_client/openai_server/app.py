@@ -96,7 +96,12 @@ def _validation_error(error: ValidationError, schema: type[BaseModel]) -> APIErr
     name = str(first["loc"][0]) if first["loc"] else None
     unknown = first["type"] == "extra_forbidden"
     where = _where(schema, first["loc"], unknown)
-    message = "unknown parameter" if unknown else first["msg"]
+    # a union's members each say what they take, at the same place: all of them, not the first
+    said = [first["msg"]]
+    if first["type"] != "bool_not_number":
+        said += [e["msg"][:1].lower() + e["msg"][1:] for e in errors
+                 if e["msg"] != first["msg"] and _where(schema, e["loc"], False) == where]
+    message = "unknown parameter" if unknown else "; or ".join(dict.fromkeys(said))
     return APIError(400, f"'{where}': {message}" if where else message, name)
 
 
