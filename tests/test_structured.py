@@ -179,9 +179,10 @@ def large_schema(n):
         "z": {"enum": [f"v{k}" for k in range(20)]}}}} for j in range(n)}}
 
 
-def test_compiling_a_new_schema_does_not_stall_running_requests(tokenizer):
-    """The serving loop compiles on the submitting (Triton execute) thread: a stream that is already
-    running keeps receiving tokens while a large new schema compiles."""
+def test_compiling_a_new_schema_stalls_neither_running_requests_nor_later_ones(tokenizer):
+    """The serving loop compiles in a pool of its own: while a large new schema compiles, a stream
+    that is already running keeps receiving tokens, and a request sent after it (Triton's execute
+    thread, where the compile used to run, hands requests over one at a time) is answered in full."""
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(max_num_seqs=8, num_kv_blocks=256, cpu_threads=1))
     engine.structured.compile(parse_spec({"json_object": True}))        # the tokenizer's vocabulary, up front
     loop = EngineLoop(engine, tokenizer).start()
@@ -191,18 +192,23 @@ def test_compiling_a_new_schema_does_not_stall_running_requests(tokenizer):
                                     stream=True), running)
         while len(running.sends) < 5:
             time.sleep(0.01)
-        constrained = RecordingSink()
+        constrained, later = RecordingSink(), RecordingSink()
         schema = large_schema(300)
         started = time.monotonic()
         loop.submit(GenerateRequest(None, prompt_ids(tokenizer, 1), SamplingParams(
             max_tokens=64, temperature=1.0, seed=1, structured_outputs={"json": schema, "disable_any_whitespace": True}),
             exclude_input_in_output=True), constrained)
+        loop.submit(GenerateRequest(None, prompt_ids(tokenizer, 2), SamplingParams(max_tokens=4, ignore_eos=True),
+                                    stream=True), later)
+        while engine.structured.num_compiled < 2:
+            time.sleep(0.005)
         compiled = time.monotonic()
         compile_s = compiled - started
         times = [s[0] for s in running.sends if started <= s[0] <= compiled]
         gaps = [b - a for a, b in zip([started] + times, times + [compiled])]
         assert compile_s > 0.3, f"the schema compiled in {compile_s:.2f} s: too fast to show anything"
         assert len(times) >= 5 and max(gaps) < compile_s / 2, (compile_s, gaps)
+        assert later.finished.is_set() and later.sends[-1][0] < compiled and later.sends[-1][3] is None
         assert constrained.finished.wait(60) and constrained.sends[-1][3] is None
         text = constrained.text
         if text.endswith("}"):                # finished by its grammar (else max_tokens)

@@ -5,8 +5,8 @@ A request's constraint arrives as the vLLM `structured_outputs` object (`Grammar
 `parse_spec` checks its shape). `StructuredOutputs`, one per engine, turns specs into compiled
 grammars: the tokenizer's vocabulary is compiled once (on the first constrained request), each
 grammar once, kept in an LRU keyed by its canonical text. Compiling is thread-safe and releases
-the GIL, so the serving loop compiles on the request's thread and the engine thread never waits
-for a new schema. Each constrained request owns a matcher; per step, `step_mask` fills one bitmask
+the GIL, so the serving loop compiles in a pool of its own and neither the engine thread nor
+other requests wait for a new schema. Each constrained request owns a matcher; per step, `step_mask` fills one bitmask
 for the constrained rows only, the sampler applies it before any sampling, and `advance` feeds each
 accepted token back, reporting the rows whose grammar has terminated (their EOS was accepted).
 While no constrained request is in the engine, steps never reach this module; steps whose

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from ..config import SamplingParams
 from ..detokenizer import DecodeOptions, IncrementalDetokenizer, StopStrings, decode, token_text
@@ -52,6 +53,9 @@ class EngineLoop:
         self._samples: dict[str, Sample] = {}       # by engine request id
         self._owner: dict[str, Job] = {}            # engine request id -> its job
         self._token_texts: dict[int, str] = {}      # token id -> its text alone
+        # new grammars compile here, not on Triton's execute thread, where one request's large schema
+        # held up every request that arrived after it (vLLM compiles in a pool too)
+        self._compiles = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="inflight-grammar")
         self._engine_thread = threading.Thread(target=self._run_engine, name="inflight-engine", daemon=True)
         self._response_thread = threading.Thread(target=self._run_responses, name="inflight-responses", daemon=True)
 
@@ -78,8 +82,33 @@ class EngineLoop:
             log.exception("inflight: a request could not be read")
             self.refuse(sink, f"the request could not be read: {type(exc).__name__}: {exc}")
             return
+        if job.samples[0].params.structured_outputs is None:
+            self._enqueue(job)
+            return
+        try:
+            compiling = self._compiles.submit(self._compile_and_enqueue, job)
+        except RuntimeError:          # shut down
+            self.refuse(sink, "the server is shutting down")
+            return
+        compiling.add_done_callback(lambda f: f.cancelled() and self.refuse(sink, "the server is shutting down"))
+
+    def _enqueue(self, job: Job) -> None:
         self.outbox.put(("register", job))        # before the engine can produce its first token
         self.inbox.put(("add", job))
+
+    def _compile_and_enqueue(self, job: Job) -> None:
+        """On a compile thread: the request's grammar (xgrammar releases the GIL, so the engine
+        thread steps on meanwhile), then the request to the engine; a bad constraint is refused."""
+        try:
+            job.grammar = self.engine.structured.compile(job.samples[0].params.structured_outputs)
+        except ValueError as exc:     # a bad constraint, named by its field
+            self.refuse(job.sink, str(exc))
+            return
+        except Exception as exc:      # a bug in the compile: this request's error
+            log.exception("inflight: a grammar could not be compiled")
+            self.refuse(job.sink, f"the grammar could not be compiled: {type(exc).__name__}: {exc}")
+            return
+        self._enqueue(job)
 
     def refuse(self, sink: ResponseSink, message: str) -> None:
         """A request refused before it reached the engine. Counted on the response thread, which
@@ -112,7 +141,7 @@ class EngineLoop:
             job_id = f"req-{self._ids}"
         samples = [self._make_sample(job_id if request.n == 1 else f"{job_id}.{i}", params, i, request, prompt_ids)
                    for i in range(request.n)]
-        return Job(job_id, request, sink, prompt_ids, time.monotonic(), samples, grammar=self._compile(params))
+        return Job(job_id, request, sink, prompt_ids, time.monotonic(), samples)
 
     def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each word's tokens as it starts the text and, where a leading space makes it another
@@ -148,18 +177,10 @@ class EngineLoop:
         return Sample(request_id, params, IncrementalDetokenizer(self.tokenizer, prompt_ids, options), stops,
                       request.include_stop_str_in_output, self.tokenizer.eos_token_id)
 
-    def _compile(self, params: SamplingParams):
-        """A new schema compiles here, on Triton's thread, while the engine thread keeps stepping
-        (xgrammar releases the GIL); the engine thread only looks the grammar up."""
-        if params.structured_outputs is None:
-            return None
-        try:
-            return self.engine.structured.compile(params.structured_outputs)
-        except ValueError as exc:
-            raise RequestError(str(exc)) from None
-
     def shutdown(self, timeout: float = 20.0) -> None:
-        """Finish every request in flight with a final response, then stop both threads."""
+        """Finish every request in flight with a final response, then stop both threads (grammars
+        compiling first finish and join them; those not begun are refused)."""
+        self._compiles.shutdown(wait=True, cancel_futures=True)
         self.inbox.put(("shutdown", None))
         self._engine_thread.join(timeout)
         self._response_thread.join(timeout)
