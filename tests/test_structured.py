@@ -182,7 +182,8 @@ def large_schema(n):
 def test_compiling_a_new_schema_stalls_neither_running_requests_nor_later_ones(tokenizer):
     """The serving loop compiles in a pool of its own: while a large new schema compiles, a stream
     that is already running keeps receiving tokens, and a request sent after it (Triton's execute
-    thread, where the compile used to run, hands requests over one at a time) is answered in full."""
+    thread, where the compile used to run, hands requests over one at a time) is answered in full,
+    also one whose grammar was compiled before."""
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(max_num_seqs=8, num_kv_blocks=256, cpu_threads=1))
     engine.structured.compile(parse_spec({"json_object": True}))        # the tokenizer's vocabulary, up front
     loop = EngineLoop(engine, tokenizer).start()
@@ -200,6 +201,9 @@ def test_compiling_a_new_schema_stalls_neither_running_requests_nor_later_ones(t
             exclude_input_in_output=True), constrained)
         loop.submit(GenerateRequest(None, prompt_ids(tokenizer, 2), SamplingParams(max_tokens=4, ignore_eos=True),
                                     stream=True), later)
+        known = RecordingSink()         # a grammar compiled before: it does not queue behind the new one
+        loop.submit(GenerateRequest(None, prompt_ids(tokenizer, 3), SamplingParams(
+            max_tokens=4, structured_outputs={"json_object": True}), stream=True), known)
         while engine.structured.num_compiled < 2:
             time.sleep(0.005)
         compiled = time.monotonic()
@@ -208,7 +212,8 @@ def test_compiling_a_new_schema_stalls_neither_running_requests_nor_later_ones(t
         gaps = [b - a for a, b in zip([started] + times, times + [compiled])]
         assert compile_s > 0.3, f"the schema compiled in {compile_s:.2f} s: too fast to show anything"
         assert len(times) >= 5 and max(gaps) < compile_s / 2, (compile_s, gaps)
-        assert later.finished.is_set() and later.sends[-1][0] < compiled and later.sends[-1][3] is None
+        for sink in (later, known):
+            assert sink.finished.is_set() and sink.sends[-1][0] < compiled and sink.sends[-1][3] is None
         assert constrained.finished.wait(60) and constrained.sends[-1][3] is None
         text = constrained.text
         if text.endswith("}"):                # finished by its grammar (else max_tokens)

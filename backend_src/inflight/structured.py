@@ -303,11 +303,10 @@ class StructuredOutputs:
     def compile(self, spec: GrammarSpec):
         """The compiled grammar for a spec, from the cache or compiled now (on the calling thread).
         Raises ValueError naming the field, with xgrammar's message."""
+        compiled = self.cached(spec)
+        if compiled is not None:
+            return compiled
         with self._lock:
-            compiled = self._cache.get(spec.key)
-            if compiled is not None:
-                self._cache.move_to_end(spec.key)
-                return compiled
             compiler = self._compiler or self._make_compiler(spec.param)
         compiled = self._compile(compiler, spec)           # outside the lock: compiles run in parallel
         with self._lock:
@@ -316,6 +315,14 @@ class StructuredOutputs:
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
+
+    def cached(self, spec: GrammarSpec):
+        """The compiled grammar for a spec if the cache has it, else None (never compiles)."""
+        with self._lock:
+            compiled = self._cache.get(spec.key)
+            if compiled is not None:
+                self._cache.move_to_end(spec.key)
+            return compiled
 
     def _make_compiler(self, name: str):
         import xgrammar as xgr

@@ -82,8 +82,10 @@ class EngineLoop:
             log.exception("inflight: a request could not be read")
             self.refuse(sink, f"the request could not be read: {type(exc).__name__}: {exc}")
             return
-        if job.samples[0].params.structured_outputs is None:
-            self._enqueue(job)
+        spec = job.samples[0].params.structured_outputs
+        job.grammar = None if spec is None else self.engine.structured.cached(spec)
+        if spec is None or job.grammar is not None:
+            self._enqueue(job)        # a grammar compiled before does not wait behind new ones
             return
         try:
             compiling = self._compiles.submit(self._compile_and_enqueue, job)
