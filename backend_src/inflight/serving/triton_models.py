@@ -171,6 +171,16 @@ def request_parameters(request) -> dict:
     return values if isinstance(values, dict) else {}
 
 
+# `llm` errors of the server's state, not of the request: Triton's UNAVAILABLE (HTTP 503 where
+# Triton maps a response's code, as for its own queue-full refusals), a request's fault
+# INVALID_ARG (400), not the Python backend's default INTERNAL (500). Triton 2.51's generate
+# endpoints answer all three with 400 (measured): there the message's start tells them apart
+UNAVAILABLE_ERRORS = ("queue full", "timed out in queue", "the server is shutting down", "the model is being unloaded")
+# and of a fault in the server: INTERNAL
+INTERNAL_ERRORS = ("the engine failed", "the server failed", "the request could not be read",
+                   "the grammar could not be compiled")
+
+
 class TritonSink:
     """A request's Triton response sender behind the EngineLoop's ResponseSink interface."""
 
@@ -181,7 +191,9 @@ class TritonSink:
     def send(self, outputs, final: bool, error: str | None = None) -> None:
         flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         if error is not None:
-            self.sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(error)), flags=flags)
+            code = self.pb.TritonError.UNAVAILABLE if error.startswith(UNAVAILABLE_ERRORS) else \
+                self.pb.TritonError.INTERNAL if error.startswith(INTERNAL_ERRORS) else self.pb.TritonError.INVALID_ARG
+            self.sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(error, code)), flags=flags)
         elif outputs is None:
             self.sender.send(flags=flags)
         else:
