@@ -326,6 +326,8 @@ def test_what_xgrammar_compiles_away_is_refused(schema, breaking):
     ({"type": "string", "pattern": "^a\\u005cb$"}, '"a\\b"'),       # JSON's backspace escape: not a backslash
     ({"type": "object", "properties": {"note": {"type": "string", "pattern": "^a\\nb$"}}}, '{"note": "a\nb"}'),
     ({"type": "object", "patternProperties": {'^k"$': {"type": "integer"}}}, '{"k"": 1}'),
+    ({"type": "string", "pattern": "^[\\b]$"}, '"\b"'),                  # a backspace in a class
+    ({"type": "string", "pattern": "^[\\n-\\r]$"}, '"\n"'),              # a class of nothing else
 ])
 def test_a_pattern_matching_a_character_json_escapes_is_refused(schema, broken):
     """xgrammar 0.2.9 writes a quote, backslash or control character a pattern matches literally
@@ -347,7 +349,8 @@ def test_a_pattern_matching_a_character_json_escapes_is_refused(schema, broken):
 
 
 @pytest.mark.parametrize("pattern", ['^[^"\\\\]*$', "^[^\\n]+$", "^\\S+@\\S+\\.\\S+$", "^\\d{3}-\\d{4}$",
-                                     "^https?://[a-z.]+/$", "^\\w+$", "^[!-~]+$"])
+                                     "^https?://[a-z.]+/$", "^\\w+$", "^[!-~]+$", "^[\\x00-\\x7F]*$",
+                                     "^[\\w\\s.,!?'\"-]+$", '^[a-z"]$', "^\\b\\w+\\b$"])
 def test_patterns_without_a_literal_json_escape_are_served(pattern):
     SamplingParams(structured_outputs={"json": {"type": "string", "pattern": pattern}})     # not refused
 

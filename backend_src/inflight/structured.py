@@ -215,39 +215,61 @@ def unenforced(schema, path: str = "") -> str | None:
     return next(filter(None, (unenforced(sub, sub_path) for sub_path, sub in children)), None)
 
 
-# escapes of a regex (ECMA-262, as JSON schema's) that stand for one character JSON must escape
-_REGEX_ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v", "0": "\0"}
+# escapes of a regex (ECMA-262, as JSON schema's) that stand for one character, by the letter
+_REGEX_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v", "0": "\0"}
 _REGEX_CODE_ESCAPE = re.compile(r"x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|c([A-Za-z])")
+_CLASS_ESCAPES = frozenset("dDwWsS")        # \d, \w, \s and their negations: classes, not characters
+
+
+def _escaped_json(code: int) -> bool:
+    """Whether JSON writes this character escaped: a quote, a backslash or a control character."""
+    return code < 0x20 or code in (0x22, 0x5C)
+
+
+def _regex_item(pattern: str, i: int, in_class: bool) -> tuple[int | None, int]:
+    """The character at pattern[i] (code point), or None for a class escape, an anchor or another
+    item that is no single character; and where the next item begins."""
+    if pattern[i] != "\\" or i + 1 == len(pattern):
+        return ord(pattern[i]), i + 1
+    if code := _REGEX_CODE_ESCAPE.match(pattern, i + 1):
+        return (ord(code[3]) % 32 if code[3] else int(code[1] or code[2], 16)), i + 1 + len(code[0])
+    letter = pattern[i + 1]
+    if letter == "b" and in_class:              # a backspace there, a word boundary outside
+        return 8, i + 2
+    if letter in _REGEX_ESCAPES:
+        return ord(_REGEX_ESCAPES[letter]), i + 2
+    if letter.isalnum():                        # \d, \b, \B, \1 (a back-reference), \p{...}: not one character
+        return None, i + 2
+    return ord(letter), i + 2                   # an escaped punctuation or control character: itself
 
 
 def _json_escaped_literal(pattern: str) -> str | None:
     """The first quote, backslash or control character a pattern matches literally; None if none.
-    xgrammar 0.2.9 puts such a character into the JSON string as it is ('^a"b$' lets '"a"b"'
-    through, '^a\\nb$' a raw newline), while ranges, `.` and classes such as `\\S` it limits to
-    JSON's characters; a character in a negated class is excluded, so it is fine there."""
-    i, negated = 0, None            # negated: None outside a [class], else whether it starts with ^
+    xgrammar 0.2.9 writes such a character into the JSON string as it is ('^a"b$' lets '"a"b"'
+    through, '^a\\nb$' a raw newline), also a [class] of nothing else; a class with any other
+    member, a range, `.` or `\\S` it limits to JSON's characters, and a negated class excludes them."""
+    i = 0
     while i < len(pattern):
-        char = pattern[i]
-        if char == "\\" and i + 1 < len(pattern):
-            code = _REGEX_CODE_ESCAPE.match(pattern, i + 1)
-            if code:
-                char = chr(ord(code[3]) % 32) if code[3] else chr(int(code[1] or code[2], 16))
-                i += 1 + len(code[0])
-            else:
-                char = _REGEX_ESCAPES.get(pattern[i + 1])
-                i += 2
-        elif char == "[" and negated is None:
-            negated = pattern.startswith("^", i + 1)
-            i += 1 + negated
+        if pattern[i] != "[":
+            code, i = _regex_item(pattern, i, in_class=False)
+            if code is not None and _escaped_json(code):
+                return chr(code)
             continue
-        elif char == "]" and negated is not None:
-            negated = None
-            i += 1
+        negated = pattern.startswith("^", i + 1)
+        i += 1 + negated
+        members: list[tuple[int, int] | None] = []        # (first, last) code points; None: a class escape
+        while i < len(pattern) and pattern[i] != "]":
+            first, i = _regex_item(pattern, i, in_class=True)
+            last = first
+            if first is not None and pattern.startswith("-", i) and i + 1 < len(pattern) and pattern[i + 1] != "]":
+                last, i = _regex_item(pattern, i + 1, in_class=True)
+            members.append(None if first is None or last is None else (first, last))
+        i += 1
+        if negated or not members:
             continue
-        else:
-            i += 1
-        if char is not None and not negated and (char in '"\\' or ord(char) < 0x20):
-            return char
+        if all(m is not None and all(_escaped_json(c) for c in range(m[0], min(m[1], 0x5C) + 1)) and m[1] <= 0x5C
+               for m in members):
+            return chr(members[0][0])
     return None
 
 
