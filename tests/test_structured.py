@@ -223,6 +223,25 @@ def test_compiling_a_new_schema_stalls_neither_running_requests_nor_later_ones(t
     assert engine.kv.num_used_blocks == 0
 
 
+def test_the_wait_for_a_seat_starts_after_the_grammar_compiled(tokenizer):
+    """max_queue_wait_s is the wait for a seat: a schema that takes longer to compile than the
+    limit does not time its request out on an idle server (it did, and a retry, now cached, passed)."""
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(max_num_seqs=8, num_kv_blocks=256, cpu_threads=1,
+                                                                   max_queue_wait_s=0.3))
+    engine.structured.compile(parse_spec({"json_object": True}))        # the tokenizer's vocabulary, up front
+    loop = EngineLoop(engine, tokenizer).start()
+    try:
+        sink = RecordingSink()
+        started = time.monotonic()
+        loop.submit(GenerateRequest(None, prompt_ids(tokenizer, 1), SamplingParams(
+            max_tokens=4, structured_outputs={"json": large_schema(300), "disable_any_whitespace": True}),
+            stream=True), sink)
+        assert sink.finished.wait(60) and sink.sends[-1][3] is None, sink.sends[-1]
+        assert sink.sends[0][0] - started > 0.3, "the schema compiled within the limit: nothing shown"
+    finally:
+        loop.shutdown()
+
+
 def test_grammar_cache_is_lru_by_canonical_text(monkeypatch):
     cache = structured.StructuredOutputs(DEFAULT_MODEL, 4096, (2,), 8)
     monkeypatch.setattr(structured, "CACHE_SIZE", 2)
@@ -238,6 +257,34 @@ def test_grammar_cache_is_lru_by_canonical_text(monkeypatch):
     assert cache.num_compiled == 3
     cache.compile(parse_spec({"regex": "[a-z]+"}))
     assert cache.num_compiled == 4
+
+
+def test_a_schema_asked_for_while_it_compiles_is_compiled_once_and_the_cache_stays_free(monkeypatch):
+    """Three threads asking for one new schema at once share its compile (a burst of the same
+    response_format compiled it once per compile thread); building the compiler (the tokenizer's
+    vocabulary) does not hold up cache lookups of other threads."""
+    import threading
+    cache = structured.StructuredOutputs(DEFAULT_MODEL, 4096, (2,), 8)
+    build = cache._build_compiler
+
+    def slow_build(name):
+        time.sleep(1.0)
+        return build(name)
+    monkeypatch.setattr(cache, "_build_compiler", slow_build)
+    spec = parse_spec({"json": large_schema(100)})
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(cache.compile(spec))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    assert cache.cached(parse_spec({"regex": "[a-z]+"})) is None and time.monotonic() - started < 0.5
+    for thread in threads:
+        thread.join(60)
+    assert len(results) == 3 and results[0] is results[1] is results[2] and cache.num_compiled == 1
+    with pytest.raises(ValueError, match="is not a valid regex"):    # an error is each asker's, and not kept
+        cache.compile(parse_spec({"regex": "a("}))
+    assert cache._compiling == {}
 
 
 SHAPE_ERRORS = [

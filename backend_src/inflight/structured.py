@@ -6,7 +6,8 @@ A request's constraint arrives as the vLLM `structured_outputs` object (`Grammar
 grammars: the tokenizer's vocabulary is compiled once (on the first constrained request), each
 grammar once, kept in an LRU keyed by its canonical text. Compiling is thread-safe and releases
 the GIL, so the serving loop compiles in a pool of its own and neither the engine thread nor
-other requests wait for a new schema. Each constrained request owns a matcher; per step, `step_mask` fills one bitmask
+the requests without a new grammar wait for one; a grammar asked for while it compiles is
+compiled once. Each constrained request owns a matcher; per step, `step_mask` fills one bitmask
 for the constrained rows only, the sampler applies it before any sampling, and `advance` feeds each
 accepted token back, reporting the rows whose grammar has terminated (their EOS was accepted).
 While no constrained request is in the engine, steps never reach this module; steps whose
@@ -22,6 +23,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -311,8 +313,10 @@ class StructuredOutputs:
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_num_seqs = max_num_seqs
         self.device = device
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()        # the cache and the compiles in progress
+        self._compiler_lock = threading.Lock()   # building the compiler (loads the tokenizer: seconds)
         self._compiler = None
+        self._compiling: dict[str, Future] = {}  # by spec key: a spec asked again waits for its compile
         self._terminate_without_stop = False
         self._cache: OrderedDict = OrderedDict()
         self._bitmask = None                 # [max_num_seqs, ceil(vocab / 32)] int32, allocated on first use
@@ -325,28 +329,51 @@ class StructuredOutputs:
     def compile(self, spec: GrammarSpec):
         """The compiled grammar for a spec, from the cache or compiled now (on the calling thread).
         Raises ValueError naming the field, with xgrammar's message."""
-        compiled = self.cached(spec)
-        if compiled is not None:
-            return compiled
         with self._lock:
-            compiler = self._compiler or self._make_compiler(spec.param)
-        compiled = self._compile(compiler, spec)           # outside the lock: compiles run in parallel
+            compiled = self._hit(spec)
+            if compiled is not None:
+                return compiled
+            running = self._compiling.get(spec.key)
+            if running is None:
+                running = self._compiling[spec.key] = Future()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            return running.result()           # its result, or its error
+        try:
+            compiled = self._compile(self._compiler or self._make_compiler(spec.param), spec)
+        except BaseException as exc:
+            with self._lock:
+                del self._compiling[spec.key]
+            running.set_exception(exc)
+            raise
         with self._lock:
             self.num_compiled += 1
             self._cache[spec.key] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
+            del self._compiling[spec.key]
+        running.set_result(compiled)
         return compiled
 
     def cached(self, spec: GrammarSpec):
-        """The compiled grammar for a spec if the cache has it, else None (never compiles)."""
+        """The compiled grammar for a spec if the cache has it, else None (never compiles nor waits
+        for a compile)."""
         with self._lock:
-            compiled = self._cache.get(spec.key)
-            if compiled is not None:
-                self._cache.move_to_end(spec.key)
-            return compiled
+            return self._hit(spec)
+
+    def _hit(self, spec: GrammarSpec):
+        compiled = self._cache.get(spec.key)
+        if compiled is not None:
+            self._cache.move_to_end(spec.key)
+        return compiled
 
     def _make_compiler(self, name: str):
+        with self._compiler_lock:             # once, whoever asks first; the cache stays free meanwhile
+            return self._compiler or self._build_compiler(name)
+
+    def _build_compiler(self, name: str):
         import xgrammar as xgr
         tokenizer = self._tokenizer
         if tokenizer is None:

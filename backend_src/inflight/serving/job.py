@@ -122,6 +122,7 @@ class Job:
     prompt_ids: list[int]
     arrival: float
     samples: list[Sample]
+    enqueued: float = 0.0                   # when it went to the engine thread, after its grammar (max_queue_wait_s)
     done: bool = False                      # its final response went out
     grammar: object = None                  # structured outputs: compiled on the request's thread, not the engine's
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)   # from the second prompt token on

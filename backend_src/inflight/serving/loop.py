@@ -92,9 +92,18 @@ class EngineLoop:
         except RuntimeError:          # shut down
             self.refuse(sink, "the server is shutting down")
             return
-        compiling.add_done_callback(lambda f: f.cancelled() and self.refuse(sink, "the server is shutting down"))
+        compiling.add_done_callback(lambda done: self._compiled(done, job))
+
+    def _compiled(self, compiling, job: Job) -> None:
+        """A compile's end: one cancelled at shutdown is refused; a refusal that could not be sent
+        is logged (it has nowhere else to go)."""
+        if compiling.cancelled():
+            self.refuse(job.sink, "the server is shutting down")
+        elif compiling.exception() is not None:
+            log.error("inflight: a request's compile ended in an error", exc_info=compiling.exception())
 
     def _enqueue(self, job: Job) -> None:
+        job.enqueued = time.monotonic()            # its wait for a seat starts here, after its grammar
         self.outbox.put(("register", job))        # before the engine can produce its first token
         self.inbox.put(("add", job))
 
@@ -143,7 +152,8 @@ class EngineLoop:
             job_id = f"req-{self._ids}"
         samples = [self._make_sample(job_id if request.n == 1 else f"{job_id}.{i}", params, i, request, prompt_ids)
                    for i in range(request.n)]
-        return Job(job_id, request, sink, prompt_ids, time.monotonic(), samples)
+        now = time.monotonic()
+        return Job(job_id, request, sink, prompt_ids, now, samples, enqueued=now)
 
     def _bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
         """Each word's tokens as it starts the text and, where a leading space makes it another
@@ -246,7 +256,7 @@ class EngineLoop:
             try:
                 for sample in job.samples:
                     self.engine.add_request(sample.request_id, job.prompt_ids, sample.params, job.request.priority,
-                                            job.request.cache_salt, arrival_time=job.arrival,
+                                            job.request.cache_salt, arrival_time=job.enqueued,
                                             grammar=job.grammar, group=group)
                     added.append(sample)
             except (ValueError, QueueFullError) as exc:
