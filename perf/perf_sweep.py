@@ -32,6 +32,8 @@ def perf_libs() -> str:
     for pattern, name in (("libb64-*.so.0d", "libb64.so.0d"), ("libcudart-*.so.12*", "libcudart.so.12")):
         link = os.path.join(out, name)
         if not os.path.exists(link):
+            if os.path.lexists(link):          # left by a virtual environment since remade
+                os.remove(link)
             os.symlink(glob.glob(os.path.join(libs, pattern))[0], link)
     return out
 

@@ -96,11 +96,11 @@ def _validation_error(error: ValidationError, schema: type[BaseModel]) -> APIErr
     name = str(first["loc"][0]) if first["loc"] else None
     unknown = first["type"] == "extra_forbidden"
     where = _where(schema, first["loc"], unknown)
-    # a union's members each say what they take, at the same place: all of them, not the first
+    # a union's members each say what they take of the same value: all of them, not the first
     said = [first["msg"]]
     if first["type"] != "bool_not_number":
-        said += [e["msg"][:1].lower() + e["msg"][1:] for e in errors
-                 if e["msg"] != first["msg"] and _where(schema, e["loc"], False) == where]
+        said += [e["msg"][:1].lower() + e["msg"][1:] for e in errors if e["msg"] != first["msg"]
+                 and e.get("input") is first.get("input") and _where(schema, e["loc"], False) == where]
     message = "unknown parameter" if unknown else "; or ".join(dict.fromkeys(said))
     return APIError(400, f"'{where}': {message}" if where else message, name)
 
