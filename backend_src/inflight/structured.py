@@ -220,7 +220,6 @@ def unenforced(schema, path: str = "") -> str | None:
 # escapes of a regex (ECMA-262, as JSON schema's) that stand for one character, by the letter
 _REGEX_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "f": "\f", "v": "\v", "0": "\0"}
 _REGEX_CODE_ESCAPE = re.compile(r"x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|c([A-Za-z])")
-_CLASS_ESCAPES = frozenset("dDwWsS")        # \d, \w, \s and their negations: classes, not characters
 
 
 def _escaped_json(code: int) -> bool:
@@ -269,9 +268,8 @@ def _json_escaped_literal(pattern: str) -> str | None:
         i += 1
         if negated or not members:
             continue
-        if all(m is not None and all(_escaped_json(c) for c in range(m[0], min(m[1], 0x5C) + 1)) and m[1] <= 0x5C
-               for m in members):
-            return chr(members[0][0])
+        if all(m is not None and m[1] <= 0x5C and all(map(_escaped_json, range(m[0], m[1] + 1))) for m in members):
+            return chr(members[0][0])         # nothing else in the class: xgrammar writes it raw
     return None
 
 
