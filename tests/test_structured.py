@@ -4,6 +4,7 @@ grammars), unconstrained neighbours are untouched, preemption keeps a matcher's 
 schema compiles without stalling running requests, and every bad constraint is refused with a
 message that names the field."""
 import json
+import os
 import re
 import time
 
@@ -242,6 +243,54 @@ def test_the_wait_for_a_seat_starts_after_the_grammar_compiled(tokenizer):
         loop.shutdown()
 
 
+def new_schema_request(tokenizer, seed: int, fields: int) -> GenerateRequest:
+    return GenerateRequest(None, prompt_ids(tokenizer, seed), SamplingParams(
+        max_tokens=4, structured_outputs={"json": large_schema(fields), "disable_any_whitespace": True}), stream=True)
+
+
+def test_a_request_whose_client_left_while_its_grammar_waited_is_answered_and_never_compiled(tokenizer, monkeypatch):
+    """A request waiting for the compile thread behind another new schema is known to the response
+    thread, which sees its client leave (a cancel, or a failed queue heartbeat) and answers it; its
+    grammar is then never compiled, so the new grammars behind it do not wait for it."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)      # one compile thread, as on two cores
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(max_num_seqs=8, num_kv_blocks=256, cpu_threads=1))
+    engine.structured.compile(parse_spec({"json_object": True}))        # the tokenizer's vocabulary, up front
+    loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05).start()
+    try:
+        first, left = RecordingSink(), RecordingSink()
+        loop.submit(new_schema_request(tokenizer, 1, 300), first)
+        loop.submit(new_schema_request(tokenizer, 2, 301), left)
+        left.left = True
+        assert left.finished.wait(60) and first.finished.wait(60) and first.sends[-1][3] is None
+        loop.shutdown()
+        assert engine.structured.cached(new_schema_request(tokenizer, 2, 301).params.structured_outputs) is None
+        assert engine.structured.cached(new_schema_request(tokenizer, 1, 300).params.structured_outputs) is not None
+    finally:
+        loop.shutdown()
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_at_a_stop_a_grammar_not_begun_is_refused_without_compiling(tokenizer, monkeypatch, tmp_path):
+    """Triton waits for every request before it unloads the model: at a stop (the launcher's flag
+    file) a request still waiting for the compile thread is refused then, not compiled first."""
+    flag = tmp_path / "stopping"
+    monkeypatch.setenv("INFLIGHT_SHUTDOWN_FLAG", str(flag))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(max_num_seqs=8, num_kv_blocks=256, cpu_threads=1))
+    engine.structured.compile(parse_spec({"json_object": True}))
+    loop = EngineLoop(engine, tokenizer).start()
+    try:
+        first, waiting = RecordingSink(), RecordingSink()
+        loop.submit(new_schema_request(tokenizer, 1, 300), first)
+        loop.submit(new_schema_request(tokenizer, 2, 301), waiting)
+        flag.write_text("")
+        for sink in (first, waiting):
+            assert sink.finished.wait(60) and sink.sends[-1][3] == "the server is shutting down"
+        assert engine.structured.cached(new_schema_request(tokenizer, 2, 301).params.structured_outputs) is None
+    finally:
+        loop.shutdown()
+
+
 def test_grammar_cache_is_lru_by_canonical_text(monkeypatch):
     cache = structured.StructuredOutputs(DEFAULT_MODEL, 4096, (2,), 8)
     monkeypatch.setattr(structured, "CACHE_SIZE", 2)
@@ -285,6 +334,30 @@ def test_a_schema_asked_for_while_it_compiles_is_compiled_once_and_the_cache_sta
     with pytest.raises(ValueError, match="is not a valid regex"):    # an error is each asker's, and not kept
         cache.compile(parse_spec({"regex": "a("}))
     assert cache._compiling == {}
+
+
+def test_a_compile_error_names_the_field_of_each_request_that_asked(monkeypatch):
+    """Two requests, one sending guided_decoding and one structured_outputs, ask for the same bad
+    schema at once: each error names its own request's field, not the first's."""
+    import threading
+    cache = structured.StructuredOutputs(DEFAULT_MODEL, 4096, (2,), 8)
+    compile_grammar = cache._compile
+    monkeypatch.setattr(cache, "_compile", lambda compiler, spec: time.sleep(0.5) or compile_grammar(compiler, spec))
+    bad = {"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 1}
+    errors = {}
+
+    def ask(name):
+        try:
+            cache.compile(parse_spec({"json": bad}, name))
+        except ValueError as exc:
+            errors[name] = str(exc)
+    threads = [threading.Thread(target=ask, args=(name,)) for name in ("guided_decoding", "structured_outputs")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert {name: message.split(" ")[0] for name, message in errors.items()} == {
+        "guided_decoding": "'guided_decoding.json'", "structured_outputs": "'structured_outputs.json'"}
 
 
 SHAPE_ERRORS = [

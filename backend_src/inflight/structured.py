@@ -314,7 +314,7 @@ class StructuredOutputs:
         self._lock = threading.Lock()        # the cache and the compiles in progress
         self._compiler_lock = threading.Lock()   # building the compiler (loads the tokenizer: seconds)
         self._compiler = None
-        self._compiling: dict[str, Future] = {}  # by spec key: a spec asked again waits for its compile
+        self._compiling: dict[tuple, Future] = {}   # (spec key, param): asked again, it waits for this compile
         self._terminate_without_stop = False
         self._cache: OrderedDict = OrderedDict()
         self._bitmask = None                 # [max_num_seqs, ceil(vocab / 32)] int32, allocated on first use
@@ -331,9 +331,9 @@ class StructuredOutputs:
             compiled = self._hit(spec)
             if compiled is not None:
                 return compiled
-            running = self._compiling.get(spec.key)
+            running = self._compiling.get((spec.key, spec.param))     # its error names the asker's field
             if running is None:
-                running = self._compiling[spec.key] = Future()
+                running = self._compiling[spec.key, spec.param] = Future()
                 mine = True
             else:
                 mine = False
@@ -343,7 +343,7 @@ class StructuredOutputs:
             compiled = self._compile(self._compiler or self._make_compiler(spec.param), spec)
         except BaseException as exc:
             with self._lock:
-                del self._compiling[spec.key]
+                del self._compiling[spec.key, spec.param]
             running.set_exception(exc)
             raise
         with self._lock:
@@ -351,7 +351,7 @@ class StructuredOutputs:
             self._cache[spec.key] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-            del self._compiling[spec.key]
+            del self._compiling[spec.key, spec.param]
         running.set_result(compiled)
         return compiled
 

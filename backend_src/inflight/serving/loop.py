@@ -56,6 +56,7 @@ class EngineLoop:
         # new grammars compile here, not on Triton's execute thread, where one request's large schema
         # held up every request that arrived after it (vLLM compiles in a pool too)
         self._compiles = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="inflight-grammar")
+        self._closing = False                    # shutdown() has begun: no grammar starts compiling
         self._engine_thread = threading.Thread(target=self._run_engine, name="inflight-engine", daemon=True)
         self._response_thread = threading.Thread(target=self._run_responses, name="inflight-responses", daemon=True)
 
@@ -84,40 +85,53 @@ class EngineLoop:
             return
         spec = job.samples[0].params.structured_outputs
         job.grammar = None if spec is None else self.engine.structured.cached(spec)
-        if spec is None or job.grammar is not None:
+        new_grammar = spec is not None and job.grammar is None
+        if new_grammar and self._closing:
+            self.refuse(sink, "the server is shutting down")
+            return
+        # before the engine can produce its first token; and while a grammar compiles, so that the
+        # response thread sees its client leave (and sends its queue heartbeats)
+        self.outbox.put(("register", job))
+        if not new_grammar:
             self._enqueue(job)        # a grammar compiled before does not wait behind new ones
             return
         try:
             compiling = self._compiles.submit(self._compile_and_enqueue, job)
-        except RuntimeError:          # shut down
-            self.refuse(sink, "the server is shutting down")
+        except RuntimeError:          # the loop began to shut down meanwhile
+            self.outbox.put(("error", (job, "the server is shutting down")))
             return
         compiling.add_done_callback(lambda done: self._compiled(done, job))
 
     def _compiled(self, compiling, job: Job) -> None:
-        """A compile's end: one cancelled at shutdown is refused; a refusal that could not be sent
-        is logged (it has nowhere else to go)."""
+        """A compile's end: one cancelled at shutdown is refused; an error is logged (it has
+        nowhere else to go)."""
         if compiling.cancelled():
-            self.refuse(job.sink, "the server is shutting down")
+            self.outbox.put(("error", (job, "the server is shutting down")))
         elif compiling.exception() is not None:
             log.error("inflight: a request's compile ended in an error", exc_info=compiling.exception())
 
     def _enqueue(self, job: Job) -> None:
         job.enqueued = time.monotonic()            # its wait for a seat starts here, after its grammar
-        self.outbox.put(("register", job))        # before the engine can produce its first token
         self.inbox.put(("add", job))
 
     def _compile_and_enqueue(self, job: Job) -> None:
         """On a compile thread: the request's grammar (xgrammar releases the GIL, so the engine
-        thread steps on meanwhile), then the request to the engine; a bad constraint is refused."""
+        thread steps on meanwhile), then the request to the engine; a bad constraint is refused.
+        Not compiled: a request that ended while it waited here (its client left), and at a stop,
+        one not begun (Triton waits for every request before it unloads the model)."""
+        if job.done:
+            return
+        if self._closing or (self._shutdown_flag is not None and os.path.exists(self._shutdown_flag)):
+            self.outbox.put(("error", (job, "the server is shutting down")))
+            return
         try:
             job.grammar = self.engine.structured.compile(job.samples[0].params.structured_outputs)
         except ValueError as exc:     # a bad constraint, named by its field
-            self.refuse(job.sink, str(exc))
+            self.outbox.put(("error", (job, str(exc))))
             return
         except Exception as exc:      # a bug in the compile: this request's error
             log.exception("inflight: a grammar could not be compiled")
-            self.refuse(job.sink, f"the grammar could not be compiled: {type(exc).__name__}: {exc}")
+            self.outbox.put(("error", (job, f"the grammar could not be compiled: {type(exc).__name__}: {exc}")))
             return
         self._enqueue(job)
 
@@ -192,6 +206,7 @@ class EngineLoop:
     def shutdown(self, timeout: float = 20.0) -> None:
         """Finish every request in flight with a final response, then stop both threads (grammars
         compiling first finish and join them; those not begun are refused)."""
+        self._closing = True
         self._compiles.shutdown(wait=True, cancel_futures=True)
         self.inbox.put(("shutdown", None))
         self._engine_thread.join(timeout)
