@@ -270,6 +270,29 @@ def test_a_request_whose_client_left_while_its_grammar_waited_is_answered_and_ne
     assert engine.kv.num_used_blocks == 0
 
 
+def test_requests_waiting_for_their_grammar_count_against_max_queue_size(tokenizer, monkeypatch):
+    """The compile pool's queue is bounded like the engine's: past max_queue_size requests waiting
+    for their grammar, a new schema is refused at once as 'queue full'; a seat comes back when its
+    grammar is compiled."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(max_num_seqs=8, num_kv_blocks=256, cpu_threads=1,
+                                                                   max_queue_size=2))
+    engine.structured.compile(parse_spec({"json_object": True}))
+    loop = EngineLoop(engine, tokenizer).start()
+    try:
+        sinks = [RecordingSink() for _ in range(4)]
+        for i, sink in enumerate(sinks[:3]):
+            loop.submit(new_schema_request(tokenizer, i, 300 + i), sink)
+        assert sinks[2].finished.wait(5) and sinks[2].sends[-1][3].startswith("queue full: 2 requests are already "
+                                                                              "waiting for their grammar")
+        assert sinks[0].finished.wait(60) and sinks[1].finished.wait(60)
+        loop.submit(new_schema_request(tokenizer, 3, 303), sinks[3])
+        assert sinks[3].finished.wait(60)
+        assert [sink.sends[-1][3] for sink in (sinks[0], sinks[1], sinks[3])] == [None] * 3
+    finally:
+        loop.shutdown()
+
+
 def test_at_a_stop_a_grammar_not_begun_is_refused_without_compiling(tokenizer, monkeypatch, tmp_path):
     """Triton waits for every request before it unloads the model: at a stop (the launcher's flag
     file) a request still waiting for the compile thread is refused then, not compiled first."""

@@ -57,6 +57,10 @@ class EngineLoop:
         # held up every request that arrived after it (vLLM compiles in a pool too)
         self._compiles = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="inflight-grammar")
         self._closing = False                    # shutdown() has begun: no grammar starts compiling
+        # requests waiting for their grammar count against max_queue_size too: the pool's queue is
+        # the server's only other one
+        limit = engine.config.max_queue_size
+        self._compile_seats = None if limit is None else threading.BoundedSemaphore(limit)
         self._engine_thread = threading.Thread(target=self._run_engine, name="inflight-engine", daemon=True)
         self._response_thread = threading.Thread(target=self._run_responses, name="inflight-responses", daemon=True)
 
@@ -89,6 +93,10 @@ class EngineLoop:
         if new_grammar and self._closing:
             self.refuse(sink, "the server is shutting down")
             return
+        if new_grammar and self._compile_seats is not None and not self._compile_seats.acquire(blocking=False):
+            self.refuse(sink, f"queue full: {self.engine.config.max_queue_size} requests are already waiting for "
+                              "their grammar to compile (max_queue_size)")
+            return
         # before the engine can produce its first token; and while a grammar compiles, so that the
         # response thread sees its client leave (and sends its queue heartbeats)
         self.outbox.put(("register", job))
@@ -98,13 +106,17 @@ class EngineLoop:
         try:
             compiling = self._compiles.submit(self._compile_and_enqueue, job)
         except RuntimeError:          # the loop began to shut down meanwhile
+            if self._compile_seats is not None:
+                self._compile_seats.release()
             self.outbox.put(("error", (job, "the server is shutting down")))
             return
         compiling.add_done_callback(lambda done: self._compiled(done, job))
 
     def _compiled(self, compiling, job: Job) -> None:
-        """A compile's end: one cancelled at shutdown is refused; an error is logged (it has
-        nowhere else to go)."""
+        """A compile's end (its request now in the engine's queue, or answered): its seat goes
+        back; one cancelled at shutdown is refused; an error is logged (it has nowhere else to go)."""
+        if self._compile_seats is not None:
+            self._compile_seats.release()
         if compiling.cancelled():
             self.outbox.put(("error", (job, "the server is shutting down")))
         elif compiling.exception() is not None:
