@@ -327,23 +327,21 @@ class StructuredOutputs:
     def compile(self, spec: GrammarSpec):
         """The compiled grammar for a spec, from the cache or compiled now (on the calling thread).
         Raises ValueError naming the field, with xgrammar's message."""
+        key = (spec.key, spec.param)          # a compile's error names the asker's field
         with self._lock:
             compiled = self._hit(spec)
             if compiled is not None:
                 return compiled
-            running = self._compiling.get((spec.key, spec.param))     # its error names the asker's field
-            if running is None:
-                running = self._compiling[spec.key, spec.param] = Future()
-                mine = True
-            else:
-                mine = False
-        if not mine:
-            return running.result()           # its result, or its error
+            earlier = self._compiling.get(key)
+            if earlier is None:
+                running = self._compiling[key] = Future()
+        if earlier is not None:
+            return earlier.result()           # its result, or its error
         try:
             compiled = self._compile(self._compiler or self._make_compiler(spec.param), spec)
         except BaseException as exc:
             with self._lock:
-                del self._compiling[spec.key, spec.param]
+                del self._compiling[key]
             running.set_exception(exc)
             raise
         with self._lock:
@@ -351,7 +349,7 @@ class StructuredOutputs:
             self._cache[spec.key] = compiled
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-            del self._compiling[spec.key, spec.param]
+            del self._compiling[key]
         running.set_result(compiled)
         return compiled
 

@@ -124,7 +124,7 @@ class Job:
     samples: list[Sample]
     enqueued: float = 0.0                   # when it went to the engine thread, after its grammar (max_queue_wait_s)
     done: bool = False                      # its final response went out
-    grammar: object = None                  # structured outputs: compiled on the request's thread, not the engine's
+    grammar: object = None                  # structured outputs: compiled before the engine thread takes it
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)   # from the second prompt token on
     num_responses: int = 0
     last_response: float = 0.0              # when its latest response or heartbeat went out (monotonic)

@@ -133,7 +133,7 @@ class EngineLoop:
         one not begun (Triton waits for every request before it unloads the model)."""
         if job.done:
             return
-        if self._closing or (self._shutdown_flag is not None and os.path.exists(self._shutdown_flag)):
+        if self._closing or self._stop_flagged():
             self.outbox.put(("error", (job, "the server is shutting down")))
             return
         try:
@@ -299,11 +299,16 @@ class EngineLoop:
             self.engine.step()
 
     def _server_stopping(self) -> bool:
+        """The engine thread's look at the stop flag, once in 0.2 s."""
         now = time.monotonic()
-        if self._shutdown_flag is None or now < self._next_flag_check:
+        if now < self._next_flag_check:
             return False
         self._next_flag_check = now + 0.2
-        return os.path.exists(self._shutdown_flag)
+        return self._stop_flagged()
+
+    def _stop_flagged(self) -> bool:
+        """The launcher has asked the server to stop (its flag file exists)."""
+        return self._shutdown_flag is not None and os.path.exists(self._shutdown_flag)
 
     def _abort_all(self, reason: str, fatal: bool = True) -> None:
         """End every request in the engine (their blocks go back) and fail them with `reason`."""
