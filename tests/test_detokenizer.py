@@ -1,5 +1,7 @@
 """Streamed text equals the full decode exactly — spaces, multi-byte UTF-8 split across tokens,
 invalid byte sequences — and stop strings cut the text where a user expects."""
+import bisect
+import itertools
 import os
 import random
 
@@ -117,22 +119,29 @@ def test_stop_strings_hold_back_only_a_possible_prefix():
 
 
 @pytest.mark.parametrize("include", [False, True])
-def test_random_streams_with_stop_strings_equal_the_truncated_full_text(include):
-    """Pieces fed before min_tokens (search=False) are passed; a stop string must end after them."""
+@pytest.mark.parametrize("many", [False, True])
+def test_random_streams_with_stop_strings_equal_the_truncated_full_text(include, many):
+    """Any set of stop strings (overlapping, nested, of mixed lengths; thousands of them) cuts at
+    the first to complete as the pieces stream, and among those completing in one piece the
+    earliest-starting, then shortest. Pieces fed before min_tokens (search=False) are passed; a
+    stop string must end after them."""
     rng = random.Random(0)
-    alphabet = "ab cSTOP"
-    for _ in range(500):
+    alphabet = "ab cST"
+    for _ in range(60 if many else 500):
+        count = rng.randint(2000, 4000) if many else rng.randint(1, 6)
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 8 if many else 5))) for _ in range(count)]
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
         cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, 4)))
         pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
         unsearched = rng.randint(0, len(pieces) - 1)        # the first pieces, before min_tokens
-        s = StopStrings(["STOP", "cc"], include=include)
+        s = StopStrings(stops, include=include)
         out = "".join(s.feed(p, final=i == len(pieces) - 1, search=i >= unsearched) for i, p in enumerate(pieces))
         free = len("".join(pieces[:unsearched]))            # a match must end after these characters
-        ends = [(i, len(stop)) for stop in ("STOP", "cc") for i in [text.find(stop, max(free - len(stop) + 1, 0))]
-                if i >= 0]
-        start, length = min(ends) if ends else (len(text), 0)
-        assert out == text[:start + length if include else start], (pieces, unsearched)
+        piece_ends = list(itertools.accumulate(map(len, pieces)))
+        found = [(bisect.bisect_left(piece_ends, i + len(stop)), i, len(stop), stop)
+                 for stop in stops for i in [text.find(stop, max(free - len(stop) + 1, 0))] if i >= 0]
+        _, start, length, matched = min(found) if found else (None, len(text), 0, None)
+        assert out == text[:start + length if include else start] and s.matched == matched, (pieces, unsearched)
 
 
 def byte_token_ids(tokenizer) -> list[int]:
