@@ -293,6 +293,31 @@ def test_requests_waiting_for_their_grammar_count_against_max_queue_size(tokeniz
         loop.shutdown()
 
 
+def test_a_refused_constraint_sent_again_is_refused_at_once_under_its_own_field(tokenizer, monkeypatch):
+    """xgrammar takes as long to refuse a deep schema as to compile one (~2.7 s at 300 levels
+    here): a constraint refused once is kept as refused, so sent again, by any field, it is
+    answered at once, without a compile thread or a seat of max_queue_size."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(max_num_seqs=8, num_kv_blocks=256, cpu_threads=1,
+                                                                   max_queue_size=1))
+    bad = {"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 1}
+    with pytest.raises(ValueError, match=r"^'guided_decoding.json' is not a valid JSON schema: "):
+        engine.structured.compile(parse_spec({"json": bad}, "guided_decoding"))
+    compiled = engine.structured.num_compiled
+    loop = EngineLoop(engine, tokenizer).start()
+    try:
+        busy, again = RecordingSink(), RecordingSink()
+        loop.submit(new_schema_request(tokenizer, 1, 300), busy)        # the one seat, compiling for seconds
+        loop.submit(GenerateRequest(None, prompt_ids(tokenizer, 2), SamplingParams(
+            max_tokens=4, structured_outputs={"json": bad})), again)
+        assert again.finished.wait(1) and not busy.finished.is_set()
+        assert again.sends[-1][3].startswith("'structured_outputs.json' is not a valid JSON schema: ")
+        assert busy.finished.wait(60) and busy.sends[-1][3] is None
+    finally:
+        loop.shutdown()
+    assert engine.structured.num_compiled == compiled + 1                # the new schema's compile only
+
+
 def test_at_a_stop_a_grammar_not_begun_is_refused_without_compiling(tokenizer, monkeypatch, tmp_path):
     """Triton waits for every request before it unloads the model: at a stop (the launcher's flag
     file) a request still waiting for the compile thread is refused then, not compiled first."""
@@ -354,7 +379,7 @@ def test_a_schema_asked_for_while_it_compiles_is_compiled_once_and_the_cache_sta
     for thread in threads:
         thread.join(60)
     assert len(results) == 3 and results[0] is results[1] is results[2] and cache.num_compiled == 1
-    with pytest.raises(ValueError, match="is not a valid regex"):    # an error is each asker's, and not kept
+    with pytest.raises(ValueError, match="is not a valid regex"):    # an error is each asker's
         cache.compile(parse_spec({"regex": "a("}))
     assert cache._compiling == {}
 

@@ -88,7 +88,11 @@ class EngineLoop:
             self.refuse(sink, f"the request could not be read: {type(exc).__name__}: {exc}")
             return
         spec = job.samples[0].params.structured_outputs
-        job.grammar = None if spec is None else self.engine.structured.cached(spec)
+        try:
+            job.grammar = None if spec is None else self.engine.structured.cached(spec)
+        except ValueError as exc:     # a constraint refused before: refused again at once
+            self.refuse(sink, str(exc))
+            return
         new_grammar = spec is not None and job.grammar is None
         if new_grammar and self._closing:
             self.refuse(sink, "the server is shutting down")
