@@ -420,6 +420,34 @@ def test_enable_lora_may_be_a_string_as_the_vllm_backend_reads_it(tmp_path, flag
     assert Settings.load(str(tmp_path)).engine.enable_lora is False
 
 
+def test_a_kind_gpu_instance_runs_on_the_gpu_triton_gives_it(tmp_path):
+    """KIND_GPU: Triton starts an instance per GPU and names each one's; its engine goes there, as
+    the vLLM backend pins its instances ('auto' would put every engine on the first GPU), with its
+    part of the cores and its name as a metrics label. One KIND_CPU or KIND_MODEL instance keeps
+    model.json's settings."""
+    from inflight.serving.startup import StartupError
+    from inflight.serving.triton_models import Settings, instance_count
+    (tmp_path / "model.json").write_text('{"model": "x"}')
+    settings = Settings.load(str(tmp_path))
+    four_gpus = {"instance_group": [{"count": 1, "kind": "KIND_GPU", "gpus": [0, 1, 2, 3]}]}
+    instance = {"model_instance_kind": "GPU", "model_instance_device_id": "3", "model_instance_name": "llm_0_3",
+                "model_config": json.dumps(four_gpus)}
+    placed = settings.placed(instance)
+    assert (placed.engine.device, placed.instance) == ("cuda:3", "llm_0_3") and settings.engine.device == "auto"
+    assert placed.engine.cpu_threads == max((os.cpu_count() or 1) // 4, 1)
+    for kind in ("CPU", "MODEL"):
+        one = {"instance_group": [{"count": 1, "kind": f"KIND_{kind}"}]}
+        assert settings.placed({**instance, "model_instance_kind": kind, "model_config": json.dumps(one)}) == settings
+    assert instance_count({"instance_group": [{"count": 2, "kind": "KIND_CPU"}, {"count": 2, "gpus": [0, 1]}]}) == 6
+    (tmp_path / "model.json").write_text('{"model": "x", "engine": {"device": "cuda:1", "cpu_threads": 1}}')
+    with pytest.raises(StartupError, match=r"model.json: 'device' 'cuda:1' contradicts the KIND_GPU instance llm_0_3 "
+                                           r"of config.pbtxt, which Triton placed on cuda:3"):
+        Settings.load(str(tmp_path)).placed(instance)
+    (tmp_path / "model.json").write_text('{"model": "x", "engine": {"device": "cuda", "cpu_threads": 1}}')
+    placed = Settings.load(str(tmp_path)).placed(instance)
+    assert (placed.engine.device, placed.engine.cpu_threads) == ("cuda:3", 1)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not supported; supported:"),
     ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "rope_type 'longrope' is not supported"),

@@ -11,7 +11,7 @@ from inflight.detokenizer import decode
 from inflight.serving.launch import DEFAULT_REPOSITORY, ServerProcess
 from inflight_client.streams import grpc_inputs, http_generate, http_stream
 
-from .conftest import DEFAULT_MODEL
+from .conftest import DEFAULT_MODEL, TEST_ENGINE
 from .helpers import assert_latencies_add_up, computed_tokens, latency_sums, run_streams, wait_for_metric
 
 pytestmark = pytest.mark.server
@@ -262,6 +262,37 @@ def test_the_shipped_repository_serves_the_default_model(tmp_path):
         reply = http_generate(shipped.http_url, "llm", {"text_input": "The assert statement", "max_tokens": 16,
                                                         "temperature": 0})
         assert reply["text_output"].startswith("The assert statement") and len(reply["text_output"]) > 25
+
+
+def test_several_instances_each_serve_with_their_own_metrics_and_stop_cleanly(tmp_path, tokenizer, reference_engine):
+    """instance_group count 2 (or KIND_GPU on several GPUs): Triton starts two llm processes, each
+    its own engine. Both serve, each on half the cores, and each labels its metrics with its
+    instance name (under one set of labels each gauge showed one instance's value)."""
+    from inflight.serving.launch import make_repository
+    engine = {key: value for key, value in TEST_ENGINE.items() if key != "cpu_threads"}
+    repo = make_repository(str(tmp_path / "repo"), DEFAULT_MODEL, engine, models=("llm",))
+    config = tmp_path / "repo" / "llm" / "config.pbtxt"
+    config.write_text(config.read_text().replace("instance_group [ { count: 1 kind: KIND_CPU } ]",
+                                                 "instance_group [ { count: 2 kind: KIND_CPU } ]"))
+    log = tmp_path / "server.log"
+    with ServerProcess(repo, log_path=str(log)) as two:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            replies = list(pool.map(lambda i: http_generate(two.http_url, "llm", {
+                "text_input": PROMPTS[i % 8], "exclude_input_in_output": True, **greedy(12)}), range(32)))
+        expected = reference_engine.generate([tokenizer(p)["input_ids"] for p in PROMPTS],
+                                             SamplingParams(max_tokens=12, temperature=0))
+        assert [reply["text_output"] for reply in replies] == [decode(tokenizer, expected[i % 8].token_ids)
+                                                               for i in range(32)]
+        served = {name: two.metric("inflight_requests_total", instance=name) for name in ("llm_0_0", "llm_0_1")}
+        assert sum(served.values()) == 32 and all(served.values()), served
+        assert two.metric("inflight_kv_blocks_total", instance="llm_0_0") == 2048
+        assert two.metric("inflight_kv_blocks_total", instance="llm_0_1") == 2048
+        assert two.stop() == 0
+    text = log.read_text()
+    for name in ("llm_0_0", "llm_0_1"):
+        assert f"inflight: {name}: loading" in text
+    assert text.count(f"cpu_threads={max((os.cpu_count() or 1) // 2, 1)},") == 2
+    assert "Segfault" not in text and "malloc" not in text
 
 
 def test_logprobs_stop_strings_priority_and_cache_salt_over_http(server, tokenizer, reference_engine):

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,6 +52,7 @@ class Settings:
     path: str                   # the model.json, for start-up errors
     lora_modules: dict[str, str] = field(default_factory=dict)     # adapter name -> directory
     lora_file: str | None = None                                   # the multi_lora.json they came from
+    instance: str | None = None         # this instance's name where the model has several (a metrics label)
 
     KEYS = ("model", "engine", *LORA_KEYS)      # model.json's keys
 
@@ -75,10 +76,37 @@ class Settings:
         lora_file = os.path.join(version_dir, "multi_lora.json")
         return cls(model_dir, config, path, read_multi_lora(lora_file), lora_file)
 
+    def placed(self, args) -> "Settings":
+        """These settings for one of the model's instances. Triton may start several, each in its
+        own process with its own engine (weights and KV pool): one per GPU of a KIND_GPU group,
+        or `count` of them. A KIND_GPU instance's engine goes to the GPU Triton names, as the vLLM
+        backend pins its instances (with 'auto' all would go to the first, where the second's KV
+        pool finds no memory). Several instances share the CPU's cores, an even part each unless
+        'cpu_threads' is given, and label their metrics with their instance name: under the same
+        labels each one's gauges would overwrite the others'."""
+        engine, count = self.engine, instance_count(json.loads(args.get("model_config", "{}")))
+        if args.get("model_instance_kind") == "GPU":
+            gpu = f"cuda:{int(args['model_instance_device_id'])}"
+            if engine.device not in ("auto", "cuda", gpu):
+                raise StartupError(f"{self.path}: 'device' {engine.device!r} contradicts the KIND_GPU instance "
+                                   f"{args.get('model_instance_name')} of config.pbtxt, which Triton placed on {gpu}; "
+                                   "leave 'device' \"auto\", or make the instance_group KIND_MODEL")
+            engine = replace(engine, device=gpu)
+        if count > 1 and engine.cpu_threads is None:
+            engine = replace(engine, cpu_threads=max((os.cpu_count() or 1) // count, 1))
+        return replace(self, engine=engine, instance=args["model_instance_name"] if count > 1 else None)
+
     @property
     def source(self) -> str:
         """Where the checkpoint directory was named, for start-up errors."""
         return f"'model' in {self.path}"
+
+
+def instance_count(model_config: dict) -> int:
+    """How many instances Triton starts for a model: each group's count, per GPU it lists (Triton
+    lists every GPU for a KIND_GPU group that names none)."""
+    groups = model_config.get("instance_group") or [{}]
+    return sum(int(group.get("count", 1)) * max(len(group.get("gpus") or ()), 1) for group in groups)
 
 
 def read_multi_lora(path: str) -> dict[str, str]:
@@ -270,12 +298,13 @@ class LLMModel:
     def initialize(self, args) -> None:
         exit_with_server()
         version_dir = os.path.join(args["model_repository"], args["model_version"])
-        settings = Settings.load(version_dir)
+        settings = Settings.load(version_dir).placed(args)
         check_checkpoint(settings.model_dir, settings.source)
         from ..engine import LLMEngine
         from ..lora import LoraError
         from .loop import EngineLoop
-        log.info("inflight: loading %s with %s", settings.model_dir, settings.engine)
+        log.info("inflight: %sloading %s with %s", f"{settings.instance}: " if settings.instance else "",
+                 settings.model_dir, settings.engine)
         with engine_errors(settings.model_dir, settings.path):
             try:
                 engine = run_on_own_thread(lambda: LLMEngine.from_pretrained(settings.model_dir, settings.engine,
@@ -285,7 +314,8 @@ class LLMModel:
         vllm_labels = {"model": args["model_name"], "version": args["model_version"]} \
             if config_flag(args, "REPORT_CUSTOM_METRICS") else None
         self.metrics = EngineMetrics(self.pb, args["model_name"], lora_names=engine.lora_names,
-                                     vllm_labels=vllm_labels, max_model_len=engine.max_model_len)
+                                     vllm_labels=vllm_labels, max_model_len=engine.max_model_len,
+                                     instance=settings.instance)
         self.metrics.publish(self.metrics.snapshot(engine, force=True))      # before the loop's threads use it
         self.loop = EngineLoop(engine, load_tokenizer(settings), self.metrics,
                                on_failure=stop_server).start()
