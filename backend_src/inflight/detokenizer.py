@@ -156,8 +156,8 @@ class StopStrings:
     def __init__(self, stop: Sequence[str], include: bool = False):
         self.stop = tuple(stop)
         self.include = include
-        # by length, so that a feed looks up each new end position once per length rather than
-        # scanning for every string: 200,000 stop strings cost ~70 ms a token scanned one by one
+        # by length, so that a feed can look up each new end position once per length rather than
+        # scan for every string: 200,000 stop strings cost ~70 ms a token scanned one by one
         self.by_length: dict[int, set[str]] = {}
         for s in self.stop:
             self.by_length.setdefault(len(s), set()).add(s)
@@ -191,7 +191,12 @@ class StopStrings:
 
     def _earliest(self, window: str, searched: int) -> tuple[int, int, str] | None:
         """The earliest-starting (then shortest) stop string that ends past window[:searched]: text
-        searched before held none, and one ending in text fed with search=False does not count."""
+        searched before held none, and one ending in text fed with search=False does not count.
+        Whichever is cheaper: a lookup per new end position and length, or a scan per string (long
+        pieces against stop strings of many lengths)."""
+        if (len(window) - searched) * len(self.by_length) > len(self.stop):
+            found = ((window.find(s, max(searched - len(s) + 1, 0)), s) for s in self.stop)
+            return min(((start, len(s), s) for start, s in found if start >= 0), default=None)
         best = None
         for end in range(searched + 1, len(window) + 1):
             if best and end - self.look_back > best[0]:
