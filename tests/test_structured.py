@@ -406,6 +406,21 @@ def test_a_compile_error_names_the_field_of_each_request_that_asked(monkeypatch)
         thread.join(60)
     assert {name: message.split(" ")[0] for name, message in errors.items()} == {
         "guided_decoding": "'guided_decoding.json'", "structured_outputs": "'structured_outputs.json'"}
+    assert cache.num_compiled == 1
+
+
+def test_refused_constraints_are_kept_apart_and_never_evict_a_compiled_grammar(monkeypatch):
+    cache = structured.StructuredOutputs(DEFAULT_MODEL, 4096, (2,), 8)
+    monkeypatch.setattr(structured, "CACHE_SIZE", 2)
+    monkeypatch.setattr(structured, "REFUSALS_SIZE", 2)
+    good = cache.compile(parse_spec({"regex": "[a-z]+"}))
+    for bad in ("a(", "b(", "c("):
+        with pytest.raises(ValueError, match=r"^'structured_outputs.regex' is not a valid regex"):
+            cache.compile(parse_spec({"regex": bad}))
+    assert cache.cached(parse_spec({"regex": "[a-z]+"})) is good and cache.num_compiled == 4
+    with pytest.raises(ValueError, match=r"^'guided_decoding.regex' is not a valid regex"):
+        cache.cached(parse_spec({"regex": "c("}, "guided_decoding"))
+    assert cache.cached(parse_spec({"regex": "a("})) is None           # the oldest refusal, evicted
 
 
 SHAPE_ERRORS = [

@@ -35,6 +35,7 @@ BACKENDS = ("xgrammar", "xgrammar:no-fallback", "xgrammar:_auto", "auto")
 UNSUPPORTED = {"structural_tag": "is not supported (give one of json, regex, choice, grammar, json_object)",
                "whitespace_pattern": "is not supported by xgrammar (use 'disable_any_whitespace')"}
 CACHE_SIZE = 256                 # compiled grammars kept per engine
+REFUSALS_SIZE = 64               # refused constraints kept apart, so that they never evict a grammar
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")     # "[15:12:11] /project/cpp/x.cc:94: "
 
 
@@ -312,7 +313,7 @@ class Refusal:
 
 class StructuredOutputs:
     """Per engine: the compiler (built on first use from the model's tokenizer), the LRU of
-    compiled grammars (and of refused constraints), and the step's bitmask buffer."""
+    compiled grammars and one of refused constraints, and the step's bitmask buffer."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], max_num_seqs: int,
                  device=None):
@@ -324,9 +325,10 @@ class StructuredOutputs:
         self._lock = threading.Lock()        # the cache and the compiles in progress
         self._compiler_lock = threading.Lock()   # building the compiler (loads the tokenizer: seconds)
         self._compiler = None
-        self._compiling: dict[tuple, Future] = {}   # (spec key, param): asked again, it waits for this compile
+        self._compiling: dict[tuple, Future] = {}   # spec key: asked again, it waits for this compile
         self._terminate_without_stop = False
         self._cache: OrderedDict = OrderedDict()
+        self._refused: OrderedDict = OrderedDict()
         self._bitmask = None                 # [max_num_seqs, ceil(vocab / 32)] int32, allocated on first use
         self._batch = None
         self.num_compiled = 0                # grammars compiled (cache misses)
@@ -337,7 +339,7 @@ class StructuredOutputs:
     def compile(self, spec: GrammarSpec):
         """The compiled grammar for a spec, from the cache or compiled now (on the calling thread).
         Raises ValueError naming the field, with xgrammar's message."""
-        key = (spec.key, spec.param)          # a compile's error names the asker's field
+        key = spec.key
         with self._lock:
             compiled = self._hit(spec)
             if compiled is not None:
@@ -356,9 +358,10 @@ class StructuredOutputs:
             raise
         with self._lock:
             self.num_compiled += 1
-            self._cache[spec.key] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            kept, size = (self._refused, REFUSALS_SIZE) if isinstance(compiled, Refusal) else (self._cache, CACHE_SIZE)
+            kept[key] = compiled
+            while len(kept) > size:
+                kept.popitem(last=False)
             del self._compiling[key]
         running.set_result(compiled)
         return self._usable(compiled, spec)
@@ -370,10 +373,12 @@ class StructuredOutputs:
             return self._hit(spec)
 
     def _hit(self, spec: GrammarSpec):
-        compiled = self._cache.get(spec.key)
-        if compiled is not None:
-            self._cache.move_to_end(spec.key)
-        return self._usable(compiled, spec)
+        for kept in (self._cache, self._refused):
+            compiled = kept.get(spec.key)
+            if compiled is not None:
+                kept.move_to_end(spec.key)
+                return self._usable(compiled, spec)
+        return None
 
     @staticmethod
     def _usable(compiled, spec: GrammarSpec):
