@@ -430,17 +430,19 @@ def test_a_kind_gpu_instance_runs_on_the_gpu_triton_gives_it(tmp_path):
     (tmp_path / "model.json").write_text('{"model": "x"}')
     settings = Settings.load(str(tmp_path))
     four_gpus = {"instance_group": [{"count": 1, "kind": "KIND_GPU", "gpus": [0, 1, 2, 3]}]}
-    instance = {"model_instance_kind": "GPU", "model_instance_device_id": "3", "model_instance_name": "llm_0_3",
+    # Triton names the instances of one count index alike on every GPU
+    instance = {"model_instance_kind": "GPU", "model_instance_device_id": "3", "model_instance_name": "llm_0_0",
                 "model_config": json.dumps(four_gpus)}
     placed = settings.placed(instance)
-    assert (placed.engine.device, placed.instance) == ("cuda:3", "llm_0_3") and settings.engine.device == "auto"
-    assert placed.engine.cpu_threads == max((os.cpu_count() or 1) // 4, 1)
+    assert placed.engine.device == "cuda:3" and settings.engine.device == "auto"
+    assert placed.labels == {"instance": "llm_0_0", "gpu": "3"}
+    assert placed.engine.cpu_threads == max(len(os.sched_getaffinity(0)) // 4, 1)
     for kind in ("CPU", "MODEL"):
         one = {"instance_group": [{"count": 1, "kind": f"KIND_{kind}"}]}
         assert settings.placed({**instance, "model_instance_kind": kind, "model_config": json.dumps(one)}) == settings
     assert instance_count({"instance_group": [{"count": 2, "kind": "KIND_CPU"}, {"count": 2, "gpus": [0, 1]}]}) == 6
     (tmp_path / "model.json").write_text('{"model": "x", "engine": {"device": "cuda:1", "cpu_threads": 1}}')
-    with pytest.raises(StartupError, match=r"model.json: 'device' 'cuda:1' contradicts the KIND_GPU instance llm_0_3 "
+    with pytest.raises(StartupError, match=r"model.json: 'device' 'cuda:1' contradicts the KIND_GPU instance llm_0_0 "
                                            r"of config.pbtxt, which Triton placed on cuda:3"):
         Settings.load(str(tmp_path)).placed(instance)
     (tmp_path / "model.json").write_text('{"model": "x", "engine": {"device": "cuda", "cpu_threads": 1}}')

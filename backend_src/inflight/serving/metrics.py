@@ -69,12 +69,12 @@ def buckets_1_2_5(limit: int) -> list[int]:
 
 class EngineMetrics:
     def __init__(self, pb_utils, model_name: str, min_interval_s: float = 0.05, lora_names=(),
-                 vllm_labels: dict | None = None, max_model_len: int = 0, instance: str | None = None):
-        """vllm_labels ({model, version}): also export the vLLM backend's metrics. instance: where
-        the model has several, this one's name, a label of inflight's metrics (under the same
-        labels the instances' gauges would overwrite each other)."""
+                 vllm_labels: dict | None = None, max_model_len: int = 0, labels: dict | None = None):
+        """vllm_labels ({model, version}): also export the vLLM backend's metrics. labels: where the
+        model has several instances, this one's (instance, gpu), on inflight's metrics: under the
+        same labels the instances' gauges would overwrite each other."""
         self._pb = pb_utils
-        self._labels = {"model": model_name} if instance is None else {"model": model_name, "instance": instance}
+        self._labels = {"model": model_name, **(labels or {})}
         self._families = []          # a MetricFamily must outlive its metrics
         self._gauges = {key: self._metric(f"inflight_{key}", desc, "GAUGE") for key, desc in GAUGES.items()}
         self._counters = {key: self._metric(f"inflight_{name}", desc, "COUNTER")

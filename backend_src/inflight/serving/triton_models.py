@@ -52,7 +52,7 @@ class Settings:
     path: str                   # the model.json, for start-up errors
     lora_modules: dict[str, str] = field(default_factory=dict)     # adapter name -> directory
     lora_file: str | None = None                                   # the multi_lora.json they came from
-    instance: str | None = None         # this instance's name where the model has several (a metrics label)
+    labels: dict[str, str] = field(default_factory=dict)   # where the model has several instances, this one's
 
     KEYS = ("model", "engine", *LORA_KEYS)      # model.json's keys
 
@@ -78,23 +78,26 @@ class Settings:
 
     def placed(self, args) -> "Settings":
         """These settings for one of the model's instances. Triton may start several, each in its
-        own process with its own engine (weights and KV pool): one per GPU of a KIND_GPU group,
-        or `count` of them. A KIND_GPU instance's engine goes to the GPU Triton names, as the vLLM
-        backend pins its instances (with 'auto' all would go to the first, where the second's KV
-        pool finds no memory). Several instances share the CPU's cores, an even part each unless
-        'cpu_threads' is given, and label their metrics with their instance name: under the same
-        labels each one's gauges would overwrite the others'."""
+        own process with its own engine (weights and KV pool): `count` per GPU of a KIND_GPU group,
+        or `count` of another kind. A KIND_GPU instance's engine goes to the GPU Triton names, as
+        the vLLM backend pins its instances (with 'auto' all would go to the first, where the
+        second's KV pool finds no memory). Several instances share the CPU's cores, an even part
+        each unless 'cpu_threads' is given, and label their metrics with their instance name and
+        GPU (Triton gives the instances of one count index the same name on every GPU): under the
+        same labels each one's gauges would overwrite the others'."""
         engine, count = self.engine, instance_count(json.loads(args.get("model_config", "{}")))
+        labels = {"instance": args["model_instance_name"]} if count > 1 else {}
         if args.get("model_instance_kind") == "GPU":
-            gpu = f"cuda:{int(args['model_instance_device_id'])}"
-            if engine.device not in ("auto", "cuda", gpu):
+            gpu = int(args["model_instance_device_id"])
+            if engine.device not in ("auto", "cuda", f"cuda:{gpu}"):
                 raise StartupError(f"{self.path}: 'device' {engine.device!r} contradicts the KIND_GPU instance "
-                                   f"{args.get('model_instance_name')} of config.pbtxt, which Triton placed on {gpu}; "
-                                   "leave 'device' \"auto\", or make the instance_group KIND_MODEL")
-            engine = replace(engine, device=gpu)
+                                   f"{args.get('model_instance_name')} of config.pbtxt, which Triton placed on "
+                                   f"cuda:{gpu}; leave 'device' \"auto\", or make the instance_group KIND_MODEL")
+            engine = replace(engine, device=f"cuda:{gpu}")
+            labels = {**labels, "gpu": str(gpu)} if labels else labels
         if count > 1 and engine.cpu_threads is None:
-            engine = replace(engine, cpu_threads=max((os.cpu_count() or 1) // count, 1))
-        return replace(self, engine=engine, instance=args["model_instance_name"] if count > 1 else None)
+            engine = replace(engine, cpu_threads=max(len(os.sched_getaffinity(0)) // count, 1))
+        return replace(self, engine=engine, labels=labels)
 
     @property
     def source(self) -> str:
@@ -303,7 +306,7 @@ class LLMModel:
         from ..engine import LLMEngine
         from ..lora import LoraError
         from .loop import EngineLoop
-        log.info("inflight: %sloading %s with %s", f"{settings.instance}: " if settings.instance else "",
+        log.info("inflight: %sloading %s with %s", "".join(f"{k}={v} " for k, v in settings.labels.items()),
                  settings.model_dir, settings.engine)
         with engine_errors(settings.model_dir, settings.path):
             try:
@@ -315,7 +318,7 @@ class LLMModel:
             if config_flag(args, "REPORT_CUSTOM_METRICS") else None
         self.metrics = EngineMetrics(self.pb, args["model_name"], lora_names=engine.lora_names,
                                      vllm_labels=vllm_labels, max_model_len=engine.max_model_len,
-                                     instance=settings.instance)
+                                     labels=settings.labels)
         self.metrics.publish(self.metrics.snapshot(engine, force=True))      # before the loop's threads use it
         self.loop = EngineLoop(engine, load_tokenizer(settings), self.metrics,
                                on_failure=stop_server).start()
