@@ -283,16 +283,46 @@ def test_several_instances_each_serve_with_their_own_metrics_and_stop_cleanly(tm
                                              SamplingParams(max_tokens=12, temperature=0))
         assert [reply["text_output"] for reply in replies] == [decode(tokenizer, expected[i % 8].token_ids)
                                                                for i in range(32)]
-        served = {name: two.metric("inflight_requests_total", instance=name) for name in ("llm_0_0", "llm_0_1")}
+        served = {name: two.metric("inflight_requests_total", model_instance=name) for name in ("llm_0_0", "llm_0_1")}
         assert sum(served.values()) == 32 and all(served.values()), served
-        assert two.metric("inflight_kv_blocks_total", instance="llm_0_0") == 2048
-        assert two.metric("inflight_kv_blocks_total", instance="llm_0_1") == 2048
+        assert two.metric("inflight_kv_blocks_total", model_instance="llm_0_0") == 2048
+        assert two.metric("inflight_kv_blocks_total", model_instance="llm_0_1") == 2048
         assert two.stop() == 0
     text = log.read_text()
     for name in ("llm_0_0", "llm_0_1"):
-        assert f"inflight: instance={name} loading" in text
+        assert f"inflight: model_instance={name} loading" in text
     assert text.count(f"cpu_threads={max(len(os.sched_getaffinity(0)) // 2, 1)},") == 2
     assert "Segfault" not in text and "malloc" not in text
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_reloading_llm_leaves_tritonserver_serving(tmp_path, count):
+    """A reload (explicit model control, `POST /v2/repository/models/llm/load` after a config
+    change, as platforms that manage Triton do it) starts the new instances before the old ones
+    leave. A metric series the two processes shared (the same labels) was freed under the new
+    one as the old one let it go: tritonserver died (Signal 11, or 6 with a corrupt heap) in 8 of
+    8 reloads. Each process's series carry its pid now."""
+    import urllib.request
+
+    from inflight.serving.launch import make_repository
+    from perf.vllm_backend import REPORT_CUSTOM_METRICS
+    repo = make_repository(str(tmp_path / "repo"), DEFAULT_MODEL, TEST_ENGINE, models=("llm",))
+    config = tmp_path / "repo" / "llm" / "config.pbtxt"
+    config.write_text(config.read_text().replace("count: 1 kind", f"count: {count} kind") + "\n" + REPORT_CUSTOM_METRICS)
+    log = tmp_path / "server.log"
+    request = {"text_input": PROMPTS[2], "exclude_input_in_output": True, **greedy(8)}
+    with ServerProcess(repo, log_path=str(log), extra=["--model-control-mode=explicit", "--load-model=llm"]) as server:
+        before = [http_generate(server.http_url, "llm", request)["text_output"] for _ in range(4)]
+        config.write_text(config.read_text() + "\n# changed\n")
+        load = urllib.request.Request(f"http://{server.http_url}/v2/repository/models/llm/load", data=b"{}",
+                                      method="POST")
+        assert urllib.request.urlopen(load, timeout=120).status == 200
+        after = [http_generate(server.http_url, "llm", request)["text_output"] for _ in range(8)]
+        assert after == before[:1] * 8 and before == before[:1] * 4
+        assert wait_for_metric(server, "vllm:generation_tokens_total", 64) == 64       # the new instances'
+        assert server.stop() == 0
+    text = log.read_text()
+    assert "Signal (11)" not in text and "Signal (6)" not in text and "malloc" not in text, text[-2000:]
 
 
 def test_logprobs_stop_strings_priority_and_cache_salt_over_http(server, tokenizer, reference_engine):

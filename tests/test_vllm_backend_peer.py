@@ -203,13 +203,13 @@ def test_the_requests_tritons_openai_frontend_builds_read_the_same(ours, peer, t
 
 
 def vllm_samples(server) -> dict[tuple[str, tuple[str, ...]], float]:
-    """Every `vllm:` sample: (name, its labels but model and version) -> value."""
+    """Every `vllm:` sample: (name, its labels but model, version and llm's pid) -> value."""
     samples = {}
     for line in server.metrics_text().splitlines():
         if line.startswith("vllm:"):
             name, labels, value = re.match(r"^([^{]+)\{(.*)\} (\S+)$", line).groups()
             kept = tuple(sorted(label for label in re.findall(r'\w+="[^"]*"', labels)
-                                if not label.startswith(("model=", "version="))))
+                                if not label.startswith(("model=", "version=", "pid="))))
             samples[(name, kept)] = float(value)
     return samples
 

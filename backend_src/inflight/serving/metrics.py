@@ -4,6 +4,7 @@ REPORT_CUSTOM_METRICS in config.pbtxt, also the Triton vLLM backend's `vllm:` me
 exports them (its src/utils/metrics.py: names, buckets, labels model and version)."""
 from __future__ import annotations
 
+import os
 import time
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
@@ -71,10 +72,14 @@ class EngineMetrics:
     def __init__(self, pb_utils, model_name: str, min_interval_s: float = 0.05, lora_names=(),
                  vllm_labels: dict | None = None, max_model_len: int = 0, labels: dict | None = None):
         """vllm_labels ({model, version}): also export the vLLM backend's metrics. labels: where the
-        model has several instances, this one's (instance, gpu), on inflight's metrics: under the
-        same labels the instances' gauges would overwrite each other."""
+        model has several instances, this one's (model_instance, gpu), on inflight's metrics.
+        Every series also carries this process's pid: Triton 2.51 counts a series' users per
+        process, so one that two processes share (the old and new instance of a reload, or two
+        instances) is freed under the other when the first lets it go, and tritonserver crashed."""
         self._pb = pb_utils
-        self._labels = {"model": model_name, **(labels or {})}
+        process = {"pid": str(os.getpid())}
+        self._labels = {"model": model_name, **(labels or {}), **process}
+        vllm_labels = None if vllm_labels is None else {**vllm_labels, **process}
         self._families = []          # a MetricFamily must outlive its metrics
         self._gauges = {key: self._metric(f"inflight_{key}", desc, "GAUGE") for key, desc in GAUGES.items()}
         self._counters = {key: self._metric(f"inflight_{name}", desc, "COUNTER")

@@ -86,7 +86,7 @@ class Settings:
         GPU (Triton gives the instances of one count index the same name on every GPU): under the
         same labels each one's gauges would overwrite the others'."""
         engine, count = self.engine, instance_count(json.loads(args.get("model_config", "{}")))
-        labels = {"instance": args["model_instance_name"]} if count > 1 else {}
+        labels = {"model_instance": args["model_instance_name"]} if count > 1 else {}
         if args.get("model_instance_kind") == "GPU":
             gpu = int(args["model_instance_device_id"])
             if engine.device not in ("auto", "cuda", f"cuda:{gpu}"):
