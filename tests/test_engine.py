@@ -391,6 +391,15 @@ def test_engine_settings_that_would_misbehave_later_name_the_field(values, messa
         EngineConfig(**values)
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_a_cuda_device_without_cuda_names_what_was_asked(device):
+    from inflight.runner import resolve_device
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    with pytest.raises(ValueError, match=re.escape(f"'device' is '{device}' but no CUDA device is available")):
+        resolve_device(device)
+
+
 def test_the_triton_backend_on_a_cpu_is_refused_at_load(tiny_checkpoint, monkeypatch):
     """Else the first step failed ("0 active drivers") and took the serving loop down with it."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -48,7 +48,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("'device' is 'cuda' but no CUDA device is available")
+        raise ValueError(f"'device' is {name!r} but no CUDA device is available")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"'device' is {name!r} but this host has {torch.cuda.device_count()} CUDA device(s)")
     return device

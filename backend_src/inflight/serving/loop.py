@@ -54,8 +54,10 @@ class EngineLoop:
         self._owner: dict[str, Job] = {}            # engine request id -> its job
         self._token_texts: dict[int, str] = {}      # token id -> its text alone
         # new grammars compile here, not on Triton's execute thread, where one request's large schema
-        # held up every request that arrived after it (vLLM compiles in a pool too)
-        self._compiles = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="inflight-grammar")
+        # held up every request that arrived after it (vLLM compiles in a pool too); half the cores
+        # this engine is given (an instance's part, where Triton runs several)
+        cores = engine.config.cpu_threads or os.cpu_count() or 2
+        self._compiles = ThreadPoolExecutor(max(1, cores // 2), thread_name_prefix="inflight-grammar")
         self._closing = False                    # shutdown() has begun: no grammar starts compiling
         # requests waiting for their grammar count against max_queue_size too: the pool's queue is
         # the server's only other one
