@@ -52,7 +52,7 @@ class Settings:
     path: str                   # the model.json, for start-up errors
     lora_modules: dict[str, str] = field(default_factory=dict)     # adapter name -> directory
     lora_file: str | None = None                                   # the multi_lora.json they came from
-    labels: dict[str, str] = field(default_factory=dict)   # where the model has several instances, this one's
+    labels: dict[str, str] = field(default_factory=dict)   # this instance's metrics labels, where there are several
 
     KEYS = ("model", "engine", *LORA_KEYS)      # model.json's keys
 
@@ -94,7 +94,8 @@ class Settings:
                                    f"{args.get('model_instance_name')} of config.pbtxt, which Triton placed on "
                                    f"cuda:{gpu}; leave 'device' \"auto\", or make the instance_group KIND_MODEL")
             engine = replace(engine, device=f"cuda:{gpu}")
-            labels = {**labels, "gpu": str(gpu)} if labels else labels
+            if labels:
+                labels["gpu"] = str(gpu)
         if count > 1 and engine.cpu_threads is None:
             engine = replace(engine, cpu_threads=max(len(os.sched_getaffinity(0)) // count, 1))
         return replace(self, engine=engine, labels=labels)
