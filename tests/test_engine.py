@@ -1,5 +1,6 @@
 """LLMEngine behaviour a user sees: sampling knobs, stop conditions, log-probs, aborts,
 rejections with messages that name the field, and step outputs that add up to the final output."""
+import os
 import random
 
 import re
@@ -389,6 +390,21 @@ def test_engine_settings_that_would_misbehave_later_name_the_field(values, messa
     device or seed failed in torch without a field's name, a million threads never stepped."""
     with pytest.raises(ValueError, match=re.escape(message)):
         EngineConfig(**values)
+
+
+def test_cpu_threads_is_bounded_by_the_cpus_the_process_may_run_on(tokenizer, monkeypatch):
+    """In a cpuset container (or under taskset) the process may run on fewer CPUs than the host
+    has: threads past those only contend, so the check and the grammar pool count the mask."""
+    from inflight.serving.loop import EngineLoop
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 5})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    with pytest.raises(ValueError, match=re.escape("'cpu_threads' must be at most the 2 CPUs this process may run "
+                                                   "on, got 3")):
+        EngineConfig(cpu_threads=3)
+
+    class Unused:                   # the loop reads only its engine's config before it starts
+        config = EngineConfig()
+    assert EngineLoop(Unused(), tokenizer)._compiles._max_workers == 1     # half of 2, not of 64
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])

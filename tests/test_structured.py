@@ -4,7 +4,6 @@ grammars), unconstrained neighbours are untouched, preemption keeps a matcher's 
 schema compiles without stalling running requests, and every bad constraint is refused with a
 message that names the field."""
 import json
-import os
 import re
 import time
 
@@ -248,11 +247,11 @@ def new_schema_request(tokenizer, seed: int, fields: int) -> GenerateRequest:
         max_tokens=4, structured_outputs={"json": large_schema(fields), "disable_any_whitespace": True}), stream=True)
 
 
-def test_a_request_whose_client_left_while_its_grammar_waited_is_answered_and_never_compiled(tokenizer, monkeypatch):
+def test_a_request_whose_client_left_while_its_grammar_waited_is_answered_and_never_compiled(tokenizer):
     """A request waiting for the compile thread behind another new schema is known to the response
     thread, which sees its client leave (a cancel, or a failed queue heartbeat) and answers it; its
     grammar is then never compiled, so the new grammars behind it do not wait for it."""
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)      # one compile thread, as on two cores
+    # cpu_threads=1: one compile thread, as an instance given one core has
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(max_num_seqs=8, num_kv_blocks=256, cpu_threads=1))
     engine.structured.compile(parse_spec({"json_object": True}))        # the tokenizer's vocabulary, up front
     loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05).start()
@@ -270,11 +269,10 @@ def test_a_request_whose_client_left_while_its_grammar_waited_is_answered_and_ne
     assert engine.kv.num_used_blocks == 0
 
 
-def test_requests_waiting_for_their_grammar_count_against_max_queue_size(tokenizer, monkeypatch):
+def test_requests_waiting_for_their_grammar_count_against_max_queue_size(tokenizer):
     """The compile pool's queue is bounded like the engine's: past max_queue_size requests waiting
     for their grammar, a new schema is refused at once as 'queue full'; a seat comes back when its
     grammar is compiled."""
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(max_num_seqs=8, num_kv_blocks=256, cpu_threads=1,
                                                                    max_queue_size=2))
     engine.structured.compile(parse_spec({"json_object": True}))
@@ -293,11 +291,10 @@ def test_requests_waiting_for_their_grammar_count_against_max_queue_size(tokeniz
         loop.shutdown()
 
 
-def test_a_refused_constraint_sent_again_is_refused_at_once_under_its_own_field(tokenizer, monkeypatch):
+def test_a_refused_constraint_sent_again_is_refused_at_once_under_its_own_field(tokenizer):
     """xgrammar takes as long to refuse a deep schema as to compile one (~2.7 s at 300 levels
     here): a constraint refused once is kept as refused, so sent again, by any field, it is
     answered at once, without a compile thread or a seat of max_queue_size."""
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(max_num_seqs=8, num_kv_blocks=256, cpu_threads=1,
                                                                    max_queue_size=1))
     bad = {"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 1}
@@ -323,7 +320,6 @@ def test_at_a_stop_a_grammar_not_begun_is_refused_without_compiling(tokenizer, m
     file) a request still waiting for the compile thread is refused then, not compiled first."""
     flag = tmp_path / "stopping"
     monkeypatch.setenv("INFLIGHT_SHUTDOWN_FLAG", str(flag))
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(max_num_seqs=8, num_kv_blocks=256, cpu_threads=1))
     engine.structured.compile(parse_spec({"json_object": True}))
     loop = EngineLoop(engine, tokenizer).start()

@@ -60,6 +60,12 @@ def parse_priority(value: str | int) -> int:
                      f"0 normal), got {value!r}")
 
 
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask, so a cpuset container's or a taskset's
+    share, not the host's count."""
+    return len(os.sched_getaffinity(0))
+
 @dataclass(slots=True)
 class EngineConfig:
     block_size: int = 16
@@ -96,8 +102,8 @@ class EngineConfig:
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value > 0), name, "must be a positive integer or None")
         # more threads than cores only contend (a million never got a step done)
-        _check(self.cpu_threads is None or self.cpu_threads <= (os.cpu_count() or 1), "cpu_threads",
-               f"must be at most the {os.cpu_count()} CPUs of this host, got {self.cpu_threads}")
+        _check(self.cpu_threads is None or self.cpu_threads <= usable_cpus(), "cpu_threads",
+               f"must be at most the {usable_cpus()} CPUs this process may run on, got {self.cpu_threads}")
         for name in ("kv_cache_gb", "max_queue_wait_s"):
             value = getattr(self, name)
             _check(value is None or (_is_number(value) and value > 0), name, "must be a positive number or None")

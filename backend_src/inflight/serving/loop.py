@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ..config import SamplingParams
+from ..config import SamplingParams, usable_cpus
 from ..detokenizer import DecodeOptions, IncrementalDetokenizer, StopStrings, decode, token_text
 from ..engine import LLMEngine, QueueFullError
 from .job import Job, ResponseSink, Sample
@@ -56,7 +56,7 @@ class EngineLoop:
         # new grammars compile here, not on Triton's execute thread, where one request's large schema
         # held up every request that arrived after it (vLLM compiles in a pool too); half the cores
         # this engine is given (an instance's part, where Triton runs several)
-        cores = engine.config.cpu_threads or os.cpu_count() or 2
+        cores = engine.config.cpu_threads or usable_cpus()
         self._compiles = ThreadPoolExecutor(max(1, cores // 2), thread_name_prefix="inflight-grammar")
         self._closing = False                    # shutdown() has begun: no grammar starts compiling
         # requests waiting for their grammar count against max_queue_size too: the pool's queue is

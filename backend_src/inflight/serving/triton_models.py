@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..config import EngineConfig
+from ..config import EngineConfig, usable_cpus
 from ..context_length import checkpoint_max_len
 from ..detokenizer import decode_delta
 from ..structured import json_value
@@ -97,7 +97,7 @@ class Settings:
             if labels:
                 labels["gpu"] = str(gpu)
         if count > 1 and engine.cpu_threads is None:
-            engine = replace(engine, cpu_threads=max(len(os.sched_getaffinity(0)) // count, 1))
+            engine = replace(engine, cpu_threads=max(usable_cpus() // count, 1))
         return replace(self, engine=engine, labels=labels)
 
     @property
