@@ -405,6 +405,8 @@ def test_cpu_threads_is_bounded_by_the_cpus_the_process_may_run_on(tokenizer, mo
     class Unused:                   # the loop reads only its engine's config before it starts
         config = EngineConfig()
     assert EngineLoop(Unused(), tokenizer)._compiles._max_workers == 1     # half of 2, not of 64
+    monkeypatch.delattr(os, "sched_getaffinity")            # macOS: no affinity call, the host's count
+    assert EngineConfig(cpu_threads=64).cpu_threads == 64
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:0"])
