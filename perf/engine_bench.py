@@ -227,10 +227,10 @@ def compiled_kernel_timer(names=ATTENTION_KERNELS):
 
 
 def host_overhead(model_dir: str, dtype: str, num_seqs: int, steps: int = 20) -> dict:
-    """A decode step's wall time and what of it is not matmul/attention compute, all timed in the
-    same plain steps (medians over steps): the phases outside the forward, and the forward call by
-    call. (Compute taken from other, profiled steps made the host time the difference of two
-    spreads: it came out negative.) Each timed call adds its wrapper's ~1 µs to the host time."""
+    """A decode step's wall time and what of it is not matmul/attention compute: the phases outside
+    the forward, and the forward call by call. Everything is timed in the same plain steps, host =
+    step - compute per step, then medians (compute from other steps made the host time a difference
+    of two spreads, negative at times). Each timed call adds its wrapper's ~1 µs to the host time."""
     engine = decoding_engine(model_dir, dtype, num_seqs)
     runner, scheduler, model = engine.runner, engine.scheduler, engine.runner.model
     phases = {"schedule": [], "pack": [], "sample": [], "update": [], "forward": [], "lm_head": []}

@@ -60,13 +60,13 @@ def parse_priority(value: str | int) -> int:
                      f"0 normal), got {value!r}")
 
 
-
 def usable_cpus() -> int:
     """The CPUs this process may run on: its affinity mask, so a cpuset container's or a taskset's
     share, not the host's count (which is all there is where the OS has no affinity call: macOS)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
 
 @dataclass(slots=True)
 class EngineConfig:
