@@ -360,6 +360,39 @@ def test_the_compiled_cpu_kernel_matches_float64(group, dtype, spec, monkeypatch
         torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("group", ["qkv", "down"])
+def test_a_requests_adapter_term_on_cpu_does_not_depend_on_the_other_requests_of_its_adapter(group):
+    """The kernel and the matmul pair round differently in bf16, so the path is chosen by each
+    request's own tokens in the step: a 60-token prompt takes the kernel alone and beside three
+    100-token prompts of its adapter (whose run of 360 tokens took the matmul pair, and the
+    fuzz's seeded adapter requests changed with the load); a 200-token chunk takes the matmul."""
+    from inflight.lora import CPU_KERNEL_MAX_TOKENS
+    weights = LoraWeights(synthetic_adapters(torch.bfloat16, SPEC), SPEC, torch.bfloat16, torch.device("cpu"),
+                          kernels="cpu")
+    shapes = module_shapes(SPEC)
+    fan_in, fan_out = shapes[GROUPS[group][0]][0], sum(shapes[m][1] for m in GROUPS[group])
+    g = torch.Generator().manual_seed(7)
+    mine = torch.randn(60, fan_in, generator=g).to(torch.bfloat16)
+    others = torch.randn(500, fan_in, generator=g).to(torch.bfloat16)
+
+    def my_rows(counts: list[int], mine_at: int) -> torch.Tensor:
+        sizes = counts[:mine_at] + counts[mine_at + 1:]
+        parts = list(others[:sum(sizes)].split(sizes))
+        x = torch.cat(parts[:mine_at] + [mine] + parts[mine_at:])
+        y = torch.zeros(len(x), fan_out, dtype=torch.bfloat16)
+        batch = weights.batch_runs(np.zeros(len(counts), dtype=np.int64), np.array(counts))
+        batch.layer(0).add(group, x, y)
+        start = sum(counts[:mine_at])
+        return y[start:start + 60]
+
+    alone = my_rows([60], 0)
+    assert torch.equal(my_rows([100, 100, 60, 100], 2), alone)
+    assert torch.equal(my_rows([100, 60, 200, 1], 1), alone)
+    batch = weights.batch_runs(np.zeros(4, dtype=np.int64), np.array([100, 60, 200, 1]))
+    assert [e - s for _, s, e in batch.long_segments] == [200] > [CPU_KERNEL_MAX_TOKENS]
+    assert batch.short_segments.tolist() == [[0, 0, 160], [0, 360, 361]]
+
+
 @KERNEL_DTYPES
 def test_sgmv_kernels_gather_and_scatter_any_token_order(dtype):
     """The kernels take any token list (shuffled here, segments of 1 to 70 tokens) and strided

@@ -25,9 +25,9 @@ order. A step without adapter tokens is not touched and the model runs exactly a
 tokens of each adapter i, in place (base tokens pay nothing). Three paths, following the attention
 backend: on CUDA ('triton') one SGMV shrink and one expand launch per group for all adapters at
 once (`inflight.kernels.lora`); on CPU ('cpu') one call of the compiled kernel (cpu_kernels.cpp
-`lora_add`) for every short run of the step (decodes: a few tokens per adapter, where torch's
-per-matmul overhead is most of the cost) and one matmul pair per long run (prefill chunks, where
-the BLAS matmul is faster); otherwise ('torch', and float64) one matmul pair per run, on views of
+`lora_add`) for the tokens of every request with a few in the step (decodes and short prompts,
+where torch's per-matmul overhead is most of the cost) and one matmul pair per long prefill chunk
+(where the BLAS matmul is faster); otherwise ('torch', and float64) one matmul pair per run, on views of
 it. Up to rounding, that is PEFT's `base(x) + lora_B(lora_A(x)) * scaling`.
 """
 from __future__ import annotations
@@ -236,8 +236,10 @@ def _read_tensors(path: str, fail) -> dict[str, torch.Tensor]:
     fail("no adapter_model.safetensors (or adapter_model.bin) in the directory")
 
 
-# Runs of up to this many tokens go through the compiled CPU kernel, longer ones through a matmul
-# pair (BLAS wins once a run has enough rows to fill its tiles: ~256 on a Zen 4 core, bf16).
+# A request's tokens in a step go through the compiled CPU kernel up to this many, through a matmul
+# pair past it (BLAS wins once a run has enough rows to fill its tiles: ~256 on a Zen 4 core, bf16).
+# Decided per request, not per adapter: the two paths round differently, and by the adapter's run a
+# request's bf16 output changed with the other requests of its adapter in the step
 CPU_KERNEL_MAX_TOKENS = 128
 
 
@@ -332,7 +334,9 @@ class LoraWeights:
             start, end = int(ends[rows[0]] - counts[rows[0]]), int(ends[rows[-1]])
             if end > start:
                 segments.append((slot, start, end))
-        return LoraBatch(self, segments) if segments else None
+        requests = [(int(slot), int(end - count), int(end)) for slot, count, end in zip(row_slots, counts, ends)
+                    if slot >= 0 and count > 0]
+        return LoraBatch(self, segments, requests) if segments else None
 
 
 @dataclass(slots=True)
@@ -341,6 +345,7 @@ class LoraBatch:
     covers tokens [start, end). Tokens outside every segment run the base model alone."""
     weights: LoraWeights
     segments: list[tuple[int, int, int]]
+    requests: list[tuple[int, int, int]]        # each request's tokens, (slot, start, end), in order
     tokens: torch.Tensor | None = field(init=False, default=None)        # the Triton kernels' token list
     seg_starts: torch.Tensor | None = field(init=False, default=None)
     seg_slots: torch.Tensor | None = field(init=False, default=None)
@@ -353,8 +358,14 @@ class LoraBatch:
         self.max_segment = max(end - start for _, start, end in self.segments)
         self.long_segments = self.segments
         if self.weights.cpu_kernels is not None:
-            short = [s for s in self.segments if s[2] - s[1] <= CPU_KERNEL_MAX_TOKENS]
-            self.long_segments = [s for s in self.segments if s[2] - s[1] > CPU_KERNEL_MAX_TOKENS]
+            short, self.long_segments = [], []
+            for slot, start, end in self.requests:
+                if end - start > CPU_KERNEL_MAX_TOKENS:
+                    self.long_segments.append((slot, start, end))
+                elif short and short[-1][0] == slot and short[-1][2] == start:
+                    short[-1][2] = end          # the next request of the same adapter: one kernel segment
+                else:
+                    short.append([slot, start, end])
             if short:
                 self.short_segments = np.array(short, dtype=np.int32)
         if self.weights.use_kernels:
