@@ -27,8 +27,8 @@ backend: on CUDA ('triton') one SGMV shrink and one expand launch per group for 
 once (`inflight.kernels.lora`); on CPU ('cpu') one call of the compiled kernel (cpu_kernels.cpp
 `lora_add`) for the tokens of every request with a few in the step (decodes and short prompts,
 where torch's per-matmul overhead is most of the cost) and one matmul pair per long prefill chunk
-(where the BLAS matmul is faster); otherwise ('torch', and float64) one matmul pair per run, on views of
-it. Up to rounding, that is PEFT's `base(x) + lora_B(lora_A(x)) * scaling`.
+(where the BLAS matmul is faster); otherwise ('torch', and float64) one matmul pair per run, on
+views of it. Up to rounding, that is PEFT's `base(x) + lora_B(lora_A(x)) * scaling`.
 """
 from __future__ import annotations
 
