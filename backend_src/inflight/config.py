@@ -104,8 +104,9 @@ class EngineConfig:
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value > 0), name, "must be a positive integer or None")
         # more threads than cores only contend (a million never got a step done)
-        _check(self.cpu_threads is None or self.cpu_threads <= usable_cpus(), "cpu_threads",
-               f"must be at most the {usable_cpus()} CPUs this process may run on, got {self.cpu_threads}")
+        cpus = usable_cpus()
+        _check(self.cpu_threads is None or self.cpu_threads <= cpus, "cpu_threads",
+               f"must be at most the {cpus} CPUs this process may run on, got {self.cpu_threads}")
         for name in ("kv_cache_gb", "max_queue_wait_s"):
             value = getattr(self, name)
             _check(value is None or (_is_number(value) and value > 0), name, "must be a positive number or None")

@@ -328,15 +328,21 @@ class LoraWeights:
     def batch_runs(self, row_slots: np.ndarray, counts: np.ndarray) -> "LoraBatch | None":
         """The LoraBatch of packed rows already grouped by slot: row i holds counts[i] tokens."""
         ends = np.cumsum(counts)
-        segments = []
-        for slot in np.unique(row_slots[row_slots >= 0]).tolist():
-            rows = np.flatnonzero(row_slots == slot)
-            start, end = int(ends[rows[0]] - counts[rows[0]]), int(ends[rows[-1]])
-            if end > start:
-                segments.append((slot, start, end))
         requests = [(int(slot), int(end - count), int(end)) for slot, count, end in zip(row_slots, counts, ends)
                     if slot >= 0 and count > 0]
-        return LoraBatch(self, segments, requests) if segments else None
+        return LoraBatch(self, requests) if requests else None
+
+
+def merged_runs(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Runs (slot, start, end) in order, each one that continues the previous run's slot where it
+    ended folded into it."""
+    merged = []
+    for slot, start, end in runs:
+        if merged and merged[-1][0] == slot and merged[-1][2] == start:
+            merged[-1] = (slot, merged[-1][1], end)
+        else:
+            merged.append((slot, start, end))
+    return merged
 
 
 @dataclass(slots=True)
@@ -344,8 +350,8 @@ class LoraBatch:
     """One step's adapter tokens as contiguous runs of the packed batch: segment (slot, start, end)
     covers tokens [start, end). Tokens outside every segment run the base model alone."""
     weights: LoraWeights
-    segments: list[tuple[int, int, int]]
     requests: list[tuple[int, int, int]]        # each request's tokens, (slot, start, end), in order
+    segments: list[tuple[int, int, int]] = field(init=False)    # each adapter's run of them
     tokens: torch.Tensor | None = field(init=False, default=None)        # the Triton kernels' token list
     seg_starts: torch.Tensor | None = field(init=False, default=None)
     seg_slots: torch.Tensor | None = field(init=False, default=None)
@@ -355,17 +361,13 @@ class LoraBatch:
     long_segments: list[tuple[int, int, int]] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.segments = merged_runs(self.requests)
         self.max_segment = max(end - start for _, start, end in self.segments)
         self.long_segments = self.segments
         if self.weights.cpu_kernels is not None:
-            short, self.long_segments = [], []
-            for slot, start, end in self.requests:
-                if end - start > CPU_KERNEL_MAX_TOKENS:
-                    self.long_segments.append((slot, start, end))
-                elif short and short[-1][0] == slot and short[-1][2] == start:
-                    short[-1][2] = end          # the next request of the same adapter: one kernel segment
-                else:
-                    short.append([slot, start, end])
+            self.long_segments = [r for r in self.requests if r[2] - r[1] > CPU_KERNEL_MAX_TOKENS]
+            # the next requests of an adapter share one kernel segment
+            short = merged_runs([r for r in self.requests if r[2] - r[1] <= CPU_KERNEL_MAX_TOKENS])
             if short:
                 self.short_segments = np.array(short, dtype=np.int32)
         if self.weights.use_kernels:
