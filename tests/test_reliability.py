@@ -573,8 +573,9 @@ def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancel
                                                                                                   monkeypatch):
     """Behind a running request (max_num_seqs 1): the streams that asked for queue_heartbeat get a
     response without outputs while they wait, spaced by heartbeat_s or, with more waiting than
-    HEARTBEATS_PER_S allows, further apart; one that did not ask gets nothing; when a client
-    leaves, its request is cancelled in the queue and never runs."""
+    HEARTBEATS_PER_S allows, further apart (also when they arrived at different times); one that
+    did not ask gets nothing; when a client leaves, its request is cancelled in the queue and
+    never runs."""
     from inflight import EngineConfig, LLMEngine, SamplingParams
     from inflight.serving import loop as serving_loop
     from inflight.serving.protocol import GenerateRequest
@@ -595,6 +596,7 @@ def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancel
         for name, heartbeat in (("heartbeat", True), ("heartbeat too", True), ("quiet", False)):
             loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=4), stream=True,
                                         queue_heartbeat=heartbeat), sinks[name])
+            time.sleep(0.07)       # out of phase: each is silent heartbeat_s at a different poll
         while len(sinks["heartbeat"].outputs) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sinks["heartbeat"].outputs[:3] == [{}, {}, {}] and sinks["quiet"].outputs == []

@@ -534,17 +534,20 @@ class EngineLoop:
         """Every cancel_poll_s, not after every send: each check is a round trip to the server
         (with 16 streams, checking after each token took half the response thread's time)."""
         now = time.monotonic()
-        silent = []           # streams that asked for queue_heartbeat and have had no response for a while
+        asking = []           # live streams that asked for queue_heartbeat
         for job_id, job in list(self._jobs.items()):
             if job.done:
                 self._jobs.pop(job_id)
             elif self._cancelled(job):
                 self._cancel(job)
                 self._jobs.pop(job_id)
-            elif job.request.queue_heartbeat and now - max(job.arrival, job.last_response) >= self.heartbeat_s:
-                silent.append(job)
-        interval = max(self.heartbeat_s, len(silent) / HEARTBEATS_PER_S)     # a deep queue spreads them out
-        for job in silent:
+            elif job.request.queue_heartbeat:
+                asking.append(job)
+        # Spread over every stream that may need one, not only the ones silent now: those just
+        # answered drop out of the silent ones, and counting only those let two streams out of
+        # phase each get a heartbeat every heartbeat_s, twice the rate HEARTBEATS_PER_S allows.
+        interval = max(self.heartbeat_s, len(asking) / HEARTBEATS_PER_S)
+        for job in asking:
             if now - max(job.arrival, job.last_response) >= interval:
                 job.last_response = now
                 self._heartbeat(job)
