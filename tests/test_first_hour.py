@@ -435,7 +435,7 @@ def test_a_kind_gpu_instance_runs_on_the_gpu_triton_gives_it(tmp_path):
                 "model_config": json.dumps(four_gpus)}
     placed = settings.placed(instance)
     assert placed.engine.device == "cuda:3" and settings.engine.device == "auto"
-    assert placed.labels == {"model_instance": "llm_0_0", "gpu": "3"}
+    assert placed.labels == {"model_instance": "llm_0_0", "gpu": "3"} and placed.instances == 4
     assert placed.engine.cpu_threads == max(len(os.sched_getaffinity(0)) // 4, 1)
     for kind in ("CPU", "MODEL"):
         one = {"instance_group": [{"count": 1, "kind": f"KIND_{kind}"}]}

@@ -569,20 +569,23 @@ def test_a_request_cancelled_before_the_engine_takes_it_is_never_admitted(tokeni
     assert (loop._jobs, loop._samples, loop._owner) == ({}, {}, {})
 
 
+@pytest.mark.parametrize("per_s, share", [(10, 1.0), (20, 0.5)])
 def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancelled_in_the_queue(tokenizer,
-                                                                                                  monkeypatch):
+                                                                                                  monkeypatch, per_s,
+                                                                                                  share):
     """Behind a running request (max_num_seqs 1): the streams that asked for queue_heartbeat get a
     response without outputs while they wait, spaced by heartbeat_s or, with more waiting than
-    HEARTBEATS_PER_S allows, further apart (also when they arrived at different times); one that
-    did not ask gets nothing; when a client leaves, its request is cancelled in the queue and
-    never runs."""
+    this loop's share of HEARTBEATS_PER_S allows (an instance's, where Triton runs several),
+    further apart (also when they arrived at different times); one that did not ask gets nothing;
+    when a client leaves, its request is cancelled in the queue and never runs."""
     from inflight import EngineConfig, LLMEngine, SamplingParams
     from inflight.serving import loop as serving_loop
     from inflight.serving.protocol import GenerateRequest
-    monkeypatch.setattr(serving_loop, "HEARTBEATS_PER_S", 10)     # two waiting streams: each every 0.2 s
+    monkeypatch.setattr(serving_loop, "HEARTBEATS_PER_S", per_s)     # 10 a second here: two streams each every 0.2 s
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=1, num_kv_blocks=256,
                                                                    cpu_threads=1))
-    loop = serving_loop.EngineLoop(engine, tokenizer, cancel_poll_s=0.05, heartbeat_s=0.1).start()
+    loop = serving_loop.EngineLoop(engine, tokenizer, cancel_poll_s=0.05, heartbeat_s=0.1,
+                                   heartbeat_share=share).start()
     prompt = tokenizer("The assert statement")["input_ids"]
     from .helpers import RecordingSink
     sinks = {name: RecordingSink() for name in ("running", "heartbeat", "heartbeat too", "quiet")}

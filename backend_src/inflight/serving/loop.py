@@ -25,18 +25,22 @@ from .outputs import response_outputs
 from .protocol import GenerateRequest, RequestError, bytes_per_token, check_text_size
 
 log = logging.getLogger("inflight")
-HEARTBEATS_PER_S = 100     # queue heartbeats a second, at most, over all waiting streams
+HEARTBEATS_PER_S = 100     # queue heartbeats a second, at most, over all waiting streams of a model
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, tokenizer, metrics=None, cancel_poll_s: float = 0.2,
-                 on_failure: Callable[[str], None] | None = None, heartbeat_s: float = 1.0):
+                 on_failure: Callable[[str], None] | None = None, heartbeat_s: float = 1.0,
+                 heartbeat_share: float = 1.0):
         self.engine = engine
         self.tokenizer = tokenizer
         self.bytes_per_token = bytes_per_token(tokenizer)
         self.metrics = metrics
         self.cancel_poll_s = cancel_poll_s
         self.heartbeat_s = heartbeat_s           # between a queued stream's heartbeats (queue_heartbeat)
+        # this loop's part of HEARTBEATS_PER_S: an instance's, where Triton runs several (one
+        # tritonserver writes them all, one OpenAI server reads them all)
+        self.heartbeat_share = heartbeat_share
         self.on_failure = on_failure             # called once every request has its error
         # test hook: make the engine step raise after this many steps (fault-injection tests)
         self._fault_after_steps = int(os.environ.get("INFLIGHT_FAULT_AFTER_STEPS", "0"))
@@ -546,7 +550,7 @@ class EngineLoop:
         # Spread over every stream that may need one, not only the ones silent now: those just
         # answered drop out of the silent ones, and counting only those let two streams out of
         # phase each get a heartbeat every heartbeat_s, twice the rate HEARTBEATS_PER_S allows.
-        interval = max(self.heartbeat_s, len(asking) / HEARTBEATS_PER_S)
+        interval = max(self.heartbeat_s, len(asking) / (HEARTBEATS_PER_S * self.heartbeat_share))
         for job in asking:
             if now - max(job.arrival, job.last_response) >= interval:
                 job.last_response = now

@@ -53,6 +53,7 @@ class Settings:
     lora_modules: dict[str, str] = field(default_factory=dict)     # adapter name -> directory
     lora_file: str | None = None                                   # the multi_lora.json they came from
     labels: dict[str, str] = field(default_factory=dict)   # this instance's metrics labels, where there are several
+    instances: int = 1          # how many Triton starts of this model (placed())
 
     KEYS = ("model", "engine", *LORA_KEYS)      # model.json's keys
 
@@ -98,7 +99,7 @@ class Settings:
                 labels["gpu"] = str(gpu)
         if count > 1 and engine.cpu_threads is None:
             engine = replace(engine, cpu_threads=max(usable_cpus() // count, 1))
-        return replace(self, engine=engine, labels=labels)
+        return replace(self, engine=engine, labels=labels, instances=count)
 
     @property
     def source(self) -> str:
@@ -321,8 +322,8 @@ class LLMModel:
                                      vllm_labels=vllm_labels, max_model_len=engine.max_model_len,
                                      labels=settings.labels)
         self.metrics.publish(self.metrics.snapshot(engine, force=True))      # before the loop's threads use it
-        self.loop = EngineLoop(engine, load_tokenizer(settings), self.metrics,
-                               on_failure=stop_server).start()
+        self.loop = EngineLoop(engine, load_tokenizer(settings), self.metrics, on_failure=stop_server,
+                               heartbeat_share=1 / settings.instances).start()
 
     def execute(self, requests):
         for request in requests:
