@@ -1412,7 +1412,8 @@ def test_minus_infinity_in_prompt_logprobs_is_sent_as_minus_9999():
 
 def test_output_slots_are_taken_whole_in_arrival_order_and_given_back_on_cancel():
     """The server's bound on outputs in flight to Triton: a request of n outputs takes n at once
-    (never part of them), later ones wait behind it, and one cancelled while waiting leaks nothing."""
+    (never part of them), later ones wait behind it, and one cancelled while waiting leaks nothing,
+    also when slots come back before its task runs again."""
     from inflight_client.openai_server.triton import OutputSlots
 
     async def main():
@@ -1428,6 +1429,16 @@ def test_output_slots_are_taken_whole_in_arrival_order_and_given_back_on_cancel(
         await asyncio.sleep(0)
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
+        slots.give(2)
+        # cancelled (its client left), and slots given back before the waiter runs again: before,
+        # the give raised InvalidStateError in another request and the slot was lost
+        assert await slots.take(2) == 2 and slots.free == 0
+        waiting, behind = asyncio.ensure_future(slots.take(1)), asyncio.ensure_future(slots.take(1))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        slots.give(1)
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert waiting.cancelled() and await behind == 1 and slots.free == 0
         slots.give(2)
         slots.give(1)
         assert slots.free == 3 and await slots.take(5) == 3, "more than all of them takes all"

@@ -107,7 +107,8 @@ class OutputSlots:
             if granted.done() and not granted.cancelled():
                 self.give(n)                  # granted in the moment it was cancelled
             else:
-                self._waiting.remove((n, granted))
+                if (n, granted) in self._waiting:     # not yet dropped by a _grant
+                    self._waiting.remove((n, granted))
                 self._grant()                 # the next ones may fit now
             raise
         return n
@@ -117,8 +118,14 @@ class OutputSlots:
         self._grant()
 
     def _grant(self) -> None:
-        while self._waiting and self._waiting[0][0] <= self.free:
-            n, granted = self._waiting.popleft()
+        while self._waiting:
+            n, granted = self._waiting[0]
+            if granted.cancelled():     # its waiter left and has not run yet: nothing to grant it
+                self._waiting.popleft()
+                continue
+            if n > self.free:
+                return
+            self._waiting.popleft()
             self.free -= n
             granted.set_result(None)
 
