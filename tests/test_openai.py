@@ -1445,6 +1445,18 @@ def test_output_slots_are_taken_whole_in_arrival_order_and_given_back_on_cancel(
     asyncio.run(asyncio.wait_for(main(), 5))
 
 
+def test_llm_errors_that_are_the_servers_fault_are_5xx_not_a_bad_request():
+    """Every error `llm` reports as Triton's INTERNAL (a failed engine or response thread, a request
+    it could not read, a grammar compile that raised) is a 5xx, which the SDK retries, not a 400
+    blaming the request (before: 400 invalid_request_error for all but "the engine failed")."""
+    from inflight.serving.triton_models import INTERNAL_ERRORS
+    from inflight_client.openai_server.errors import from_triton
+    for marker in INTERNAL_ERRORS:
+        error = from_triton(f"{marker}: KeyError: 'x'")
+        assert error.status >= 500 and error.body()["error"]["type"] != "invalid_request_error", marker
+    assert from_triton("'top_p' must be in (0, 1]").status == 400
+
+
 def test_the_sdk_raises_its_typed_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")

@@ -1,6 +1,7 @@
 """Errors in the OpenAI API's JSON shape ({"error": {"message", "type", "param", "code"}}) with
 the HTTP status a client can act on: 400 a bad parameter (named), 404 an unknown model, 429 the
-engine's queue is full, 503 Triton or the model is not ready. Never a traceback."""
+engine's queue is full, 503 Triton or the model is not ready, 500 a bug on the server's side with
+the request. Never a traceback."""
 from __future__ import annotations
 
 import re
@@ -9,8 +10,10 @@ TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "inval
          500: "internal_error", 503: "service_unavailable"}
 
 # `llm` errors that are the server's state, not the request's fault (see serving/loop.py)
-UNAVAILABLE = ("the engine failed", "the server is shutting down", "the model is being unloaded",
+UNAVAILABLE = ("the engine failed", "the server failed", "the server is shutting down", "the model is being unloaded",
                "timed out in queue", "Request for unknown model", "is not ready", "is not found")
+# `llm` errors that are a bug on its side with this request: a client may retry, not mend it
+INTERNAL = ("the request could not be read", "the grammar could not be compiled")
 
 
 class APIError(Exception):
@@ -42,6 +45,8 @@ def from_triton(message: str) -> APIError:
         return APIError(429, message, code="queue_full")
     if any(marker in message for marker in UNAVAILABLE):
         return APIError(503, message)
+    if any(marker in message for marker in INTERNAL):
+        return APIError(500, message)
     for name, param in PARAMS.items():     # the parameter the client sent, in the message too
         message = message.replace(f"'{name}'", f"'{param}'")
     return APIError(400, message, param=_named_field(message))
