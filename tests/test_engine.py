@@ -26,6 +26,15 @@ def greedy(engine, prompt, **params):
     return engine.generate([prompt], SamplingParams(temperature=0, **params))[0]
 
 
+def test_a_min_tokens_past_the_context_bans_the_stop_tokens_up_to_its_end(engine):
+    """min_tokens (and max_tokens) of 2**32, which JSON allows: the stop token, favoured by a
+    logit bias, stays banned and the output ends at the context length, as in vLLM (before: the
+    bound wrapped around in int32 and the stop token came first)."""
+    huge = 2**32
+    out = greedy(engine, [5, 6, 7], max_tokens=huge, min_tokens=huge, stop_token_ids=[9], logit_bias={9: 100.0})
+    assert out.finish_reason == "length" and len(out.token_ids) == engine.max_model_len - 3 and 9 not in out.token_ids
+
+
 def test_a_temperature_too_small_to_divide_by_is_greedy(engine):
     """vLLM's rule (under 1e-5 is greedy): dividing the logits by 1e-40 overflowed into NaN, and
     the request came out as token 0 over and over."""

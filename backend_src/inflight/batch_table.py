@@ -76,7 +76,8 @@ class BatchTable:
         self.num_computed[row] = 0
         self.num_prompt[row] = req.num_prompt_tokens
         self.max_total[row] = min(req.num_prompt_tokens + params.max_tokens, self.max_model_len)
-        self.min_total[row] = req.num_prompt_tokens + params.min_tokens
+        # capped as max_total: int32, and a min_tokens of 2**32 wrapped to 0 and let EOS through at once
+        self.min_total[row] = min(req.num_prompt_tokens + params.min_tokens, self.max_model_len)
         stops = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
         if len(stops) > self.stop_ids.shape[1]:
             self.stop_ids = np.pad(self.stop_ids, ((0, 0), (0, len(stops) - self.stop_ids.shape[1])),
