@@ -149,8 +149,44 @@ def test_the_launcher_ends_when_tritonserver_dies_and_never_prints_the_admin_key
     finally:
         if launcher.process.poll() is None:
             launcher.process.send_signal(signal.SIGINT)
-    assert code != 0
+    assert code == 128 + signal.SIGKILL and "inflight: tritonserver was killed by SIGKILL" in launcher.lines
     assert "admin-key=***" in launcher.lines[0] and not any(key in line for line in launcher.lines)
+
+
+def running(pid: int) -> bool:
+    """Whether the process runs (one reaped by nobody yet, a zombie, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.server
+def test_tritonserver_and_the_openai_server_stop_when_the_launcher_is_killed(served_checkpoint):
+    """SIGKILL to the launcher alone (a supervisor that kills only the main process, or a user whose
+    stop hung): tritonserver and the OpenAI server stop too, and the next `make serve` finds the
+    ports free (before, both served on for good)."""
+    from inflight.serving.launch import port_problem
+    launcher = Launcher("--model", served_checkpoint, "--engine", "dtype=float32", "--engine", "max_num_seqs=2",
+                        "--engine", "cpu_threads=1", "--engine", "max_model_len=128")
+    children = {}
+    try:
+        launcher.wait_for("inflight: ready", 120)
+        children = child_processes(launcher.process.pid)
+        (triton,) = [pid for pid, command in children.items() if "tritonserver" in command]
+        (openai_server,) = [pid for pid, command in children.items() if "openai_server" in command]
+        launcher.process.kill()
+        launcher.process.wait()
+        deadline = time.monotonic() + 60
+        while (running(triton) or running(openai_server)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not running(triton) and not running(openai_server)
+        assert all(port_problem(port) is None for port in (launcher.http_port, launcher.openai_port))
+    finally:
+        for pid in children:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_ports_in_use_are_refused_before_anything_starts(capsys):
@@ -159,19 +195,48 @@ def test_ports_in_use_are_refused_before_anything_starts(capsys):
     a held OpenAI port leaves the OpenAI server out."""
     import socket
 
-    from inflight.serving.launch import Endpoints, check_ports, port_in_use
+    from inflight.serving.launch import Endpoints, check_ports, port_problem
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        assert port_in_use(port)
+        assert port_problem(port) == "is in use"
         http, metrics, openai = free_ports(3)
         with pytest.raises(SystemExit, match=f"port {port} \\(--grpc-port\\) is in use"):
             check_ports(Endpoints(http, port, metrics, openai))
         endpoints = Endpoints(*free_ports(3), port)
         check_ports(endpoints)
         assert endpoints.openai_port is None and "without the OpenAI server" in capsys.readouterr().out
-    assert not port_in_use(port)
+    assert port_problem(port) is None
+    http, grpc, metrics = free_ports(3)
+    with pytest.raises(SystemExit, match=f"--http-port and --openai-port are both {http}: each server needs a port"):
+        check_ports(Endpoints(http, grpc, metrics, http))
+
+
+def test_a_model_given_with_a_tilde_is_found_in_the_home_directory(tmp_path, monkeypatch):
+    """--model=~/ckpt (no shell expanded it, as after an `=`) is the home's ckpt, as model.json's
+    own paths are, not ./~/ckpt."""
+    from inflight.serving.launch import make_repository
+    monkeypatch.setenv("HOME", str(tmp_path))
+    make_repository(str(tmp_path / "repo"), "~/ckpt")
+    with open(tmp_path / "repo" / "llm" / "1" / "model.json") as f:
+        assert json.load(f)["model"] == str(tmp_path / "ckpt")
+
+
+def test_a_port_that_may_not_be_bound_is_named_with_the_systems_reason(monkeypatch):
+    """A port below 1024 for a user who may not bind it is not "in use" (before: "stop what holds
+    it" for a free port)."""
+    import errno
+    import socket
+
+    from inflight.serving.launch import Endpoints, check_ports
+
+    def refused(self, address):
+        raise PermissionError(errno.EACCES, "Permission denied")
+    monkeypatch.setattr(socket.socket, "bind", refused)
+    with pytest.raises(SystemExit, match=r"port 80 \(--http-port\) cannot be listened on \(Permission denied\): "
+                                         r"choose another port"):
+        check_ports(Endpoints(80, 8001, 8002, None))
 
 
 def test_after_an_engine_failure_the_launcher_exits_with_a_failure(served_checkpoint):
@@ -321,7 +386,7 @@ def test_a_listener_on_ipv6_loopback_only_counts_as_in_use():
     """Where localhost resolves to ::1 first, the readiness probe would reach it."""
     import socket
 
-    from inflight.serving.launch import port_in_use
+    from inflight.serving.launch import port_problem
     try:
         held = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
         held.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
@@ -331,8 +396,8 @@ def test_a_listener_on_ipv6_loopback_only_counts_as_in_use():
     with held:
         held.listen()
         port = held.getsockname()[1]
-        assert port_in_use(port)
-    assert not port_in_use(port)
+        assert port_problem(port) == "is in use"
+    assert port_problem(port) is None
 
 
 def test_without_the_shipped_model_json_model_ends_in_one_line_and_leaves_no_temporary_repository(

@@ -146,7 +146,7 @@ def make_repository(dest: str, model_dir: str | None = None, engine: dict | None
     # an override replaces a top-level key of the same name (model.json's LoRA keys)
     settings = {key: value for key, value in settings.items() if key not in (engine or {})}
     shipped = os.path.abspath(os.path.join(os.path.dirname(settings_path), settings["model"]))
-    settings["model"] = os.path.abspath(model_dir or shipped)
+    settings["model"] = os.path.abspath(os.path.expanduser(model_dir) if model_dir else shipped)
     if os.path.realpath(settings["model"]) != os.path.realpath(shipped):
         settings.pop("enable_lora", None)     # the shipped multi_lora.json names adapters of the shipped model
     settings["engine"] = {**settings["engine"], **(engine or {})}
@@ -389,6 +389,20 @@ def model_names(model_repository: str) -> list[str]:
 
 
 COMPANION_STOP_S = 10.0     # a companion still running this long after SIGTERM is killed
+PR_SET_PDEATHSIG = 1        # linux/prctl.h
+
+
+def ended_with_launcher():
+    """A preexec_fn by which Linux sends the child SIGTERM once the launcher is gone, even killed
+    with SIGKILL (by a supervisor that kills only the main process, or a user whose stop hung):
+    tritonserver then kept the ports and the model's memory, and the next `make serve` found its
+    ports in use. None elsewhere. Only for a child started before the launcher has threads (a
+    preexec_fn is not safe beside them); the OpenAI server watches its parent itself."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl       # loaded here: the child only calls it
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Children:
@@ -561,40 +575,55 @@ def shown_command(cmd: list[str]) -> str:
     return shown.replace(key, "***") if key else shown
 
 
-def port_in_use(port: int) -> bool:
-    """Whether something listens on the port already (SO_REUSEADDR, as the servers bind: a port
-    left in TIME_WAIT by a server that just stopped is free), on IPv4 or on IPv6 (a listener on
-    [::1] only: where localhost resolves to ::1 first, the readiness probe would reach it)."""
+def port_problem(port: int) -> str | None:
+    """Why a server could not listen on the port, or None: "is in use" where something listens
+    already (SO_REUSEADDR, as the servers bind: a port left in TIME_WAIT by a server that just
+    stopped is free), on IPv4 or on IPv6 (a listener on [::1] only: where localhost resolves to
+    ::1 first, the readiness probe would reach it); otherwise the system's reason (a port below
+    1024 for a user who may not bind it: "Permission denied")."""
+    def bound(probe: socket.socket, address: tuple) -> str | None:
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return "is in use" if exc.errno == errno.EADDRINUSE else f"cannot be listened on ({exc.strerror})"
+        return None
+
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("0.0.0.0", port))
-        except OSError:
-            return True
+        problem = bound(probe, ("0.0.0.0", port))
+        if problem:
+            return problem
     try:
         probe = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
     except OSError:                 # no IPv6 on this host
-        return False
+        return None
     with probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        try:
-            probe.bind(("::", port))
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE     # not "IPv6 is disabled"
-    return False
+        problem = bound(probe, ("::", port))
+    return problem if problem == "is in use" else None      # not "IPv6 is disabled"
 
 
 def check_ports(endpoints: Endpoints) -> None:
     """Refuse ports in use before anything starts: tritonserver binds its ports only once its models
-    have loaded (minutes), and until then its readiness probe would reach whatever holds them."""
-    for flag, port in (("--http-port", endpoints.http_port), ("--grpc-port", endpoints.grpc_port),
-                       ("--metrics-port", endpoints.metrics_port)):
-        if port_in_use(port):
-            raise SystemExit(f"inflight: port {port} ({flag}) is in use: stop what holds it, or choose another "
-                             f"port (make serve SERVE_ARGS='{flag} N')")
-    if endpoints.openai_port and port_in_use(endpoints.openai_port):
-        print(f"inflight: port {endpoints.openai_port} (--openai-port) is in use; tritonserver starts without "
+    have loaded (minutes), and until then its readiness probe would reach whatever holds them. Two
+    servers given one port are refused too: the probe would reach the one that bound it."""
+    flags = {"--http-port": endpoints.http_port, "--grpc-port": endpoints.grpc_port,
+             "--metrics-port": endpoints.metrics_port, "--openai-port": endpoints.openai_port}
+    named: dict[int, str] = {}
+    for flag, port in flags.items():
+        if port and port in named:
+            raise SystemExit(f"inflight: {named[port]} and {flag} are both {port}: each server needs a port of "
+                             "its own")
+        named[port] = flag
+    for flag, port in list(flags.items())[:3]:
+        problem = port_problem(port)
+        if problem:
+            remedy = "stop what holds it, or choose another port" if problem == "is in use" else "choose another port"
+            raise SystemExit(f"inflight: port {port} ({flag}) {problem}: {remedy} (make serve SERVE_ARGS='{flag} N')")
+    problem = endpoints.openai_port and port_problem(endpoints.openai_port)
+    if problem:
+        print(f"inflight: port {endpoints.openai_port} (--openai-port) {problem}; tritonserver starts without "
               "the OpenAI server", flush=True)
         endpoints.openai_port = None
 
@@ -608,7 +637,7 @@ def serve(server: Server, model_repository: str, endpoints: Endpoints, extra: li
     print(f"inflight: starting {shown_command(cmd)}", flush=True)
     children = Children()
     triton = children.start(cmd, env={**server.env, SHUTDOWN_FLAG_ENV: children.flag},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=ended_with_launcher())
     output = TritonOutput(triton.stdout)
     stopping = []
 
@@ -641,6 +670,10 @@ def serve(server: Server, model_repository: str, endpoints: Endpoints, extra: li
         raise
     code = children.wait()
     output.join()
+    if code < 0:        # killed by a signal (the OOM killer, a segfault): tritonserver says nothing then
+        if not stopping:
+            print(f"inflight: tritonserver was killed by {signal.Signals(-code).name}", flush=True)
+        code = 128 - code               # the shell's code, not sys.exit's 256 - N
     if not ready and not stopping:
         print("\n".join(failure_summary(output.causes, note)), flush=True)
         return code if code > 0 else 1

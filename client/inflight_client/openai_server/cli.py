@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
+import time
 
 from inflight.context_length import checkpoint_max_len
 
 from .app import Settings, create_app
+from .process import PARENT_ENV
+
+PARENT_WATCH_S = 0.5
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
@@ -88,11 +94,31 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     settings, args = parse_args(argv)
+    _exit_with_parent()
     _raise_open_files_limit(settings.max_triton_requests)
     # uvloop and httptools (uvicorn's "standard" choices) take less CPU per streamed chunk than
     # asyncio's loop and h11, CPU that on a small host is taken from the engine
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 loop="uvloop", http="httptools")
+
+
+def _exit_with_parent() -> None:
+    """Started by inflight's launcher (or a test's OpenAIServerProcess): stop, as on SIGTERM, once
+    that process is gone. Killed with SIGKILL, it could stop nobody, and this server kept serving
+    its port (the next `make serve` found it taken). A process gets a new parent the moment its
+    parent dies."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(PARENT_WATCH_S)
+        print(f"inflight-openai: the process that started this server (pid {parent}) is gone; stopping",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="inflight-openai-parent-watch", daemon=True).start()
 
 
 def _raise_open_files_limit(max_triton_requests: int) -> None:

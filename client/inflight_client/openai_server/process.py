@@ -14,6 +14,9 @@ import urllib.request
 from inflight.serving.launch import free_port
 
 
+PARENT_ENV = "INFLIGHT_OPENAI_PARENT"      # the pid of the process that started the server (cli.py)
+
+
 class OpenAIServerProcess:
     def __init__(self, triton_url: str, model_dir: str, port: int | None = None, host: str = "127.0.0.1",
                  extra: list[str] = (), env: dict[str, str] | None = None, log_path: str | None = None):
@@ -21,7 +24,7 @@ class OpenAIServerProcess:
         self.host = host
         self.cmd = [sys.executable, "-m", "inflight_client.openai_server", "--triton-url", triton_url,
                     "--model-dir", model_dir, "--host", host, "--port", str(self.port), *extra]
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
 
