@@ -35,6 +35,15 @@ def test_knobs_as_request_parameters_and_input_ids():
     assert req.priority == "high" and req.cache_salt == "tenant-a"
 
 
+def test_headers_triton_forwards_as_parameters_are_ignored_and_typos_still_refused():
+    """--grpc-header-forward-pattern makes each matching header a request parameter (x-request-id):
+    names with a '-', as no knob has, are not knobs; an unknown one-word name is still refused."""
+    req = parse_request({"text_input": text()}, {"x-request-id": "abc", "x-b3-traceid": "1", "max_tokens": 3})
+    assert req.params.max_tokens == 3
+    with pytest.raises(RequestError, match=r"unknown sampling parameter\(s\) \['temprature'\]"):
+        parse_request({"text_input": text()}, {"temprature": 0.5})
+
+
 def test_a_knob_in_the_tensor_and_as_a_parameter_takes_the_tensors_value():
     req = parse_request({"text_input": text(), "sampling_parameters": text('{"max_tokens": 3}')},
                         {"max_tokens": 4, "seed": 5})

@@ -325,6 +325,35 @@ def test_reloading_llm_leaves_tritonserver_serving(tmp_path, count):
     assert "Signal (11)" not in text and "Signal (6)" not in text and "malloc" not in text, text[-2000:]
 
 
+@pytest.mark.server
+def test_grpc_headers_that_triton_forwards_as_parameters_do_not_fail_requests(tmp_path):
+    """--grpc-header-forward-pattern turns each matching header (x-request-id, as tracing and auth
+    proxies add) into a request parameter: before, llm refused every such request as an unknown
+    sampling parameter, and the ensemble as an unknown input."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from inflight.serving.launch import make_repository
+    from inflight_client.streams import ensemble_inputs
+    repo = make_repository(str(tmp_path / "repo"), DEFAULT_MODEL, TEST_ENGINE)
+    with ServerProcess(repo, log_path=str(tmp_path / "server.log"), extra=["--grpc-header-forward-pattern=x-.*"]) as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        results = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)),
+                            headers={"x-request-id": "abc", "x-b3-traceid": "1"})
+        try:
+            for model, inputs in (("llm", grpc_inputs(PROMPTS[0], stream=False, sampling={"max_tokens": 2})),
+                                  ("ensemble", ensemble_inputs(PROMPTS[0], stream=False, max_tokens=2))):
+                client.async_stream_infer(model, inputs)
+                result, error = results.get(timeout=60)
+                assert error is None, (model, error)
+                assert result.as_numpy("text_output")[0].decode().startswith(PROMPTS[0]), model
+        finally:
+            client.stop_stream()
+            client.close()
+
+
 def test_logprobs_stop_strings_priority_and_cache_salt_over_http(server, tokenizer, reference_engine):
     import json
     prompt = PROMPTS[6]

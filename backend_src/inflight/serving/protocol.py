@@ -52,6 +52,14 @@ IGNORED_PARAMETERS = {"triton_enable_empty_final_response", "sequence_id", "sequ
                       "priority_level", "timeout", "headers", "binary_data_output"}
 
 
+def ignored_parameter(name: str) -> bool:
+    """A request parameter no model of this repository reads: Triton's and its clients' own, and
+    the headers Triton forwards as parameters (--grpc-header-forward-pattern: x-request-id,
+    x-trace-id), whose names have a '-' as no knob's does. Refused as unknown, they failed every
+    request of a server that forwards headers."""
+    return name in IGNORED_PARAMETERS or "-" in name
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     prompt_text: str | None
@@ -252,7 +260,7 @@ def _knobs(sampling_parameters: str | None, parameters: dict) -> dict:
             raise RequestError(f"'{field}' {LONE_SURROGATE}")
         merged.update(values)
     for key, value in parameters.items():
-        if key in IGNORED_PARAMETERS:
+        if ignored_parameter(key):
             continue
         if merged.get(key) is None:         # null in the JSON is "not given": the parameter's value stands
             merged[key] = value

@@ -25,7 +25,7 @@ from ..context_length import checkpoint_max_len
 from ..detokenizer import decode_delta
 from ..structured import json_value
 from .metrics import EngineMetrics
-from .protocol import (BOOL_INPUTS, IGNORED_PARAMETERS, RequestError, bytes_per_token, check_text_size, one_value,
+from .protocol import (BOOL_INPUTS, RequestError, bytes_per_token, check_text_size, ignored_parameter, one_value,
                        parse_request, string_input, string_value)
 from .startup import (check_checkpoint, check_tokenizer, engine_config, engine_errors, one_line_errors,
                       StartupError, read_settings, tokenizer_error)
@@ -408,7 +408,7 @@ class PreprocessingModel(TokenizerModel):
         try:
             # a key of an HTTP generate request that names no input arrives as a parameter, which
             # Triton hands to every step: llm would take it as one of its own knobs
-            check_parameters(set(request_parameters(request)) - IGNORED_PARAMETERS)
+            check_parameters({name for name in request_parameters(request) if not ignored_parameter(name)})
             input_ids, sampling = self.translate(read_inputs(pb, request, PREPROCESSING_INPUTS))
         except RequestError as exc:
             return pb.InferenceResponse(error=pb.TritonError(str(exc)))
