@@ -281,6 +281,24 @@ def test_ctrl_c_stops_the_openai_server_once_and_cleanly(served_checkpoint):
     assert "Segfault" not in output, output[-3000:]
 
 
+def test_ctrl_c_while_the_openai_server_starts_stops_everything_without_a_traceback(served_checkpoint):
+    """Ctrl-C just after tritonserver is ready, while the OpenAI server still imports: it printed a
+    KeyboardInterrupt traceback (the terminal's SIGINT reached it before uvicorn handled signals)
+    and the launcher then printed its "ready" banner for a server already stopping."""
+    launcher = Launcher("--model", served_checkpoint, "--engine", "dtype=float32", "--engine", "max_num_seqs=2",
+                        "--engine", "cpu_threads=1", "--engine", "max_model_len=128")
+    try:
+        launcher.wait_for("Started HTTPService", 120)
+        time.sleep(0.5)                 # the OpenAI server is starting: its imports take seconds
+        os.killpg(launcher.process.pid, signal.SIGINT)
+        code, _ = launcher.wait(60)
+    finally:
+        if launcher.process.poll() is None:
+            launcher.process.send_signal(signal.SIGINT)
+    output = "\n".join(launcher.lines)
+    assert code == 0 and "Traceback" not in output and "inflight: ready" not in output, output[-3000:]
+
+
 def _broken(kind: str, good: str, root) -> tuple[list[str], str, str]:
     """(launcher arguments, expected cause, expected path) for one kind of broken checkpoint."""
     copy = str(root / "checkpoint")

@@ -420,9 +420,9 @@ class Children:
         return process
 
     def signal(self, signum: int) -> None:
-        """Stop every child. The companions get SIGTERM whatever the launcher got: a terminal's
-        Ctrl-C has already sent SIGINT to the whole process group, and uvicorn takes a second
-        SIGINT as "stop now" (its shutdown skipped, a traceback printed)."""
+        """Stop every child. The companions get SIGTERM whatever the launcher got: they run in
+        sessions of their own, out of a terminal's Ctrl-C, and uvicorn takes SIGTERM as a clean
+        stop where a second SIGINT is "stop now" (its shutdown skipped, a traceback printed)."""
         triton, *companions = self.processes
         self.stopping = True
         request_shutdown(self.flag, triton, signum)
@@ -661,7 +661,7 @@ def serve(server: Server, model_repository: str, endpoints: Endpoints, extra: li
                 endpoints.openai_port = None
             elif stopping:                  # asked to stop while it started
                 children.processes[-1].terminate()
-        if ready:
+        if ready and not stopping:        # not "ready" for a server already asked to stop
             print("\n".join(endpoints.banner(served_model(model_repository), model_names(model_repository))),
                   flush=True)
     except BaseException:               # a bug here must not leave tritonserver running on its own

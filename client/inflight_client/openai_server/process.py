@@ -35,7 +35,10 @@ class OpenAIServerProcess:
     def start(self, wait: bool = True, timeout_s: float = 120.0) -> "OpenAIServerProcess":
         assert self.process is None, "already started"
         log = open(self.log_path, "ab") if self.log_path else None
-        self.process = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT if log else None)
+        # a session of its own: a terminal's Ctrl-C reached it during its imports, before uvicorn
+        # handles signals (a KeyboardInterrupt traceback); whoever started it stops it with SIGTERM
+        self.process = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT if log else None,
+                                        start_new_session=True)
         if log is not None:
             log.close()          # the child holds its own descriptor
         if wait:
