@@ -337,7 +337,8 @@ def test_grpc_headers_that_triton_forwards_as_parameters_do_not_fail_requests(tm
     from inflight.serving.launch import make_repository
     from inflight_client.streams import ensemble_inputs
     repo = make_repository(str(tmp_path / "repo"), DEFAULT_MODEL, TEST_ENGINE)
-    with ServerProcess(repo, log_path=str(tmp_path / "server.log"), extra=["--grpc-header-forward-pattern=x-.*"]) as server:
+    forwarding = ["--grpc-header-forward-pattern=x-.*"]
+    with ServerProcess(repo, log_path=str(tmp_path / "server.log"), extra=forwarding) as server:
         client = grpcclient.InferenceServerClient(server.grpc_url)
         results = queue.Queue()
         client.start_stream(callback=lambda result, error: results.put((result, error)),

@@ -10,8 +10,9 @@ TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "inval
          500: "internal_error", 503: "service_unavailable"}
 
 # `llm` errors that are the server's state, not the request's fault (see serving/loop.py)
-UNAVAILABLE = ("the engine failed", "the server failed", "the server is shutting down", "the model is being unloaded",
-               "timed out in queue", "Request for unknown model", "is not ready", "is not found")
+UNAVAILABLE = ("the engine failed", "the server failed", "the server is shutting down",
+               "the model is being unloaded", "timed out in queue", "Request for unknown model", "is not ready",
+               "is not found")
 # `llm` errors that are a bug on its side with this request: a client may retry, not mend it
 INTERNAL = ("the request could not be read", "the grammar could not be compiled")
 
