@@ -189,6 +189,20 @@ def test_tritonserver_and_the_openai_server_stop_when_the_launcher_is_killed(ser
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_readiness_answered_by_another_server_on_the_port_is_not_this_launchers(server):
+    """Triton binds its ports only after loading, minutes after the port check: a server started
+    meanwhile on the port (a second `make serve`) answered the probe, and the launcher announced
+    it as its own. Here the other server is the suite's; this launcher's tritonserver never
+    listens and exits."""
+    import io
+    import subprocess
+
+    from inflight.serving.launch import Children, TritonOutput, listens_on, wait_ready
+    assert listens_on(server.process.pid, server.http_port) and not listens_on(os.getpid(), server.http_port)
+    never_listens = subprocess.Popen(["sleep", "3"])
+    assert not wait_ready(never_listens, Children(), TritonOutput(io.BytesIO()), server.http_port)
+
+
 def test_ports_in_use_are_refused_before_anything_starts(capsys):
     """tritonserver binds its ports only once its models have loaded: until then its readiness
     probe would reach whatever holds them. A held Triton port ends the launcher naming the flag;

@@ -470,8 +470,36 @@ class Children:
 FAILED_START_GRACE_S = 10.0
 
 
+def listens_on(pid: int, port: int) -> bool:
+    """Whether the process holds a socket listening on the TCP port (from /proc; where there is no
+    /proc, True: the readiness probe alone decides)."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        listening |= {f"socket:[{row[9]}]" for row in rows      # state 0A: LISTEN
+                      if row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return not os.path.isdir("/proc")
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in listening:
+                return True
+        except OSError:             # closed meanwhile
+            continue
+    return False
+
+
 def wait_ready(triton: subprocess.Popen, children: Children, output: TritonOutput, http_port: int) -> bool:
-    """Poll readiness until tritonserver is ready (True) or has exited (False)."""
+    """Poll readiness until tritonserver is ready (True) or has exited (False). Ready is this
+    tritonserver's answer: the port check runs before it binds (after loading, minutes later), so
+    another server started meanwhile (a second `make serve`) could answer the probe, and the
+    launcher announced a server that was not its own."""
     failed_since = None
     while triton.poll() is None:
         if output.causes and failed_since is None:
@@ -481,7 +509,7 @@ def wait_ready(triton: subprocess.Popen, children: Children, output: TritonOutpu
             failed_since = float("inf")
         try:
             with urllib.request.urlopen(f"http://localhost:{http_port}/v2/health/ready", timeout=1) as response:
-                if response.status == 200:
+                if response.status == 200 and listens_on(triton.pid, http_port):
                     return True
         except (OSError, HTTPException):      # not up yet (or, on a port someone else holds, not HTTP)
             pass
