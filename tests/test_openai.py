@@ -1199,6 +1199,9 @@ BAD = [
      "'response_format.json_schema.schema' is not a valid JSON schema", "response_format"),
     ("completions", {"model": MODEL, "prompt": "x", "guided_regex": "(ab"}, 400,
      "'guided_regex' is not a valid regex", "guided_regex"),
+    # xgrammar's message ends '"root" is not found', which is no missing model (it was a 503)
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "guided_grammar": 'main ::= "yes" | "no"'}, 400,
+     "'guided_grammar' is not a valid grammar", "guided_grammar"),
     # another field's error names the constraint as the request sent it, and stays that field's
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "min_tokens": 2,
                           "response_format": {"type": "json_object"}}, 400,

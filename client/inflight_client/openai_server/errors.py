@@ -9,12 +9,13 @@ import re
 TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error", 429: "rate_limit_error",
          500: "internal_error", 503: "service_unavailable"}
 
-# `llm` errors that are the server's state, not the request's fault (see serving/loop.py)
-UNAVAILABLE = ("the engine failed", "the server failed", "the server is shutting down",
-               "the model is being unloaded", "timed out in queue", "Request for unknown model", "is not ready",
-               "is not found")
-# `llm` errors that are a bug on its side with this request: a client may retry, not mend it
+# how `llm` errors that are the server's state, not the request's fault, begin (see serving/loop.py)
+UNAVAILABLE = ("the engine failed", "the server failed", "the server is shutting down", "the model is being unloaded",
+               "timed out in queue")
+# how `llm` errors that are a bug on its side with this request begin: a client may retry, not mend it
 INTERNAL = ("the request could not be read", "the grammar could not be compiled")
+# Triton's own for a model it does not serve now, anywhere in its message
+TRITON_UNAVAILABLE = ("Request for unknown model", "is not ready", "is not found")
 
 
 class APIError(Exception):
@@ -44,10 +45,14 @@ def from_triton(message: str) -> APIError:
     field, so anything that is not the server's state is the request's fault."""
     if message.startswith("queue full"):
         return APIError(429, message, code="queue_full")
-    if any(marker in message for marker in UNAVAILABLE):
+    if message.startswith(UNAVAILABLE):
         return APIError(503, message)
-    if any(marker in message for marker in INTERNAL):
+    if message.startswith(INTERNAL):
         return APIError(500, message)
+    # not an `llm` error naming its field first, whose quoted library text may say anything:
+    # xgrammar's for a grammar without a root rule ends 'The root rule with name "root" is not found'
+    if not message.startswith("'") and any(marker in message for marker in TRITON_UNAVAILABLE):
+        return APIError(503, message)
     for name, param in PARAMS.items():     # the parameter the client sent, in the message too
         message = message.replace(f"'{name}'", f"'{param}'")
     return APIError(400, message, param=_named_field(message))
