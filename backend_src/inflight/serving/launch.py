@@ -30,6 +30,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from http.client import HTTPException
 
+from .parent import signalled_when_parent_dies
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 DEFAULT_REPOSITORY = os.path.join(REPO, "model_repository")
 
@@ -389,20 +391,6 @@ def model_names(model_repository: str) -> list[str]:
 
 
 COMPANION_STOP_S = 10.0     # a companion still running this long after SIGTERM is killed
-PR_SET_PDEATHSIG = 1        # linux/prctl.h
-
-
-def ended_with_launcher():
-    """A preexec_fn by which Linux sends the child SIGTERM once the launcher is gone, even killed
-    with SIGKILL (by a supervisor that kills only the main process, or a user whose stop hung):
-    tritonserver then kept the ports and the model's memory, and the next `make serve` found its
-    ports in use. None elsewhere. Only for a child started before the launcher has threads (a
-    preexec_fn is not safe beside them); the OpenAI server watches its parent itself."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-    prctl = ctypes.CDLL(None, use_errno=True).prctl       # loaded here: the child only calls it
-    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Children:
@@ -664,8 +652,11 @@ def serve(server: Server, model_repository: str, endpoints: Endpoints, extra: li
                          endpoints.metrics_port, extra)
     print(f"inflight: starting {shown_command(cmd)}", flush=True)
     children = Children()
+    # SIGTERM to tritonserver once the launcher is gone, even killed with SIGKILL (by a supervisor
+    # that kills only the main process): it kept the ports, and the next `make serve` found them in
+    # use. Set now, before the launcher has threads; the OpenAI server watches its parent itself.
     triton = children.start(cmd, env={**server.env, SHUTDOWN_FLAG_ENV: children.flag},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=ended_with_launcher())
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=signalled_when_parent_dies())
     output = TritonOutput(triton.stdout)
     stopping = []
 

@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -25,6 +24,7 @@ from ..context_length import checkpoint_max_len
 from ..detokenizer import decode_delta
 from ..structured import json_value
 from .metrics import EngineMetrics
+from .parent import when_parent_exits
 from .protocol import (BOOL_INPUTS, RequestError, bytes_per_token, check_text_size, ignored_parameter, one_value,
                        parse_request, string_input, string_value)
 from .startup import (check_checkpoint, check_tokenizer, engine_config, engine_errors, one_line_errors,
@@ -275,22 +275,17 @@ def stop_server(reason: str) -> None:
     os.kill(SERVER_PID, signal.SIGTERM)
 
 
-SERVER_WATCH_S = 0.5
-
-
 def exit_with_server() -> None:
     """End this stub the moment tritonserver is gone. The Python backend's own check misses a
     server that died and was not yet reaped (kill(pid, 0) succeeds on a zombie), and its exit can
     hang behind a thread that waits forever for the dead server's reply to a metric update: a
-    killed server left `llm`'s stub, with its engine's memory, running for good. A process gets a
-    new parent the moment its parent dies; os._exit runs nothing that could wait."""
-    def watch() -> None:
-        while os.getppid() == SERVER_PID:
-            time.sleep(SERVER_WATCH_S)
+    killed server left `llm`'s stub, with its engine's memory, running for good. os._exit runs
+    nothing that could wait."""
+    def exit_now() -> None:
         log.error("inflight: tritonserver (pid %d) is gone; this model's process exits", SERVER_PID)
         os._exit(1)
 
-    threading.Thread(target=watch, name="inflight-server-watch", daemon=True).start()
+    when_parent_exits(SERVER_PID, exit_now, "inflight-server-watch")
 
 
 class LLMModel:

@@ -10,15 +10,12 @@ import argparse
 import os
 import signal
 import sys
-import threading
-import time
 
 from inflight.context_length import checkpoint_max_len
+from inflight.serving.parent import when_parent_exits
 
 from .app import Settings, create_app
 from .process import PARENT_ENV
-
-PARENT_WATCH_S = 0.5
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
@@ -105,20 +102,17 @@ def main(argv: list[str] | None = None) -> None:
 def _exit_with_parent() -> None:
     """Started by inflight's launcher (or a test's OpenAIServerProcess): stop, as on SIGTERM, once
     that process is gone. Killed with SIGKILL, it could stop nobody, and this server kept serving
-    its port (the next `make serve` found it taken). A process gets a new parent the moment its
-    parent dies."""
+    its port (the next `make serve` found it taken)."""
     parent = os.environ.get(PARENT_ENV)
     if not parent:
         return
 
-    def watch() -> None:
-        while os.getppid() == int(parent):
-            time.sleep(PARENT_WATCH_S)
+    def stop() -> None:
         print(f"inflight-openai: the process that started this server (pid {parent}) is gone; stopping",
               file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=watch, name="inflight-openai-parent-watch", daemon=True).start()
+    when_parent_exits(int(parent), stop, "inflight-openai-parent-watch")
 
 
 def _raise_open_files_limit(max_triton_requests: int) -> None:
