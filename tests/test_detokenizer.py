@@ -235,12 +235,14 @@ def test_invalid_bytes_stream_as_replacement_characters(tokenizer):
 
 def sentencepiece_tokenizer():
     """A Llama-2 / Mistral-style tokenizer (SentencePiece as a fast tokenizer): words carry a
-    leading "▁", and the decoder strips one leading space at the start of a decode."""
+    leading "▁", the decoder strips one leading space at the start of a decode, and a character
+    missing from the vocabulary is spelled with byte tokens (byte fallback)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁What": 3, "▁is": 4, "▁machine": 5, "▁learning?": 6, "▁Machine": 7,
-             "▁learning": 8}
-    model = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+             "▁learning": 8, "▁": 9, "é": 10}
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    model = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
     model.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     model.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
     model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
@@ -260,6 +262,25 @@ def test_the_output_reads_as_it_follows_the_prompt():
         assert "".join(d.text for d in deltas if d) == " Machine learning"
         for d in filter(None, deltas):       # what the ensemble's postprocessing decodes
             assert decode_delta(tokenizer, d.context_ids, d.new_ids) == d.text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["Machine", "learning", " ", "é", "ü", "你", "好", "€", "🎉", "\n"]),
+                max_size=12).map("".join), st.sampled_from([1, 2]))
+def test_characters_spelled_in_byte_tokens_stream_whole(text, chunk):
+    """Byte fallback decodes an incomplete character to one U+FFFD per byte, the same as its bytes
+    apart: "你" as <0xE4> <0xBD> <0xA0> came out as "�" and then nothing. Now every
+    character streams as it completes, and nothing more than its bytes is held."""
+    tokenizer = sentencepiece_tokenizer()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    det = IncrementalDetokenizer(tokenizer, [1, 3, 4])
+    deltas = []
+    for i in range(0, len(ids), chunk):
+        deltas.append(det.add(ids[i:i + chunk], final=i + chunk >= len(ids)))
+        if chunk == 1:       # the engine's pace; a chunk ending inside a character holds the run's whole
+            assert len(det.token_ids) - det.read_offset <= 3, "held more than one character's bytes"
+    streamed = "".join(d.text for d in deltas if d)
+    assert streamed == decode_delta(tokenizer, [1, 3, 4], ids) == (" " + text if text else "")
 
 
 @settings(max_examples=200, deadline=None)

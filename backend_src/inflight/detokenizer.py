@@ -16,9 +16,16 @@ character still incomplete are held: at most 3 with byte-level BPE, where a char
 4 bytes and every token carries at least one (special tokens, which the decode skips, are held
 too: bytes on both sides of one still join). With vLLM's skip_special_tokens = false (DecodeOptions)
 special tokens decode to their text, and are released like any other token.
+
+SentencePiece byte fallback (Llama-2, Mistral: a character missing from the vocabulary is spelled
+with `<0xNN>` tokens) decodes an incomplete character to one U+FFFD per byte, the same text as its
+bytes decoded apart, so the decode alone cannot tell a character still being spelled from bytes
+that never join: there a cut is also refused where the next byte continues an incomplete one.
 """
 from __future__ import annotations
 
+import codecs
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -80,6 +87,19 @@ class Delta:
 PROMPT_CONTEXT = 4           # prompt tokens the first output token is decoded after
 
 
+@functools.lru_cache(maxsize=8)
+def fallback_bytes(tokenizer) -> dict[int, int]:
+    """{token id: byte} for a byte-fallback tokenizer's `<0xNN>` tokens; empty for any other (byte-
+    level BPE decodes an incomplete character to one U+FFFD, which the decode check already reads)."""
+    pieces = {b: f"<0x{b:02X}>" for b in range(256)}
+    ids = {b: tokenizer.convert_tokens_to_ids(piece) for b, piece in pieces.items()}
+    by_byte = {b: i for b, i in ids.items() if isinstance(i, int) and tokenizer.convert_ids_to_tokens(i) == pieces[b]}
+    spelled = [by_byte.get(b) for b in "é".encode()]
+    if None in spelled or tokenizer.decode(spelled) != "é":    # not bytes to this decoder
+        return {}
+    return {i: b for b, i in by_byte.items()}
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: Sequence[int] = (), options: DecodeOptions = DEFAULT_DECODE):
         """prompt_ids: the output is decoded as it reads after the prompt's last tokens, as vLLM's
@@ -91,6 +111,7 @@ class IncrementalDetokenizer:
         self.options = options
         # the tokens the decode skips: they decode to nothing
         self.skipped_ids = frozenset(tokenizer.all_special_ids if options.skip_special_tokens else ())
+        self.byte_values = fallback_bytes(tokenizer)
         context = list(prompt_ids[-PROMPT_CONTEXT:])
         if not all(0 <= t < len(tokenizer) for t in context) or self._decode(context).endswith(REPLACEMENT):
             context = []
@@ -135,10 +156,31 @@ class IncrementalDetokenizer:
         for n in range(len(new) - 1, max(0, len(new) - MAX_LOOKBACK - 1), -1):
             if self.skipped_ids.issuperset(new[n:]):
                 continue            # only skipped tokens after the cut: a later byte may still join
+            if self._splits_a_character(context + new[:n], new[n:]):
+                continue
             part = self._decode(context + new[:n])
             if full == part + self._decode(new[n:]):
                 return n, part[len(before):]
         return None
+
+    def _splits_a_character(self, before: list[int], after: list[int]) -> bool:
+        """Byte fallback only: the cut falls between an incomplete character's bytes and a
+        continuation byte (at most 3 bytes are held: a character has at most 4)."""
+        if not self.byte_values:
+            return False
+        following = next((t for t in after if t not in self.skipped_ids), None)
+        if self.byte_values.get(following, 0) & 0xC0 != 0x80:
+            return False
+        run = []                 # the last bytes before the cut: an incomplete character is at most 3
+        for token in reversed(before):
+            if token in self.skipped_ids:
+                continue
+            if token not in self.byte_values or len(run) == 3:
+                break
+            run.append(self.byte_values[token])
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        utf8.decode(bytes(reversed(run)))
+        return bool(utf8.getstate()[0])          # bytes still waiting for their character
 
     def _decode(self, token_ids: Sequence[int]) -> str:
         return decode(self.tokenizer, token_ids, self.options)
