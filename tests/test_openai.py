@@ -231,6 +231,20 @@ def test_vllm_chat_template_fields(api, client, reference_engine, tokenizer):
         "return_token_ids": True})
     rendered = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=False)
     assert bare.model_extra["prompt_token_ids"] == tokenizer(rendered)["input_ids"], "the BOS added once more"
+    # no generation prompt: the reply continues the last turn, in its role (vLLM's), and echo repeats it
+    assert bare.choices[0].message.role == "user"
+    kept = client.chat.completions.create(model=MODEL, messages=plain, max_tokens=4, temperature=0, extra_body={
+        "add_generation_prompt": False, "echo": True})
+    assert kept.choices[0].message.role == "user" and kept.choices[0].message.content.startswith("What is a tuple?")
+    # text parts of every kind OpenAI's messages carry (a refusal in an assistant's history, the
+    # Responses API's input_text / output_text, a bare string) render as the same text joined
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "What is"}, "a tuple?"]},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't"},
+                                               {"type": "output_text", "text": "say."}]}]
+    joined = [{"role": "user", "content": "What is\na tuple?"}, {"role": "assistant", "content": "I can't\nsay."}]
+    as_parts, as_text = (client.chat.completions.create(model=MODEL, messages=m, max_tokens=1, extra_body={
+        "return_token_ids": True}).model_extra["prompt_token_ids"] for m in (parts, joined))
+    assert as_parts == as_text
     for extra, field in [({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
                          ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs")]:
         with pytest.raises(openai.BadRequestError) as error:

@@ -1,9 +1,10 @@
 """POST /v1/chat/completions: the messages (and tools) rendered with the chat template into
 prompt token ids, one `llm` request with `n` outputs. A stream sends each choice's role first,
 then content deltas (or tool-call deltas, tools.py), then its finish_reason (and usage last, with
-stream_options.include_usage). vLLM's `echo`: a final assistant message (continued with
-continue_final_message) starts each choice's content. vLLM's `return_token_ids`: the prompt's ids in the response (a
-stream: in each role chunk), each choice's generated ids in its choice (a stream: per delta)."""
+stream_options.include_usage). vLLM's `echo`: a final message of the reply's role (an assistant's,
+continued with continue_final_message) starts each choice's content. vLLM's `return_token_ids`:
+the prompt's ids in the response (a stream: in each role chunk), each choice's generated ids in its
+choice (a stream: per delta)."""
 from __future__ import annotations
 
 import time
@@ -49,7 +50,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
     choices = []
     echo = _echo(body)
     for index, out in enumerate(outputs):
-        message = {"role": "assistant", "content": "".join(out.text)}
+        message = {"role": _role(body), "content": "".join(out.text)}
         reason = out.finish_reason
         if _calls_tools(body):
             message, reason = tool_message(called_function(body), message["content"], reason)
@@ -107,9 +108,14 @@ def _prompt(body: ChatCompletionRequest, tools: list[dict] | None, ctx: Context)
     return prompt, ctx.truncate(ids, body.truncate_prompt_tokens, body.truncation_side)
 
 
+def _role(body: ChatCompletionRequest) -> str:
+    """The reply's role: vLLM's, the last message's where no generation prompt opens a new turn."""
+    return "assistant" if body.add_generation_prompt else body.messages[-1].role
+
+
 def _echo(body: ChatCompletionRequest) -> str:
     last = body.messages[-1]
-    return message_text(last, len(body.messages) - 1) if body.echo and last.role == "assistant" else ""
+    return message_text(last, len(body.messages) - 1) if body.echo and last.role == _role(body) else ""
 
 
 def _calls_tools(body: ChatCompletionRequest) -> bool:
@@ -146,7 +152,7 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
         async for _, response in responses:
             if first:
                 for index in range(body.n):
-                    yield chunk(response, index, {"role": "assistant", "content": None if readers else ""})
+                    yield chunk(response, index, {"role": _role(body), "content": None if readers else ""})
                 for index in range(body.n if echo else 0):
                     yield chunk(response, index, {"content": echo}, positions=[])
             usage.add(response, first)

@@ -13,19 +13,29 @@ from .errors import APIError
 from .schemas import ChatMessage, TemplateFields
 
 
+# content part types that are text, and the key holding it (vLLM's too: the Responses API's
+# input_text / output_text, and the refusal an assistant turn in OpenAI's own history may carry)
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 def message_text(message: ChatMessage, index: int) -> str:
-    """String content, or the text parts of list content joined by newlines (vLLM's way)."""
+    """String content, or the text of list content's parts (a bare string is one) joined by
+    newlines (vLLM's way)."""
     content = message.content
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
     for position, part in enumerate(content):
-        if part.get("type") != "text":
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        key = TEXT_PARTS.get(part.get("type"))
+        if key is None:
             raise APIError(400, f"'messages[{index}].content': only text parts are supported, got "
                            f"{part.get('type')!r}", "messages")
-        if not isinstance(part.get("text"), str):
-            raise APIError(400, f"'messages[{index}].content[{position}].text' must be a string", "messages")
-        texts.append(part["text"])
+        if not isinstance(part.get(key), str):
+            raise APIError(400, f"'messages[{index}].content[{position}].{key}' must be a string", "messages")
+        texts.append(part[key])
     return "\n".join(texts)
 
 

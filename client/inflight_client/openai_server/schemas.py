@@ -224,7 +224,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     NEEDS_CONTENT: ClassVar[tuple[str, ...]] = ("system", "developer", "user", "tool")     # OpenAI's rule
     role: str
-    content: str | list[dict] | None = None
+    content: str | list[dict | str] | None = None
 
     @model_validator(mode="after")
     def _check_content(self):
