@@ -177,3 +177,38 @@ def test_a_closed_stdout_ends_quietly():
     finally:
         os.close(write)
     assert done.returncode == 1 and done.stderr == b"", done.stderr.decode()
+
+
+def test_a_grpc_client_at_the_http_port_is_told_so(capsys):
+    """gRPC against Triton's HTTP port sees only a closed socket: the error says what answers there."""
+    with canned_server(200, b"{}") as url:
+        assert main(["--url", url, "The assert statement"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot reach the server at {url} (grpc)") and "the HTTP port?" in err, err
+
+
+EVENTS = b'data: {"text_output": "The"}\n\ndata: {"text_output": " end", "finish_reason": "length"}\n\n'
+
+
+@pytest.mark.parametrize("model, cancel_after, said", [
+    ("llm", 2, "[2 responses, first after"),                   # the last event ended it: nothing to cancel
+    ("llm", 1, "cancelled]"),
+    ("ensemble", 1, "cancelled: the ensemble's llm request runs to its end on the server]")])
+def test_cancel_after_says_what_happened_on_the_server(capsys, model, cancel_after, said):
+    """Triton checks an ensemble's cancellation only between its steps (its llm step runs on), as
+    Ctrl-C says; and a stream whose Nth event was its last was not cancelled."""
+    with canned_server(200, EVENTS, {"Content-Type": "text/event-stream"}) as url:
+        assert main(["--protocol", "http", "--url", url, "--model", model, "--cancel-after", str(cancel_after),
+                     "The assert statement"]) == 0
+    err = capsys.readouterr().err.strip()
+    assert said in err and ("cancelled" in err) == (cancel_after == 1), err
+
+
+def test_llms_knobs_go_over_http_in_sampling_parameters_where_a_seed_past_int64_stays_exact():
+    """Triton's HTTP generate reads a top-level integer past int64 as a double: 2**63 + 1 reached
+    llm as 2**63 (the same text as that seed); in sampling_parameters it stays exact, as over gRPC."""
+    import json
+    import inflight_client.cli as cli
+    payload = cli._http_payload("llm", "x", {"max_tokens": 4, "seed": 2**63 + 1}, True)
+    assert json.loads(payload["sampling_parameters"]) == {"max_tokens": 4, "seed": 2**63 + 1}
+    assert "seed" not in payload and payload["return_finish_reason"] is True

@@ -84,6 +84,8 @@ BAD = [
     ({"text_input": text()}, {"min_tokens": 9, "max_tokens": 2}, "'min_tokens'"),
     ({"text_input": text()}, {"ignore_eos": "maybe"}, "'ignore_eos' must be a boolean"),
     ({"text_input": text()}, {"seed": 2**64}, "'seed' must be an integer in [-2**63, 2**64)"),
+    # a top-level integer past int64 reaches the model over HTTP generate as a double, rounded
+    ({"text_input": text()}, {"seed": float(2**63)}, "'seed' must be an integer sent exactly"),
     ({"text_input": text()}, {"stop": 5}, "'stop' must be a string or a list"),
     ({"text_input": text()}, {"temprature": 0.5}, "unknown sampling parameter(s) ['temprature']"),
     ({"text_input": text()}, {"priority": "urgent"}, "'priority' must be 'high', 'normal', 'low' or an integer"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.client
+import json
 import math
 import os
 import sys
@@ -77,15 +78,20 @@ def main(argv: list[str] | None = None) -> int:
         if shown or isinstance(exc, http.client.HTTPException):      # it answered, then broke off
             print(f"\nerror: the server at {url} ended the response early ({type(exc).__name__})", file=sys.stderr)
             return 1
+        hint = " (that is an HTTP endpoint: the HTTP port? Triton's gRPC port is 8001 by default)" \
+            if args.protocol == "grpc" and _answers_http(url) else ""
         print(f"error: cannot reach the server at {url} ({args.protocol}): "
-              f"{getattr(exc, 'details', lambda: None)() or exc}", file=sys.stderr)
+              f"{getattr(exc, 'details', lambda: None)() or exc}{hint}", file=sys.stderr)
         return 1
     if out.error:
         print(f"error: {out.error}", file=sys.stderr)
         return 1
     ttft = f"{out.ttft * 1000:.0f} ms" if out.ttft is not None else "-"
-    state = ", cancelled" if out.cancelled else "" if out.finish_reason is None else f", finish_reason={out.finish_reason}"
-    print(f"[{len(out.chunks)} responses, first after {ttft}{state}]", file=sys.stderr)      # the ensemble has none
+    state = "" if out.finish_reason is None else f", finish_reason={out.finish_reason}"      # the ensemble has none
+    if out.cancelled:
+        state = ", cancelled" + (": the ensemble's llm request runs to its end on the server"
+                                 if args.model == "ensemble" else "")
+    print(f"[{len(out.chunks)} responses, first after {ttft}{state}]", file=sys.stderr)
     return 0
 
 
@@ -139,6 +145,20 @@ def _finite(value: str) -> float:
     return number
 
 
+def _answers_http(url: str) -> bool:
+    """Whether an HTTP server answers at url (a gRPC client pointed at Triton's HTTP port sees only
+    a closed socket)."""
+    conn = http.client.HTTPConnection(url, timeout=2)
+    try:
+        conn.request("GET", "/v2/health/live")
+        conn.getresponse()
+        return True
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
 def grpc_errors() -> type[Exception]:
     import grpc            # tritonclient's: its aio client raises grpc's own errors for a dead channel
     return grpc.RpcError
@@ -160,10 +180,13 @@ def _complete(args, url: str, sampling: dict, stream: bool, show) -> Completion:
 
 
 def _http_payload(model: str, prompt: str, sampling: dict, stream: bool) -> dict:
-    payload = {"text_input": prompt, "stream": stream, "exclude_input_in_output": True, **sampling}
-    if model != "ensemble":     # the ensemble (TensorRT-LLM-style tensors, the same names) returns no finish_reason
-        payload["return_finish_reason"] = True
-    return payload
+    """The ensemble takes the knobs as its typed inputs (TensorRT-LLM's names) and returns no
+    finish_reason; `llm` in sampling_parameters, as over gRPC: Triton's HTTP generate reads a
+    top-level integer past int64 (a seed of 2**63 or more) as a double, rounded."""
+    payload = {"text_input": prompt, "stream": stream, "exclude_input_in_output": True}
+    if model == "ensemble":
+        return {**payload, **sampling}
+    return {**payload, "sampling_parameters": json.dumps(sampling), "return_finish_reason": True}
 
 
 async def _grpc(args, url: str, sampling: dict, stream: bool, show) -> Completion:

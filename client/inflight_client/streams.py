@@ -252,7 +252,8 @@ def http_stream(url: str, model: str, payload: dict, cancel_after: int | None = 
             chunk = out.add(as_list(event.get("text_output", "")), None if reasons is None else as_list(reasons))
             if on_chunk is not None:
                 on_chunk(chunk)
-            if cancel_after is not None and len(out.chunks) >= cancel_after:
+            ended = reasons is not None and all(r not in (None, "None") for r in as_list(reasons))
+            if cancel_after is not None and len(out.chunks) >= cancel_after and not ended:
                 out.cancelled = True
                 break
         if response.status != 200 and out.error is None:

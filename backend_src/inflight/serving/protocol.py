@@ -127,6 +127,9 @@ def _int(name: str, value) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, float) and value.is_integer():
+        if abs(value) >= 2**53:     # past this a float holds no exact integer: Triton's HTTP generate reads
+            _fail(name, value, "an integer sent exactly (a top-level integer past int64 reaches the model "
+                  "as a rounded double over HTTP generate: send it in 'sampling_parameters')")
         return int(value)
     if isinstance(value, str):
         try:
