@@ -396,6 +396,9 @@ class FailingMetrics:
     def delivered(self, job, gap):
         pass
 
+    def first_token(self, job, now):
+        pass
+
     def publish_delivered(self):
         pass
 
@@ -522,6 +525,41 @@ def test_a_response_that_cannot_be_sent_ends_its_request_with_an_error(tokenizer
         assert len(sink.record.sends) == 3        # two tokens, then the end
         assert metrics.reasons == ["error"]
         assert_drains(engine, 5)
+    finally:
+        loop.shutdown()
+
+
+def test_requests_failed_by_a_fault_in_the_response_thread_are_counted_as_errors(tokenizer, monkeypatch):
+    """Every request ends once in the metrics, also when the response thread fails under it."""
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving import loop as loop_module
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+
+    from .helpers import RecordingSink
+    calls = []
+
+    def failing_outputs(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("a bug in building a response")
+        return real_outputs(*args, **kwargs)
+    real_outputs = loop_module.response_outputs
+    monkeypatch.setattr(loop_module, "response_outputs", failing_outputs)
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=8, num_kv_blocks=256,
+                                                                   cpu_threads=1))
+    metrics = CountingMetrics()
+    loop = EngineLoop(engine, tokenizer, metrics, on_failure=lambda message: None).start()
+    prompt = tokenizer("The assert statement")["input_ids"]
+    try:
+        sinks = [RecordingSink() for _ in range(3)]
+        for sink in sinks:
+            loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=200, ignore_eos=True), stream=True),
+                        sink)
+        assert all(sink.finished.wait(30) for sink in sinks), "a request was left waiting"
+        assert all("a bug in building a response" in sink.sends[-1][3] for sink in sinks)
+        assert metrics.reasons == ["error"] * 3
+        assert_drains(engine, 10)
     finally:
         loop.shutdown()
 

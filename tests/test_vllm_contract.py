@@ -452,3 +452,21 @@ def test_the_vllm_backends_metrics_with_report_custom_metrics(tmp_path, tokenize
         assert wait_for_metric(server, "vllm:e2e_request_latency_seconds_count", 5, **labels) == 5
         ttft, e2e, gaps_s = (after - b for after, b in zip(latency_sums(server, "vllm:", **labels), before))
         assert_latencies_add_up(ttft, e2e, gaps_s / 29, tokens=30)
+        # a first token is observed as it comes, not when the request ends; a request the client
+        # leaves is counted as cancelled and in no latency histogram (vLLM's loggers never see an
+        # aborted request: a dashboard's e2e would read the client's patience)
+        import http.client
+        conn = http.client.HTTPConnection(server.http_url, timeout=30)
+        conn.request("POST", "/v2/models/llm/generate_stream", json.dumps(
+            {"text_input": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}))
+        stream = conn.getresponse()
+        assert stream.readline().startswith(b"data:")
+        for name, want in (("vllm:time_to_first_token_seconds_count", 6), ("vllm:e2e_request_latency_seconds_count", 5)):
+            assert wait_for_metric(server, name, want, **labels) == want, name
+        assert server.metric("inflight_time_to_first_token_seconds_count") == 5
+        conn.close()              # Triton cancels the request at its next response
+        assert wait_for_metric(server, "inflight_requests_total", 1, finish_reason="cancelled") == 1
+        assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
+        assert server.metric("vllm:e2e_request_latency_seconds_count", **labels) == 5
+        assert server.metric("vllm:request_generation_tokens_count", **labels) == 5
+        assert server.metric("inflight_e2e_request_latency_seconds_count") == 4

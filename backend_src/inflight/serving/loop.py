@@ -366,6 +366,10 @@ class EngineLoop:
                 for job in self._jobs.values():
                     if not job.done:      # not _fail: its bookkeeping may be what failed
                         self._send(job, None, final=True, error=self.failure)
+                        try:
+                            self._record(job, "error")
+                        except Exception:      # the metrics may be what failed
+                            log.debug("inflight: %s could not be counted", job.job_id, exc_info=True)
                 self._jobs.clear()
                 if self.on_failure is not None:
                     self.on_failure(self.failure)
@@ -417,6 +421,8 @@ class EngineLoop:
             if sample is None or sample.finished or job.done:
                 continue
             if sample.first_token_time is None:
+                if self.metrics is not None:
+                    self.metrics.first_token(job, now)
                 sample.first_token_time = now
             if self.metrics is not None:
                 self.metrics.delivered(job, None if sample.last_token_time is None else now - sample.last_token_time)

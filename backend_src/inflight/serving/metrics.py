@@ -56,6 +56,8 @@ VLLM_HISTOGRAMS = {      # buckets None: 1-2-5 up to max_model_len
     "n": ("vllm:request_params_n", "Histogram of the n request parameter.", [1, 2, 5, 10, 20]),
 }
 
+FINISHED = ("stop", "length")     # how a request ends that the latency histograms observe
+
 
 def buckets_1_2_5(limit: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's build_1_2_5_buckets)."""
@@ -86,10 +88,13 @@ class EngineMetrics:
                           for key, (name, desc) in COUNTERS.items()}
         self._generation = self._metric("inflight_generation_tokens_total", "Tokens generated and delivered", "COUNTER")
         self._vllm = None if vllm_labels is None else self._vllm_metrics(vllm_labels, max_model_len)
-        # tokens delivered since the last publish: generated, prompts of outputs begun, token gaps
+        # tokens delivered since the last publish: generated, prompts of outputs begun, token gaps,
+        # and the times to first token of requests (inflight's) and of outputs (vLLM's) begun
         self._new_tokens = 0
         self._new_prompt_tokens = 0
         self._gaps: list[float] = []
+        self._first_tokens: list[float] = []
+        self._vllm_first_tokens: list[float] = []
         self._histograms = {key: self._metric(f"inflight_{key}", desc, "HISTOGRAM", buckets=buckets)
                             for key, (desc, buckets) in HISTOGRAMS.items()}
         self._requests = self._family("inflight_requests_total", "Requests ended, by how they ended", "COUNTER")
@@ -127,6 +132,15 @@ class EngineMetrics:
                 self._new_prompt_tokens += len(job.prompt_ids)
             else:
                 self._gaps.append(gap)
+
+    def first_token(self, job, now: float) -> None:
+        """Response thread: an output's first token, observed as it comes (as vLLM observes it),
+        not when the request ends: a dashboard's TTFT would otherwise lag by whole generations
+        and miss the requests still running. Call before the output records its time."""
+        if job.first_token_time is None:
+            self._first_tokens.append(now - job.arrival)
+        if self._vllm is not None:
+            self._vllm_first_tokens.append(now - job.arrival)
 
     def refused(self) -> None:
         """A request refused before it ran (malformed, or one the engine would not take): counted
@@ -172,6 +186,12 @@ class EngineMetrics:
             if self._vllm is not None:
                 self._vllm["generation_tokens"].increment(self._new_tokens)
             self._new_tokens = 0
+        for ttft in self._first_tokens:
+            self._histograms["time_to_first_token_seconds"].observe(ttft)
+        self._first_tokens.clear()
+        for ttft in self._vllm_first_tokens:
+            self._vllm["ttft"].observe(ttft)
+        self._vllm_first_tokens.clear()
         if self._vllm is not None:
             if self._new_prompt_tokens:
                 self._vllm["prompt_tokens"].increment(self._new_prompt_tokens)
@@ -187,7 +207,10 @@ class EngineMetrics:
         return metric
 
     def after_request(self, job, reason: str, now: float) -> None:
-        """Response thread: one request's latencies, and how it ended."""
+        """Response thread: how a request ended, and for one that finished (a stop or its length)
+        its latencies: as vLLM, whose loggers never see an aborted request, a request cancelled,
+        timed out or failed is counted by how it ended but in no histogram (its end-to-end time is
+        the client's or the fault's, and one that never ran would read as a 0-token generation)."""
         self._by_reason_metric(reason).increment(1)
         lora = self._by_lora.get(job.samples[0].params.lora_name)
         if lora is not None:
@@ -196,23 +219,21 @@ class EngineMetrics:
             generated = sum(len(sample.output_ids) for sample in job.samples)
             if generated:
                 lora["lora_generation_tokens_total"].increment(generated)
+        if reason not in FINISHED:
+            return
         self._histograms["e2e_request_latency_seconds"].observe(now - job.arrival)
-        if job.first_token_time is not None:
-            self._histograms["time_to_first_token_seconds"].observe(job.first_token_time - job.arrival)
-            if len(job.output_ids) > 1:
-                self._histograms["time_per_output_token_seconds"].observe(
-                    (now - job.first_token_time) / (len(job.output_ids) - 1))
+        if job.first_token_time is not None and len(job.output_ids) > 1:
+            self._histograms["time_per_output_token_seconds"].observe(
+                (now - job.first_token_time) / (len(job.output_ids) - 1))
         if self._vllm is not None:
             self._after_request_vllm(job, now)
 
     def _after_request_vllm(self, job, now: float) -> None:
-        """Per output, as vLLM records each (child) request of the vLLM backend's: its first token
-        and its end; n per request."""
+        """Per output, as vLLM records each (child) request of the vLLM backend's: its end; n per
+        request (first tokens are observed as they come)."""
         vllm = self._vllm
         vllm["n"].observe(len(job.samples))
         for sample in job.samples:
-            if sample.first_token_time is not None:
-                vllm["ttft"].observe(sample.first_token_time - job.arrival)
             vllm["e2e"].observe(now - job.arrival)
             vllm["request_prompt"].observe(len(job.prompt_ids))
             vllm["request_generation"].observe(len(sample.output_ids))
