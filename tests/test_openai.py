@@ -1427,7 +1427,7 @@ def test_minus_infinity_in_prompt_logprobs_is_sent_as_minus_9999():
                                                          "6": {"logprob": -0.5, "rank": 1, "decoded_token": "b"}}]
 
 
-def test_output_slots_are_taken_whole_in_arrival_order_and_given_back_on_cancel():
+def test_output_slots_are_taken_whole_in_order_and_given_back_on_cancel():
     """The server's bound on outputs in flight to Triton: a request of n outputs takes n at once
     (never part of them), later ones wait behind it, and one cancelled while waiting leaks nothing,
     also when slots come back before its task runs again."""
@@ -1459,6 +1459,41 @@ def test_output_slots_are_taken_whole_in_arrival_order_and_given_back_on_cancel(
         slots.give(2)
         slots.give(1)
         assert slots.free == 3 and await slots.take(5) == 3, "more than all of them takes all"
+    asyncio.run(asyncio.wait_for(main(), 5))
+
+
+def test_output_slots_go_by_priority_then_arrival():
+    """A high-priority request that arrives behind a completion of many low-priority prompts reaches
+    the engine next, as vLLM's server (no queue before its engine's priority queue) lets it: it
+    waited here behind all of them (7.8 s against 0.06 s in a helper's run)."""
+    from inflight_client.openai_server.triton import OutputSlots, priority_class
+
+    assert [priority_class(p) for p in (None, "normal", 0, "high", -5, "low", 3)] == [1, 1, 1, 0, 0, 2, 2]
+
+    async def main():
+        slots = OutputSlots(2)
+        assert await slots.take(2, priority_class("low")) == 2
+        order = []
+
+        async def request(name, priority, n=1):
+            await slots.take(n, priority_class(priority))
+            order.append(name)
+        tasks = [asyncio.ensure_future(request(f"low{i}", "low")) for i in range(3)]
+        tasks.append(asyncio.ensure_future(request("normal", None)))
+        tasks.append(asyncio.ensure_future(request("high", -1, n=2)))
+        await asyncio.sleep(0)
+        slots.give(1)                # the first in line needs 2: nobody passes it for the free one
+        await asyncio.sleep(0)
+        assert order == []
+        slots.give(1)
+        await asyncio.sleep(0)
+        assert order == ["high"]
+        slots.give(2)
+        await asyncio.sleep(0)
+        assert order == ["high", "normal", "low0"]
+        slots.give(2)
+        await asyncio.gather(*tasks)
+        assert order == ["high", "normal", "low0", "low1", "low2"]
     asyncio.run(asyncio.wait_for(main(), 5))
 
 

@@ -15,7 +15,8 @@ a small host takes from the engine, and that caps what one server process can fo
 from __future__ import annotations
 
 import asyncio
-import collections
+import heapq
+import itertools
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -82,34 +83,45 @@ async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
                 yield json.loads(raw[5:])
 
 
+def priority_class(priority) -> int:
+    """A request's priority as `llm` ranks it: 'high' 0, 'normal' 1, 'low' 2, or vLLM's integer
+    (lower runs sooner; 0 normal)."""
+    if priority is None or isinstance(priority, str):
+        return {"high": 0, "low": 2}.get(priority, 1)
+    return 1 + (priority > 0) - (priority < 0)
+
+
 class OutputSlots:
-    """At most `total` outputs in flight to Triton, taken in arrival order; a request of n outputs
-    (`llm` fans them out, and its queue counts each) takes n at once, so that no request waits here
-    holding part of what it needs. A completion of thousands of prompts then runs them in turn
-    instead of overflowing the engine's queue by itself (a 429 no retry could pass) or opening a
-    connection each (a 503 at the open-files limit). Health checks do not wait here."""
+    """At most `total` outputs in flight to Triton, taken by priority (as the engine seats them),
+    then in arrival order; a request of n outputs (`llm` fans them out, and its queue counts each)
+    takes n at once, so that no request waits here holding part of what it needs. A completion of
+    thousands of prompts then runs them in turn instead of overflowing the engine's queue by itself
+    (a 429 no retry could pass) or opening a connection each (a 503 at the open-files limit), and a
+    high-priority request that arrives behind it still reaches the engine next. Health checks do not
+    wait here."""
 
     def __init__(self, total: int):
         self.total = total
         self.free = total
-        self._waiting: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+        self._waiting: list[tuple[int, int, int, asyncio.Future]] = []    # heap: (class, arrival, n, future)
+        self._arrivals = itertools.count()
 
-    async def take(self, n: int) -> int:
+    async def take(self, n: int, priority: int = 1) -> int:
         n = min(n, self.total)
         if not self._waiting and self.free >= n:
             self.free -= n
             return n
         granted = asyncio.get_running_loop().create_future()
-        self._waiting.append((n, granted))
+        heapq.heappush(self._waiting, (priority, next(self._arrivals), n, granted))
+        self._grant()                 # first in line now, and it fits
         try:
             await granted
         except asyncio.CancelledError:
             if granted.done() and not granted.cancelled():
-                self.give(n)                  # granted in the moment it was cancelled
+                self.give(n)          # granted in the moment it was cancelled
             else:
-                if (n, granted) in self._waiting:     # not yet dropped by a _grant
-                    self._waiting.remove((n, granted))
-                self._grant()                 # the next ones may fit now
+                granted.cancel()      # left in the heap: _grant drops it when it comes first
+                self._grant()         # the next ones may fit now
             raise
         return n
 
@@ -119,13 +131,13 @@ class OutputSlots:
 
     def _grant(self) -> None:
         while self._waiting:
-            n, granted = self._waiting[0]
-            if granted.cancelled():     # its waiter left and has not run yet: nothing to grant it
-                self._waiting.popleft()
+            _, _, n, granted = self._waiting[0]
+            if granted.cancelled():     # its waiter left: nothing to grant it
+                heapq.heappop(self._waiting)
                 continue
             if n > self.free:
                 return
-            self._waiting.popleft()
+            heapq.heappop(self._waiting)
             self.free -= n
             granted.set_result(None)
 
@@ -216,7 +228,7 @@ class TritonLLM:
     async def generate(self, prompt: Prompt, sampling: dict) -> AsyncIterator[LLMResponse]:
         """The request's responses; raises APIError for an error response or a failed call.
         Closing the iterator early cancels the request."""
-        taken = await self.slots.take(sampling.get("n", 1))
+        taken = await self.slots.take(sampling.get("n", 1), priority_class(sampling.get("priority")))
         try:
             if self.inputs is None:
                 await self._check_inputs()
