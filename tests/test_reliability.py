@@ -656,6 +656,57 @@ def test_a_queued_stream_with_queue_heartbeat_gets_empty_responses_and_is_cancel
         loop.shutdown()
 
 
+def test_queued_requests_are_checked_for_cancellation_a_share_at_a_time(tokenizer, monkeypatch):
+    """Each check is a round trip to tritonserver: 1,000 queued requests checked every poll took
+    the response thread 70% of a core. The running ones are checked every poll; the queued ones
+    QUEUED_CHECKS_PER_S in all, in turn, so that each is still checked, and one whose client left is
+    cancelled in the queue within len(queue) / share polls."""
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving import loop as serving_loop
+    from inflight.serving.protocol import GenerateRequest
+
+    from .helpers import RecordingSink
+    monkeypatch.setattr(serving_loop, "QUEUED_CHECKS_PER_S", 200)      # 10 a poll of 0.05 s
+
+    class CountingSink(RecordingSink):
+        checks = 0
+
+        def is_cancelled(self):
+            CountingSink.checks += 1
+            return super().is_cancelled()
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=1, num_kv_blocks=256,
+                                                                   cpu_threads=1))
+    loop = serving_loop.EngineLoop(engine, tokenizer, cancel_poll_s=0.05).start()
+    prompt = tokenizer("The assert statement")["input_ids"]
+    running, queued = CountingSink(), [CountingSink() for _ in range(60)]
+    try:
+        loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=2000, ignore_eos=True), stream=True),
+                    running)
+        deadline = time.monotonic() + 10
+        while not running.outputs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for sink in queued:
+            loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=4), stream=True), sink)
+        time.sleep(0.2)
+        before, started = CountingSink.checks, time.monotonic()
+        time.sleep(1.0)
+        polls = (time.monotonic() - started) / 0.05
+        assert CountingSink.checks - before <= (10 + 1) * (polls + 1), (CountingSink.checks - before, polls)
+        left = time.monotonic()
+        for sink in queued:
+            sink.left = True
+        assert all(sink.finished.wait(10) for sink in queued)
+        assert time.monotonic() - left < 60 / 10 * 0.05 + 1.0, "every queued request is checked in turn"
+        while engine.scheduler.num_waiting and time.monotonic() < deadline + 10:     # the aborts, on the engine thread
+            time.sleep(0.01)
+        assert not running.finished.is_set() and engine.scheduler.num_waiting == 0, "cancelled in the queue"
+        running.left = True
+        assert running.finished.wait(5)
+        assert_drains(engine, 5)
+    finally:
+        loop.shutdown()
+
+
 def test_a_running_stream_whose_stream_interval_holds_its_tokens_gets_heartbeats(tokenizer):
     """With queue_heartbeat, a stream silent for heartbeat_s gets an empty response also while it
     runs (its stream_interval holding tokens back): the write by which Triton's HTTP frontend finds

@@ -26,6 +26,10 @@ from .protocol import GenerateRequest, RequestError, bytes_per_token, check_text
 
 log = logging.getLogger("inflight")
 HEARTBEATS_PER_S = 100     # queue heartbeats a second, at most, over all waiting streams of a model
+# cancellation checks a second, at most, over the requests that have no token yet (a model's): each
+# is a round trip to tritonserver (~0.1 ms), and checking 1,000 queued ones every poll took the
+# response thread 70% of a core; those that run are checked every poll, as they hold a seat
+QUEUED_CHECKS_PER_S = 500
 
 
 class EngineLoop:
@@ -57,6 +61,7 @@ class EngineLoop:
         self._samples: dict[str, Sample] = {}       # by engine request id
         self._owner: dict[str, Job] = {}            # engine request id -> its job
         self._token_texts: dict[int, str] = {}      # token id -> its text alone
+        self._queued_checked = 0                    # where the next poll's share of the queued begins
         # new grammars compile here, not on Triton's execute thread, where one request's large schema
         # held up every request that arrived after it (vLLM compiles in a pool too); half the cores
         # this engine is given (an instance's part, where Triton runs several)
@@ -542,13 +547,20 @@ class EngineLoop:
 
     def _poll_cancelled(self) -> None:
         """Every cancel_poll_s, not after every send: each check is a round trip to the server
-        (with 16 streams, checking after each token took half the response thread's time)."""
+        (with 16 streams, checking after each token took half the response thread's time).
+        Requests with tokens are all checked; those without, a share at a time (QUEUED_CHECKS_PER_S)."""
         now = time.monotonic()
-        asking = []           # live streams that asked for queue_heartbeat
         for job_id, job in list(self._jobs.items()):
             if job.done:
                 self._jobs.pop(job_id)
-            elif self._cancelled(job):
+        queued = [job for job in self._jobs.values() if job.first_token_time is None]
+        share = max(1, int(QUEUED_CHECKS_PER_S * self.heartbeat_share * self.cancel_poll_s))
+        start = self._queued_checked % len(queued) if queued else 0
+        checked = {id(job) for job in (queued[start:] + queued[:start])[:share]}
+        self._queued_checked = start + len(checked)
+        asking = []           # live streams that asked for queue_heartbeat
+        for job_id, job in list(self._jobs.items()):
+            if (job.first_token_time is not None or id(job) in checked) and self._cancelled(job):
                 self._cancel(job)
                 self._jobs.pop(job_id)
             elif job.request.queue_heartbeat:
