@@ -65,6 +65,12 @@ def device_peak_tbps(device_name: str) -> float | None:
     return next((peak for part, peak in PEAK_TBPS if part in device_name), None)
 
 
+def percent_of_peak(tbps: float, peak_tbps: float | None) -> float | None:
+    """None where the peak is unknown (a GPU not in PEAK_TBPS): not NaN, which reports read as a
+    figure (and strict JSON has no NaN)."""
+    return 100 * tbps / peak_tbps if peak_tbps else None
+
+
 def main() -> int:
     args = parse_args()
     if args.dry_run:
@@ -264,8 +270,12 @@ def bench_case(name, cases, bench: Bench, args):
                 num_splits=cfg.num_splits, tile_n=cfg.tile_n, block_m=cfg.block_m, kernel_us=kernel_ms * 1e3,
                 launched_us=launched_ms * 1e3,
                 sdpa_us=sdpa_ms * 1e3, speedup_vs_sdpa=sdpa_ms / kernel_ms, read_mb=read / 1e6,
-                achieved_tbps=tbps, pct_of_peak=100 * tbps / (args.peak_tbps or float("nan")), max_abs_err=max_err,
+                achieved_tbps=tbps, pct_of_peak=percent_of_peak(tbps, args.peak_tbps), max_abs_err=max_err,
                 sdpa_error=sdpa_error)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"      # None: the GPU's peak is unknown
 
 
 def print_table(results, bench: Bench, device_name: str, peak_tbps):
@@ -278,7 +288,7 @@ def print_table(results, bench: Bench, device_name: str, peak_tbps):
     print("-" * len(header))
     for r in results:
         print(f"{r['case']:<24}{r['num_splits']:>7}{r['kernel_us']:>9.1f}{r['launched_us']:>12.1f}{r['read_mb']:>10.1f}"
-              f"{r['achieved_tbps']:>7.2f}{r['pct_of_peak']:>8.1f}{r['sdpa_us']:>10.1f}"
+              f"{r['achieved_tbps']:>7.2f}{_percent(r['pct_of_peak']):>8}{r['sdpa_us']:>10.1f}"
               f"{r['speedup_vs_sdpa']:>10.2f}{r['max_abs_err']:>9.4f}")
     decode = [r["pct_of_peak"] for r in results if r["case"].startswith("decode")]
     if peak_tbps is None:

@@ -152,6 +152,16 @@ def test_the_kernel_benchmark_takes_the_peak_of_the_gpu_it_runs_on():
     assert device_peak_tbps("NVIDIA L4") is None
 
 
+def test_a_gpu_of_unknown_peak_gets_no_percentage_and_the_report_says_why():
+    """It was NaN: the GPU check's report printed 'nan% of peak' and a 'nan' column."""
+    from perf.kernel_bench import percent_of_peak
+    from scripts.gpu_check import Stage, summarize
+    assert percent_of_peak(2.4, 4.8) == 50.0 and percent_of_peak(2.4, None) is None
+    rows = [{"case": "decode b1", "pct_of_peak": percent_of_peak(2.4, None)}]
+    stage = Stage("bench-kernels", "Kernels", 60, details={"results": rows, "device": "NVIDIA L4"})
+    assert summarize(stage) == "1 cases on NVIDIA L4; median decode bandwidth (the GPU's peak is unknown)"
+
+
 def test_a_ratio_is_the_median_of_the_rounds_ratios():
     """Each round's runs share that round's host speed: 2 and 1.5 and 4, not 15 / 5."""
     from perf.bench_stats import median_ratio
