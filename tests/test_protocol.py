@@ -161,3 +161,15 @@ def test_fuzzed_requests_parse_or_fail_with_a_request_error(inputs, parameters, 
         return
     assert (req.prompt_text is None) != (req.prompt_ids is None)
     assert req.params.max_tokens >= 1
+
+
+def test_vllms_readings_of_seed_minus_one_tiny_temperatures_and_logprobs_true():
+    """As vLLM 0.32's SamplingParams: a seed of -1 is no seed (the same text every time, before),
+    a temperature above 0 and under 0.01 samples at 0.01 (it was greedy under 1e-5), and
+    `"logprobs": true` asks for 1 (it was refused)."""
+    from inflight import SamplingParams
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    assert SamplingParams(temperature=1e-6).temperature == 0.01 and SamplingParams(temperature=0).temperature == 0
+    knobs = text(json.dumps({"logprobs": True, "prompt_logprobs": True, "seed": -1, "temperature": 0.001}))
+    params = parse_request({"text_input": text(), "sampling_parameters": knobs}, {}).params
+    assert (params.logprobs, params.prompt_logprobs, params.seed, params.temperature) == (1, 1, None, 0.01)

@@ -14,6 +14,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 MAX_LOGPROBS = 20       # most top log-probabilities per token (vLLM's default max_logprobs)
 SAMPLING_EPS = 1e-5     # vLLM's: a temperature below it is greedy (dividing by less overflows float32)
+MIN_TEMPERATURE = 0.01  # vLLM 0.32's: a temperature above 0 and below it is raised to it (nan or inf otherwise)
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -141,11 +142,11 @@ class EngineConfig:
 class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
-    temperature: float = 1.0                  # 0 (or under SAMPLING_EPS) means greedy
+    temperature: float = 1.0                  # 0 means greedy; above 0, at least MIN_TEMPERATURE
     top_k: int = -1                           # -1 or 0: off
     top_p: float = 1.0
     min_p: float = 0.0                        # drop tokens under min_p x the likeliest one's probability
-    seed: int | None = None                   # per-request generator: same tokens in any batch
+    seed: int | None = None                   # per-request generator: same tokens in any batch; -1 none (vLLM's)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None               # None: off; N >= 0: the sampled token's log-prob + the top N (vLLM)
@@ -169,6 +170,8 @@ class SamplingParams:
                f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
                f"must be a finite number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be an integer >= -1, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
@@ -182,6 +185,8 @@ class SamplingParams:
         # in one tensor write is undefined on CUDA)
         self.logit_bias = tuple({int(token): min(100.0, max(-100.0, float(bias)))
                                  for token, bias in self.logit_bias}.items())
+        if self.seed == -1 and _is_int(self.seed):
+            self.seed = None
         _check(self.seed is None or _is_seed(self.seed), "seed",
                f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         # beyond this range float32 logits overflow or underflow into NaN

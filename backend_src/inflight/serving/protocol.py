@@ -33,8 +33,8 @@ MAX_N = 128         # outputs per request (the OpenAI API's limit)
 # sampling knob -> the kind of value it takes
 KNOBS = {
     "max_tokens": "int", "min_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int",
-    "seed": "int", "stop": "strings", "stop_token_ids": "ints", "ignore_eos": "bool", "logprobs": "int",
-    "prompt_logprobs": "int",
+    "seed": "int", "stop": "strings", "stop_token_ids": "ints", "ignore_eos": "bool", "logprobs": "count",
+    "prompt_logprobs": "count",
     "bad_words": "strings", "bad_words_ids": "int_lists",
     # vLLM's constraint object (or its JSON text); guided_decoding is its older name
     "structured_outputs": "constraint", "guided_decoding": "constraint",
@@ -211,8 +211,13 @@ def _int_lists(name: str, value) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(_int(name, t) for t in v) for v in value)
 
 
+def _count(name: str, value) -> int:
+    """A number of log-probabilities; true is 1, as vLLM's SamplingParams reads it."""
+    return 1 if value is True else _int(name, value)
+
+
 _COERCERS = {"int": _int, "float": _float, "bool": _bool, "str": _str, "priority": _priority, "strings": _strings,
-             "ints": _ints, "bias": _bias, "constraint": _constraint, "int_lists": _int_lists}
+             "ints": _ints, "bias": _bias, "constraint": _constraint, "int_lists": _int_lists, "count": _count}
 
 
 MAX_BYTES_PER_TOKEN = 32     # the least the bound below allows a token
