@@ -7,6 +7,8 @@ import pytest
 
 from inflight.serving.triton_models import run_on_own_thread
 
+from .conftest import DEFAULT_MODEL
+
 
 def test_work_runs_on_a_thread_that_is_gone_afterwards():
     ran_on = []
@@ -96,7 +98,6 @@ def test_the_ensemble_steps_read_the_newest_llm_version(tmp_path):
     from inflight.serving.startup import StartupError
     from inflight.serving.triton_models import llm_settings
 
-    from .conftest import DEFAULT_MODEL
     from inflight.serving.launch import served_model
     repo = make_repository(str(tmp_path / "repo"), DEFAULT_MODEL)
     os.rename(os.path.join(repo, "llm", "1"), os.path.join(repo, "llm", "2"))
@@ -105,3 +106,55 @@ def test_the_ensemble_steps_read_the_newest_llm_version(tmp_path):
     shutil.rmtree(os.path.join(repo, "llm"))
     with pytest.raises(StartupError, match="no llm model"):
         llm_settings(os.path.join(repo, "postprocessing"))
+
+
+def test_a_config_without_architectures_is_read_by_its_model_type(arch_checkpoints, tmp_path):
+    """transformers picks the class by model_type where `architectures` is missing: a Mistral config
+    without it was served as a Llama, its sliding window ignored (wrong tokens, no message). One
+    whose model_type this engine does not serve is refused naming both fields, as vLLM refuses it."""
+    import json
+    import shutil
+
+    from inflight import EngineConfig, LLMEngine
+    from inflight.serving.startup import StartupError, check_checkpoint
+    copy = shutil.copytree(arch_checkpoints["mistral-gqa4-tied"], tmp_path / "mistral")
+    config = json.loads((copy / "config.json").read_text())
+    config["sliding_window"] = 32
+    del config["architectures"]
+    (copy / "config.json").write_text(json.dumps(config))
+    engine = LLMEngine.from_pretrained(str(copy), EngineConfig(dtype="float32", num_kv_blocks=64))
+    assert engine.max_model_len == 32, "the window bounds the context, as for a config that names Mistral"
+    served = shutil.copytree(DEFAULT_MODEL, tmp_path / "falcon")
+    config = json.loads((served / "config.json").read_text())
+    del config["architectures"]
+    config["model_type"] = "falcon"
+    (served / "config.json").write_text(json.dumps(config))
+    with pytest.raises(StartupError, match="'architectures' is missing and 'model_type' is 'falcon'"):
+        check_checkpoint(str(served), "test")
+
+
+def test_a_checkpoint_directory_named_with_glob_characters_loads(tmp_path):
+    """'[8]' in a path is a character class to glob: the weights were not found."""
+    import shutil
+
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving.startup import check_checkpoint
+    copy = shutil.copytree(DEFAULT_MODEL, tmp_path / "tiny_[8]*")
+    check_checkpoint(str(copy), "test")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    config = EngineConfig(dtype="float32", num_kv_blocks=64)
+    expected = LLMEngine.from_pretrained(DEFAULT_MODEL, config).generate([[5, 6, 7]], params)[0].token_ids
+    assert LLMEngine.from_pretrained(str(copy), config).generate([[5, 6, 7]], params)[0].token_ids == expected
+
+
+def test_a_checkpoint_without_tokenizer_files_takes_its_eos_from_its_configs(arch_checkpoints):
+    """transformers 5 builds an empty Qwen2 tokenizer for a directory without tokenizer files, whose
+    '<|endoftext|>' is id 0: the engine took it as an EOS and ended outputs there."""
+    import json
+
+    from inflight import EngineConfig, LLMEngine
+    path = arch_checkpoints["qwen2-bias-gqa2"]
+    with open(f"{path}/config.json") as f:
+        eos = json.load(f).get("eos_token_id")
+    engine = LLMEngine.from_pretrained(path, EngineConfig(dtype="float32", num_kv_blocks=64))
+    assert engine.eos_token_ids == (() if eos is None else (eos,))

@@ -9,6 +9,26 @@ import os
 _EXTENDED_ALREADY = ("llama3", "longrope", "su", "yarn")
 
 
+# config.json's model_type -> its architecture, for a config that names none (transformers picks the
+# class by model_type the same way)
+ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                              "qwen2": "Qwen2ForCausalLM"}
+
+
+def architecture(config) -> str:
+    """The architecture a config names, or where it names none its model_type's: a Mistral config
+    without `architectures` was served as a Llama, its sliding window ignored (wrong tokens, no
+    message). ValueError where neither says (vLLM refuses such a config too)."""
+    named = getattr(config, "architectures", None)
+    if named:
+        return named[0]
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURE_BY_MODEL_TYPE:
+        raise ValueError(f"'architectures' is missing and 'model_type' is {model_type!r}: config.json names no "
+                         f"architecture this engine serves (model_type one of {', '.join(ARCHITECTURE_BY_MODEL_TYPE)})")
+    return ARCHITECTURE_BY_MODEL_TYPE[model_type]
+
+
 def rope_scaling(config) -> tuple[str, dict]:
     """(rope type, its parameters) of a config: transformers 5's rope_parameters, or the older
     rope_scaling (whose type some files name "type"); ("default", {}) without either."""
@@ -45,12 +65,12 @@ def longest_context(config) -> int:
 
 def _within_window(config, positions: int) -> int:
     window = getattr(config, "sliding_window", None)
-    architecture = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
-    if architecture == "Qwen2ForCausalLM":
+    named = architecture(config)
+    if named == "Qwen2ForCausalLM":
         sliding = getattr(config, "use_sliding_window", False) and \
             getattr(config, "max_window_layers", 0) < config.num_hidden_layers
         window = window if sliding else None
-    elif architecture != "MistralForCausalLM":      # Llama attends in full, whatever config.json holds
+    elif named != "MistralForCausalLM":      # Llama attends in full, whatever config.json holds
         window = None
     return min(positions, window or positions)
 

@@ -337,6 +337,10 @@ def _load_tokenizer(model_dir: str):
     """The checkpoint's tokenizer, or None for one without (the engine then runs on token ids, and
     structured outputs name the missing tokenizer when asked for)."""
     from transformers import AutoTokenizer
+
+    from .serving.startup import TOKENIZER_FILES
+    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
+        return None         # transformers 5 builds an empty Qwen2 tokenizer here, whose EOS (id 0) would end outputs
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:      # what transformers raises for missing tokenizer files

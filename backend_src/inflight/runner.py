@@ -75,7 +75,7 @@ def iter_checkpoint(model_dir: str):
         with open(index) as f:
             files = sorted({os.path.join(model_dir, name) for name in json.load(f)["weight_map"].values()})
     else:
-        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+        files = sorted(glob.glob(os.path.join(glob.escape(model_dir), "*.safetensors")))     # [ ] * ? are a name's
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir!r}")
     for path in files:

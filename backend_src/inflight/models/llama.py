@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import cpu_kernels
-from ..context_length import context_length, longest_context, rope_scaling
+from ..context_length import architecture, context_length, longest_context, rope_scaling
 from ..attention import AttentionBackend, AttentionMetadata
 
 log = logging.getLogger("inflight")
@@ -43,7 +43,7 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelSpec":
-        arch = (config.architectures or ["LlamaForCausalLM"])[0]
+        arch = architecture(config)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
         if getattr(config, "hidden_act", "silu") != "silu":

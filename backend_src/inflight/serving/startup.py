@@ -83,7 +83,7 @@ def check_tokenizer(model_dir: str, source: str) -> None:
 def check_checkpoint(model_dir: str, source: str) -> None:
     """Everything the llm needs from the directory: config.json with a supported architecture,
     safetensors weights and a tokenizer."""
-    from ..context_length import rope_scaling
+    from ..context_length import architecture, rope_scaling
     from ..models import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES
 
     check_tokenizer(model_dir, source)
@@ -96,9 +96,12 @@ def check_checkpoint(model_dir: str, source: str) -> None:
             config = json.load(f)
         except json.JSONDecodeError as exc:
             raise StartupError(f"{config_path} is not valid JSON: {exc}") from None
-    architectures = config.get("architectures") or ["LlamaForCausalLM"]
-    if architectures[0] not in SUPPORTED_ARCHITECTURES:
-        raise StartupError(f"{config_path}: 'architectures' is {architectures}; supported: "
+    try:
+        named = architecture(SimpleNamespace(**config))
+    except ValueError as exc:
+        raise StartupError(f"{config_path}: {exc}") from None
+    if named not in SUPPORTED_ARCHITECTURES:
+        raise StartupError(f"{config_path}: 'architectures' is {config['architectures']}; supported: "
                            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     # refused before the weights load (minutes for a large checkpoint), not after
     rope_type, _ = rope_scaling(SimpleNamespace(**config))
@@ -110,7 +113,7 @@ def check_checkpoint(model_dir: str, source: str) -> None:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         raise StartupError(f"{config_path}: 'quantization_config' ({method}): quantized checkpoints are not "
                            "supported; serve the unquantized weights")
-    if not glob.glob(os.path.join(model_dir, "*.safetensors")):
+    if not glob.glob(os.path.join(glob.escape(model_dir), "*.safetensors")):
         raise StartupError(f"checkpoint directory {model_dir!r} has no *.safetensors weights (only "
                            f"safetensors checkpoints load) ({source})")
     check_shard_index(os.path.join(model_dir, "model.safetensors.index.json"))
