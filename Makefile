@@ -104,6 +104,11 @@ bench-cpu-attention: venv
 bench-openai: venv
 	$(PY) perf/openai_bench.py $(BENCH_ARGS)
 
+# a deep queue must not slow the running requests: 4 streams alone and behind 1,000 queued (about 2 minutes)
+.PHONY: bench-queue
+bench-queue: venv
+	$(PY) perf/queue_bench.py $(BENCH_ARGS)
+
 # structured outputs: mask cost at a full batch, 0/50/100% constrained throughput (about 4 minutes on 2 cores)
 .PHONY: bench-structured
 bench-structured: venv
