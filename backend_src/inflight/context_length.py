@@ -65,7 +65,10 @@ def longest_context(config) -> int:
 
 def _within_window(config, positions: int) -> int:
     window = getattr(config, "sliding_window", None)
-    named = architecture(config)
+    try:
+        named = architecture(config)
+    except ValueError:          # the engine refuses it; a length alone reads it as a Llama
+        named = "LlamaForCausalLM"
     if named == "Qwen2ForCausalLM":
         sliding = getattr(config, "use_sliding_window", False) and \
             getattr(config, "max_window_layers", 0) < config.num_hidden_layers
