@@ -573,3 +573,26 @@ def test_scaling_doc_kv_arithmetic():
     doc = read("docs", "scaling.md")
     for layers, kv_heads, head_dim in ((32, 8, 128), (80, 8, 128)):    # Llama-3-8B, Llama-3-70B, bf16
         assert f"{2 * layers * kv_heads * head_dim * 2:,}" in doc
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
+def test_the_gpu_images_entrypoint_marks_the_shutdown_before_passing_the_signal_on(tmp_path):
+    """The GPU image runs tritonserver without the launcher: its entrypoint writes the flag the
+    engine watches, then passes TERM on, so requests in flight end with a final response (they were
+    cut with none once --exit-timeout-secs ran out); the server's exit status is the container's."""
+    import signal
+    import time
+    server = tmp_path / "server.sh"
+    seen = tmp_path / "seen"
+    server.write_text(f'''#!/usr/bin/env bash
+trap 'if [[ -f "$INFLIGHT_SHUTDOWN_FLAG" ]]; then cat "$INFLIGHT_SHUTDOWN_FLAG" > {seen}; fi; exit 3' TERM
+echo ready; while :; do sleep 0.05; done
+''')
+    server.chmod(0o755)
+    entry = subprocess.Popen(["bash", os.path.join(DOCKER, "entrypoint.sh"), str(server)], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "INFLIGHT_ADMIN_KEY": "k"})
+    assert entry.stdout.readline().strip() == "ready"
+    time.sleep(0.2)
+    entry.send_signal(signal.SIGTERM)
+    assert entry.wait(timeout=30) == 3, "the server's own exit status"
+    assert seen.read_text().strip() == "TERM", "the flag was written before the signal reached the server"
