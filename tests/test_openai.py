@@ -1466,9 +1466,10 @@ def test_output_slots_go_by_priority_then_arrival():
     """A high-priority request that arrives behind a completion of many low-priority prompts reaches
     the engine next, as vLLM's server (no queue before its engine's priority queue) lets it: it
     waited here behind all of them (7.8 s against 0.06 s in a helper's run)."""
-    from inflight_client.openai_server.triton import OutputSlots, priority_class
+    from inflight.config import parse_priority as priority_class
+    from inflight_client.openai_server.triton import OutputSlots
 
-    assert [priority_class(p) for p in (None, "normal", 0, "high", -5, "low", 3)] == [1, 1, 1, 0, 0, 2, 2]
+    assert [priority_class(p) for p in ("normal", 0, "high", -5, "low", 3)] == [1, 1, 0, 0, 2, 2]
 
     async def main():
         slots = OutputSlots(2)
@@ -1479,7 +1480,7 @@ def test_output_slots_go_by_priority_then_arrival():
             await slots.take(n, priority_class(priority))
             order.append(name)
         tasks = [asyncio.ensure_future(request(f"low{i}", "low")) for i in range(3)]
-        tasks.append(asyncio.ensure_future(request("normal", None)))
+        tasks.append(asyncio.ensure_future(request("normal", "normal")))
         tasks.append(asyncio.ensure_future(request("high", -1, n=2)))
         await asyncio.sleep(0)
         slots.give(1)                # the first in line needs 2: nobody passes it for the free one

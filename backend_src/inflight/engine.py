@@ -338,8 +338,8 @@ def _load_tokenizer(model_dir: str):
     structured outputs name the missing tokenizer when asked for)."""
     from transformers import AutoTokenizer
 
-    from .serving.startup import TOKENIZER_FILES
-    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
+    from .serving.startup import has_tokenizer_files
+    if not has_tokenizer_files(model_dir):
         return None         # transformers 5 builds an empty Qwen2 tokenizer here, whose EOS (id 0) would end outputs
     try:
         return AutoTokenizer.from_pretrained(model_dir)

@@ -556,11 +556,12 @@ class EngineLoop:
         queued = [job for job in self._jobs.values() if job.first_token_time is None]
         share = max(1, int(QUEUED_CHECKS_PER_S * self.heartbeat_share * self.cancel_poll_s))
         start = self._queued_checked % len(queued) if queued else 0
-        checked = {id(job) for job in (queued[start:] + queued[:start])[:share]}
-        self._queued_checked = start + len(checked)
+        turn = (queued[start:] + queued[:start])[:share]
+        self._queued_checked = start + len(turn)
+        waiting_turn = {id(job) for job in queued} - {id(job) for job in turn}     # not checked this poll
         asking = []           # live streams that asked for queue_heartbeat
         for job_id, job in list(self._jobs.items()):
-            if (job.first_token_time is not None or id(job) in checked) and self._cancelled(job):
+            if id(job) not in waiting_turn and self._cancelled(job):
                 self._cancel(job)
                 self._jobs.pop(job_id)
             elif job.request.queue_heartbeat:

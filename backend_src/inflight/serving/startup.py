@@ -73,9 +73,13 @@ def check_model_dir(model_dir: str, source: str) -> None:
         raise StartupError(f"checkpoint directory {model_dir!r} {what} ({source})")
 
 
+def has_tokenizer_files(model_dir: str) -> bool:
+    return any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES)
+
+
 def check_tokenizer(model_dir: str, source: str) -> None:
     check_model_dir(model_dir, source)
-    if not any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES):
+    if not has_tokenizer_files(model_dir):
         raise StartupError(f"checkpoint directory {model_dir!r} has no tokenizer (none of "
                            f"{', '.join(TOKENIZER_FILES)}) ({source})")
 

@@ -52,9 +52,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                              "needed with a --tokenizer directory without one)")
     parser.add_argument("--max-triton-requests", type=int, default=1024,
                         help="the most outputs this server has in flight to Triton at once (a request per "
-                             "prompt, of n outputs each); more wait here, by priority then in turn. At most `llm`'s max_num_seqs + "
-                             "max_queue_size (what `make serve` passes), one request's many prompts never fill the "
-                             "engine's queue by themselves")
+                             "prompt, of n outputs each); more wait here, by priority then in turn. At most "
+                             "`llm`'s max_num_seqs + max_queue_size (what `make serve` passes), one request's many "
+                             "prompts never fill the engine's queue by themselves")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--log-level", default="info")

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from inflight.config import parse_priority
+
 from .errors import APIError, from_triton
 from .logprobs import prompt_logprobs_json
 
@@ -83,14 +85,6 @@ async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
                 yield json.loads(raw[5:])
 
 
-def priority_class(priority) -> int:
-    """A request's priority as `llm` ranks it: 'high' 0, 'normal' 1, 'low' 2, or vLLM's integer
-    (lower runs sooner; 0 normal)."""
-    if priority is None or isinstance(priority, str):
-        return {"high": 0, "low": 2}.get(priority, 1)
-    return 1 + (priority > 0) - (priority < 0)
-
-
 class OutputSlots:
     """At most `total` outputs in flight to Triton, taken by priority (as the engine seats them),
     then in arrival order; a request of n outputs (`llm` fans them out, and its queue counts each)
@@ -107,6 +101,7 @@ class OutputSlots:
         self._arrivals = itertools.count()
 
     async def take(self, n: int, priority: int = 1) -> int:
+        """n slots for a request of `llm`'s priority class (parse_priority: 0 high, 1 normal, 2 low)."""
         n = min(n, self.total)
         if not self._waiting and self.free >= n:
             self.free -= n
@@ -228,7 +223,7 @@ class TritonLLM:
     async def generate(self, prompt: Prompt, sampling: dict) -> AsyncIterator[LLMResponse]:
         """The request's responses; raises APIError for an error response or a failed call.
         Closing the iterator early cancels the request."""
-        taken = await self.slots.take(sampling.get("n", 1), priority_class(sampling.get("priority")))
+        taken = await self.slots.take(sampling.get("n", 1), parse_priority(sampling.get("priority", "normal")))
         try:
             if self.inputs is None:
                 await self._check_inputs()
