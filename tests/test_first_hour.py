@@ -2,6 +2,7 @@
 a checkpoint given with --model is served through llm and the ensemble, each broken checkpoint
 ends the launcher within 30 s with one line naming the cause and the path, and the tokenizing
 ensemble steps run without torch."""
+import glob
 import http.client
 import json
 import os
@@ -151,6 +152,8 @@ def test_the_launcher_ends_when_tritonserver_dies_and_never_prints_the_admin_key
             launcher.process.send_signal(signal.SIGINT)
     assert code == 128 + signal.SIGKILL and "inflight: tritonserver was killed by SIGKILL" in launcher.lines
     assert "admin-key=***" in launcher.lines[0] and not any(key in line for line in launcher.lines)
+    prefix = re.search(r"shm-region-prefix-name=(\S+)", launcher.lines[0]).group(1)
+    assert not glob.glob(f"/dev/shm/{prefix}*"), "the killed server's shared-memory regions are removed"
 
 
 def running(pid: int) -> bool:

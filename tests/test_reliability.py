@@ -1,5 +1,6 @@
 """What happens when clients misbehave, memory runs out, load spikes, the engine fails or the
 server stops: nothing lost, nothing leaked, nothing hung, clear errors. Real tritonservers."""
+import glob
 import http.client
 import json
 import os
@@ -345,6 +346,10 @@ def test_a_killed_server_leaves_no_model_process_behind(start_server):
         os.kill(pid, signal.SIGKILL)
     assert not left, "a model's process outlived the server"
     s.process.wait()
+    regions = glob.glob(f"/dev/shm/{s.shm_prefix}*")
+    assert len(regions) == 3, "the dead server's stubs' shared-memory regions, under its own prefix"
+    s.stop()
+    assert not glob.glob(f"/dev/shm/{s.shm_prefix}*"), "stopping a killed server removes its regions"
 
 
 # ---- production profile ----------------------------------------------------------------------------------

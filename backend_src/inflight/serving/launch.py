@@ -13,10 +13,13 @@ ready, and if it does not start, a summary of the causes the models reported (st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import glob
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -105,15 +108,39 @@ def _with_engine_on_path(env: dict[str, str]) -> dict[str, str]:
 
 
 def server_command(server: Server, model_repository: str, http_port: int, grpc_port: int, metrics_port: int,
-                   extra: list[str] = (), auto_complete: bool = False) -> list[str]:
+                   extra: list[str] = (), auto_complete: bool = False, shm_prefix: str | None = None) -> list[str]:
     """auto_complete: let models fill in their config.pbtxt (the vLLM backend declares its tensors
-    that way); this repository's configs are complete."""
+    that way); this repository's configs are complete. shm_prefix: the Python backend's name prefix
+    for this server's shared-memory regions (`remove_shm_regions`), unless `extra` sets one."""
     cmd = [server.binary, f"--model-repository={model_repository}", f"--http-port={http_port}",
            f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}", "--allow-metrics=true",
            "--allow-gpu-metrics=false", *([] if auto_complete else ["--disable-auto-complete-config"])]
     if server.backend_dir:
         cmd.append(f"--backend-directory={server.backend_dir}")
+    if shm_prefix and not any(SHM_PREFIX_OPTION in arg for arg in extra):
+        cmd.append(f"--backend-config=python,{SHM_PREFIX_OPTION}={shm_prefix}")
     return cmd + list(extra)
+
+
+# The Python backend keeps each stub's messages in a /dev/shm region named <prefix><uuid> (1 MiB,
+# growing under load) and removes it when the model unloads. A tritonserver killed outright (the
+# OOM killer, SIGKILL) removes nothing, and the regions held memory until a reboot; with a prefix
+# of its own, whoever started the server removes them once it has exited.
+SHM_PREFIX_OPTION = "shm-region-prefix-name"
+SHM_DIR = "/dev/shm"
+
+
+def shm_prefix() -> str:
+    return f"inflight_{os.getpid()}_{secrets.token_hex(4)}_"
+
+
+def remove_shm_regions(prefix: str) -> list[str]:
+    """Remove the regions a server started with `prefix` left behind; returns their paths."""
+    paths = glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "*"))
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    return paths
 
 
 # Triton 2.51 finalizes a decoupled Python model only after its last response, so a long
@@ -192,6 +219,7 @@ class ServerProcess:
         self.env = env or {}
         self.auto_complete = auto_complete
         self.shutdown_flag = shutdown_flag_path()
+        self.shm_prefix = shm_prefix()
         self.process: subprocess.Popen | None = None
 
     @property
@@ -209,7 +237,7 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         server = locate_server()
         cmd = server_command(server, self.model_repository, self.http_port, self.grpc_port, self.metrics_port,
-                             self.extra, self.auto_complete)
+                             self.extra, self.auto_complete, self.shm_prefix)
         self._log = open(self.log_path, "ab")
         env = {**server.env, SHUTDOWN_FLAG_ENV: self.shutdown_flag, **self.env}
         # a process group of its own, so a terminal's Ctrl-C reaches only the caller and a kill reaches
@@ -260,18 +288,22 @@ class ServerProcess:
             return b"\n".join(f.read().splitlines()[-lines:]).decode("utf-8", "replace")
 
     def stop(self, timeout_s: float = 45.0) -> int | None:
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        request_shutdown(self.shutdown_flag, self.process, signal.SIGINT)
+        if self.process is None:
+            return None
         try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            return self.process.wait()
+            if self.process.poll() is not None:
+                return self.process.returncode
+            request_shutdown(self.shutdown_flag, self.process, signal.SIGINT)
+            try:
+                return self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                return self.process.wait()
         finally:
             self._log.close()
             if os.path.exists(self.shutdown_flag):
                 os.remove(self.shutdown_flag)
+            remove_shm_regions(self.shm_prefix)
 
     def __enter__(self) -> "ServerProcess":
         return self.start()
@@ -399,6 +431,7 @@ class Children:
 
     def __init__(self):
         self.flag = shutdown_flag_path()
+        self.shm_prefix = shm_prefix()
         self.processes: list[subprocess.Popen] = []
         self.stopping = False                 # a stop was asked: companions exiting is no news
 
@@ -451,6 +484,7 @@ class Children:
                 process.wait()
         if os.path.exists(self.flag):
             os.remove(self.flag)
+        remove_shm_regions(self.shm_prefix)
         return code
 
 
@@ -648,10 +682,10 @@ def serve(server: Server, model_repository: str, endpoints: Endpoints, extra: li
           note: str | None = None) -> int:
     """Run tritonserver (and its companions) until they exit; the ready banner, or why it did not start."""
     check_ports(endpoints)
-    cmd = server_command(server, model_repository, endpoints.http_port, endpoints.grpc_port,
-                         endpoints.metrics_port, extra)
-    print(f"inflight: starting {shown_command(cmd)}", flush=True)
     children = Children()
+    cmd = server_command(server, model_repository, endpoints.http_port, endpoints.grpc_port,
+                         endpoints.metrics_port, extra, shm_prefix=children.shm_prefix)
+    print(f"inflight: starting {shown_command(cmd)}", flush=True)
     # SIGTERM to tritonserver once the launcher is gone, even killed with SIGKILL (by a supervisor
     # that kills only the main process): it kept the ports, and the next `make serve` found them in
     # use. Set now, before the launcher has threads; the OpenAI server watches its parent itself.
