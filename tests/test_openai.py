@@ -557,6 +557,13 @@ def test_return_token_ids_as_vllm(client, reference_engine, tokenizer):
     assert [streamed[c.index] for c in whole.choices] == [c.model_extra["token_ids"] for c in whole.choices]
     assert all(p[0] == ids and not any(p[1:]) for p in prompt_ids.values()), "the prompt in the first chunk only"
 
+    # with echo the prompt comes back as its ids alone, not also as text (vLLM's rule)
+    echo = dict(model=MODEL, prompt=PROMPTS[4], max_tokens=10, temperature=0, echo=True,
+                extra_body={"return_token_ids": True})
+    echoed = client.completions.create(**echo).choices[0]
+    assert echoed.text == greedy.text and echoed.model_extra["prompt_token_ids"] == ids
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **echo)) == greedy.text
+
     messages = [{"role": "user", "content": PROMPTS[4]}]
     chat_prompt = chat_ids(tokenizer, messages)
     chat_ref = reference_engine.generate([chat_prompt], SamplingParams(max_tokens=8, temperature=0))[0]
@@ -579,7 +586,10 @@ def test_truncate_prompt_tokens_and_bad_words_as_vllm(client, reference_engine, 
                                     extra_body={"truncate_prompt_tokens": 3, "return_token_ids": True}).choices[0]
     kept = [tokenizer.bos_token_id] + ids[-2:]
     assert cut.model_extra["prompt_token_ids"] == kept and ids[0] == tokenizer.bos_token_id
-    assert cut.text == "<s>" + decode(tokenizer, kept) + reference(reference_engine, tokenizer, [kept], 8)[0]
+    assert cut.text == reference(reference_engine, tokenizer, [kept], 8)[0], "the prompt echoed as its ids alone"
+    echoed = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, echo=True,
+                                       extra_body={"truncate_prompt_tokens": 3}).choices[0]
+    assert echoed.text == "<s>" + decode(tokenizer, kept) + cut.text
     cut_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True,
                                         extra_body={"truncate_prompt_tokens": 3, "return_token_ids": True})
     assert cut_ids.choices[0].model_extra["prompt_token_ids"] == ids[-3:], "a token prompt: its last 3"
@@ -590,6 +600,9 @@ def test_truncate_prompt_tokens_and_bad_words_as_vllm(client, reference_engine, 
     assert chat.usage.prompt_tokens == 4
     with pytest.raises(openai.BadRequestError, match="'truncate_prompt_tokens' must be -1"):
         client.completions.create(model=MODEL, prompt="x", extra_body={"truncate_prompt_tokens": 0})
+    with pytest.raises(openai.BadRequestError, match=r"'truncate_prompt_tokens' 5000 cannot be greater than the "
+                       r"context length \(max_model_len\) \d+"):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"truncate_prompt_tokens": 5000})
 
     first = reference_engine.generate([ids], SamplingParams(max_tokens=8, temperature=0))[0].token_ids[0]
     word = tokenizer.decode([first])

@@ -60,7 +60,8 @@ def _prompts(body: CompletionRequest, ctx: Context) -> tuple[list[Prompt], list[
         for prompt in given:
             ctx.check_size(prompt, "prompt")
         prompts = given
-    echoes = [ctx.prompt_text(prompt) if body.echo else "" for prompt in prompts]
+    # with return_token_ids the prompt comes back as prompt_token_ids, not as text (vLLM's rule)
+    echoes = [ctx.prompt_text(prompt) if body.echo and not body.return_token_ids else "" for prompt in prompts]
     ids = [ctx.tokenize(p, body.add_special_tokens) for p in prompts]
     if not all(ids):
         raise APIError(400, "'prompt' is empty, and without a BOS ('add_special_tokens' false, or a tokenizer "

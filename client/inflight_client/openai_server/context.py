@@ -104,6 +104,9 @@ class Context:
         BOS) stay."""
         if keep == -1:
             keep = self.models.max_model_len - 1
+        elif keep > self.models.max_model_len:         # vLLM's 400 too: no prompt that long could run
+            raise APIError(400, f"'truncate_prompt_tokens' {keep} cannot be greater than the context length "
+                           f"(max_model_len) {self.models.max_model_len}", "truncate_prompt_tokens")
         right = side == "right"
         ids = self.tokenize(prompt, add_special_tokens)
         if len(ids) <= keep:
