@@ -437,8 +437,15 @@ SHAPE_ERRORS = [
     # what xgrammar would compile away (it accepts output that breaks these), refused as vLLM refuses them
     ({"json": {"type": "string", "pattern": "[a-z]+", "maxLength": 3}},
      "'structured_outputs.json' combines 'pattern' with 'maxLength' at the top level, which xgrammar would not"),
-    ({"json": {"type": "object", "properties": {"code": {"type": "string", "format": "ean13"}}}},
-     "'structured_outputs.json' uses the format 'ean13' at /properties/code"),
+    ({"json": {"type": "object", "properties": {"mail": {"type": "string", "format": "idn-email"}}}},
+     "'structured_outputs.json' uses the format 'idn-email' at /properties/mail"),
+    ({"json": {"type": "string", "format": "regex"}}, "uses the format 'regex' at the top level"),
+    ({"json": {"type": "object", "properties": {"a": {"anyOf": []}}}}, "gives an empty 'anyOf' at /properties/a"),
+    ({"json": {"type": []}}, "gives an empty 'type' at the top level"),
+    ({"json": {"oneOf": []}}, "gives an empty 'oneOf' at the top level"),
+    ({"json": {"type": "integer", "oneOf": [{"type": "integer"}, {"$ref": "#/$defs/X"}], "$defs": {"X": {}}}},
+     "gives 'type' \"integer\" next to values or branches outside it at the top level (its 'oneOf' branch 1, "
+     "which names no type within it)"),
     ({"json": {"$defs": {"x": {"not": {"type": "string"}}}}}, "uses 'not' at /$defs/x"),
     ({"json": {"anyOf": [{"type": "integer"}, {"if": {"type": "string"}, "then": {"maxLength": 1}}]}},
      "uses 'if' at /anyOf/1"),
@@ -484,6 +491,13 @@ COMPILED_AWAY = [
     ({"anyOf": [{"type": "integer"}, {"type": "string"}], "minimum": 10}, "2"),
     ({"enum": [1, 2, 30], "minimum": 10}, "2"),
     ({"const": 2, "minimum": 10}, "2"),
+    ({"type": "string", "format": "date", "pattern": "^1999-"}, '"2000-01-01"'),
+    ({"type": "string", "format": "email", "pattern": "@corp\\.com$"}, '"a@b.org"'),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",   # draft-07's dependentRequired
+      "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "dependencies": {"a": ["b"]}}, '{"a": 1}'),
+    ({"type": "string", "enum": ["a", 1]}, "1"),
+    ({"type": "integer", "const": "x"}, '"x"'),
+    ({"type": "integer", "anyOf": [{"type": "integer", "minimum": 5}, {"type": "string", "maxLength": 3}]}, '"ab"'),
 ]
 
 
@@ -580,9 +594,10 @@ def test_the_schemas_pydantic_and_openai_examples_write_are_served():
     around a $ref, pydantic 2.7-2.9's discriminated union (a one-value enum next to the tag's const),
     OpenAPI's nullable and x- keys, and OpenAI's function-calling example."""
     from enum import Enum
+    from pathlib import Path
     from typing import Literal
 
-    from pydantic import BaseModel, Field
+    from pydantic import AnyUrl, BaseModel, Field, SecretStr
 
     class Size(str, Enum):
         small = "S"
@@ -620,7 +635,16 @@ def test_the_schemas_pydantic_and_openai_examples_write_are_served():
         tag["enum"] = [tag["const"]]
     openapi = {"type": "object", "properties": {"kind": {"type": "string", "enum": ["a", "b"], "nullable": True,
                                                          "x-order": 1}}}
-    for schema in (Order.model_json_schema(), pydantic_1, pydantic_2_9, openapi, weather):
+    class Account(BaseModel):        # formats xgrammar leaves as any string, which validators do too
+        home: AnyUrl                 # format uri with minLength 1: a uri is never empty
+        password: SecretStr
+        key_file: Path
+        blob: bytes
+        tags: list[str] = Field(json_schema_extra={"uniqueItems": False})
+        size: Size
+
+    for schema in (Order.model_json_schema(), pydantic_1, pydantic_2_9, openapi, weather, Account.model_json_schema(),
+                   {"type": "number", "anyOf": [{"type": "integer"}, {"const": 2.5}]}):
         assert structured.unenforced(schema) is None, schema
         SamplingParams(structured_outputs={"json": schema})
 

@@ -259,8 +259,8 @@ class LLMEngine:
 
     def _fail_rejected(self, rejected: list[int], request_ids: list[str], token_ids: list[int],
                        logprobs: list | None, errors: dict[str, str]):
-        """Requests whose sampled token their grammar refused (every token it allowed was banned,
-        by bad_words): already finished by update(); report them as errors, without the token,
+        """Requests whose sampled token their grammar refused (it allowed none, or every one it
+        allowed was banned, by bad_words): already finished by update(); report them as errors, without the token,
         which leaves the request too (it was never allowed, and never streamed)."""
         finished = self.scheduler.finished
         for i in rejected:
@@ -272,8 +272,8 @@ class LLMEngine:
                 req.logprobs.pop()
             req.finish_reason = finished[req.request_id] = "error"
             req.error = errors[req.request_id] = (
-                "'structured_outputs': no token allowed by the grammar was left to sample "
-                "(all of them are banned, e.g. by 'bad_words')")
+                "'structured_outputs': no token allowed by the grammar was left to sample (the grammar "
+                "admits no continuation of the output so far, or bans such as 'bad_words' removed every one)")
         keep = sorted(set(range(len(request_ids))) - set(rejected))
         return ([request_ids[i] for i in keep], [token_ids[i] for i in keep],
                 None if logprobs is None else [logprobs[i] for i in keep])

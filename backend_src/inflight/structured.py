@@ -130,6 +130,13 @@ def _canonical_text(kind: str, value, name: str) -> str:
 # what xgrammar (0.2.9) compiles a JSON schema's "format" into; any other format it lets through as any string
 XGRAMMAR_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
                               "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+# the formats JSON Schema (2020-12) defines that xgrammar does not know: a validator that asserts
+# formats checks them, so any string would break the schema. Other names (pydantic's "password",
+# "binary", "path") are notes a validator lets any string through, as xgrammar does.
+UNENFORCED_STANDARD_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
+# the formats of XGRAMMAR_FORMATS whose grammar never writes an empty string, so a "minLength": 1
+# beside them (pydantic's HttpUrl) holds though xgrammar drops it
+_NEVER_EMPTY_FORMATS = XGRAMMAR_FORMATS - {"uri-reference", "uri-template", "json-pointer"}
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _SUBSCHEMAS = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames",
@@ -146,8 +153,11 @@ _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comme
                           "writeOnly", "$schema", "$id", "$defs", "definitions"})
 
 
-# keywords xgrammar drops wherever they stand (measured)
-_IGNORED = ("uniqueItems", "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas")
+# keywords xgrammar drops wherever they stand (measured; "uniqueItems": false asks nothing)
+_IGNORED = ("uniqueItems", "contains", "minContains", "maxContains", "dependentRequired", "dependentSchemas",
+            "dependencies")
+# keywords whose list JSON Schema requires to be non-empty; xgrammar takes an empty one as any value
+_NON_EMPTY_LISTS = ("type", "enum", "allOf", "anyOf", "oneOf")
 # keywords that decide a value alone: xgrammar drops any rule beside them but these (pydantic
 # writes 'type' next to 'enum' and 'const', and 2.7-2.9 a one-value 'enum' next to 'const'), notes
 # and OpenAPI's 'nullable', 'discriminator' and x- extensions, which no JSON schema validator reads
@@ -158,10 +168,13 @@ _OPENAPI_NOTES = frozenset({"nullable", "discriminator"})
 
 def unenforced(schema, path: str = "") -> str | None:
     """What in a JSON schema xgrammar would compile away (measured: it accepts output that breaks
-    it), with where it is; None if nothing. Checked: `not` and `if`/`then`/`else` (ignored), a
-    `format` outside XGRAMMAR_FORMATS (any string), a `pattern` or `format` with `minLength` or
-    `maxLength` (the lengths dropped), an `allOf` of several schemas (any value), a rule next to a
-    `$ref`, a one-schema `allOf`, `enum`, `const`, `anyOf` or `oneOf` (dropped), a type-specific
+    it), with where it is; None if nothing. Checked: an empty `type`, `enum`, `allOf`, `anyOf` or
+    `oneOf` (any value), `not` and `if`/`then`/`else` (ignored), a standard `format` outside
+    XGRAMMAR_FORMATS (any string), a `pattern` or known `format` with `minLength` (but 1 beside a
+    format that is never empty) or `maxLength` (the lengths dropped), a `pattern` with a known
+    `format` (the pattern dropped), an `allOf` of several schemas (any value), a rule next to a
+    `$ref`, a one-schema `allOf`, `enum`, `const`, `anyOf` or `oneOf` (dropped; a `type` there
+    only where they imply it), a type-specific
     keyword without anything that types the schema (any value), a `required` name its `properties`
     lack (not enforced), the _IGNORED keywords, `multipleOf` on a non-integer, `propertyNames`
     with `properties` or `patternProperties` (vLLM refuses most of these for xgrammar too), and a
@@ -169,6 +182,9 @@ def unenforced(schema, path: str = "") -> str | None:
     if not isinstance(schema, dict):
         return None
     where = path or "the top level"
+    empty = [k for k in _NON_EMPTY_LISTS if schema.get(k) == []]
+    if empty:
+        return f"gives an empty '{empty[0]}' at {where}"
     for keyword in ("not", "if", "then", "else"):
         if keyword in schema:
             return f"uses '{keyword}' at {where}"
@@ -181,7 +197,10 @@ def unenforced(schema, path: str = "") -> str | None:
         rules = sorted(set(schema) - notes - also - {keyword})
         if keyword in schema and rules:
             return f"gives {', '.join(repr(r) for r in rules)} next to '{keyword}' at {where}"
-    ignored = [k for k in _IGNORED if k in schema]
+    if (outside := _outside_type(schema)) is not None:
+        return (f"gives 'type' {json.dumps(schema['type'])} next to values or branches outside it at {where} "
+                f"({outside})")
+    ignored = [k for k in _IGNORED if k in schema and not (k == "uniqueItems" and schema[k] is False)]
     if ignored:
         return f"uses '{ignored[0]}' at {where}"
     if "multipleOf" in schema and schema.get("type") != "integer":
@@ -197,10 +216,15 @@ def unenforced(schema, path: str = "") -> str | None:
     missing = [name for name in required if isinstance(name, str) and name not in properties]
     if missing:
         return f"requires {missing[0]!r} at {where}, which its 'properties' do not define"
-    if "format" in schema and (not isinstance(schema["format"], str) or schema["format"] not in XGRAMMAR_FORMATS):
-        return f"uses the format {schema['format']!r} at {where} (known: {', '.join(sorted(XGRAMMAR_FORMATS))})"
+    form = schema.get("format")
+    if "format" in schema and (not isinstance(form, str) or form in UNENFORCED_STANDARD_FORMATS):
+        return f"uses the format {form!r} at {where} (known: {', '.join(sorted(XGRAMMAR_FORMATS))})"
+    shapes = [k for k in ("pattern", "format") if k in schema and (k == "pattern" or form in XGRAMMAR_FORMATS)]
+    if len(shapes) == 2:
+        return f"combines 'pattern' with 'format' at {where}"
     lengths = [k for k in ("minLength", "maxLength") if k in schema]
-    shapes = [k for k in ("pattern", "format") if k in schema]
+    if shapes == ["format"] and form in _NEVER_EMPTY_FORMATS and schema.get("minLength") in (0, 1):
+        lengths.remove("minLength")
     if lengths and shapes:
         return f"combines '{shapes[0]}' with '{lengths[0]}' at {where}"
     patterns = [("'pattern'", schema["pattern"])] if isinstance(schema.get("pattern"), str) else []
@@ -216,6 +240,49 @@ def unenforced(schema, path: str = "") -> str | None:
                  for i, sub in enumerate(schema[key])]
     children += [(f"{path}/{key}", schema[key]) for key in _SUBSCHEMAS if isinstance(schema.get(key), dict)]
     return next(filter(None, (unenforced(sub, sub_path) for sub_path, sub in children)), None)
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or isinstance(value, float) and value.is_integer():
+        return "integer"
+    return {float: "number", str: "string", list: "array"}.get(type(value), "object")
+
+
+def _named_types(schema) -> set[str] | None:
+    """The types a schema allows by its 'type', or by its only values ('const', 'enum'); None if unsaid."""
+    kind = schema.get("type")
+    if isinstance(kind, (str, list)):
+        return {kind} if isinstance(kind, str) else set(kind)
+    if "const" in schema:
+        return {_json_type(schema["const"])}
+    if isinstance(schema.get("enum"), list):
+        return {_json_type(value) for value in schema["enum"]}
+    return None
+
+
+def _outside_type(schema: dict) -> str | None:
+    """What a 'type' beside 'enum', 'const', 'anyOf' or 'oneOf' does not cover: xgrammar keeps only
+    those and drops the type (measured), so it holds only where they already imply it."""
+    kind = schema.get("type")
+    if not isinstance(kind, (str, list)):
+        return None
+    types = {kind} if isinstance(kind, str) else set(kind)
+    covered = lambda kind: kind in types or kind == "integer" and "number" in types     # noqa: E731
+    values = [("const", schema["const"])] if "const" in schema else []
+    values += [("enum", value) for value in schema["enum"]] if isinstance(schema.get("enum"), list) else []
+    for keyword, value in values:
+        if not covered(_json_type(value)):
+            return f"its '{keyword}' value {json.dumps(value)}"
+    for keyword in ("anyOf", "oneOf"):
+        for i, branch in enumerate(schema.get(keyword) if isinstance(schema.get(keyword), list) else []):
+            kinds = _named_types(branch) if isinstance(branch, dict) else None
+            if kinds is None or not all(map(covered, kinds)):
+                return f"its '{keyword}' branch {i}, which names no type within it"
+    return None
 
 
 # escapes of a regex (ECMA-262, as JSON schema's) that stand for one character, by the letter
