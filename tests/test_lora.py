@@ -20,7 +20,8 @@ from inflight.testing import make_random_adapter, make_random_checkpoint
 
 # different ranks and target modules; rslora on one; per-module ranks and alphas on another
 ADAPTERS = {
-    "qv-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    # with other architectures' names too, as generic training scripts write them (PEFT needs one to match)
+    "qv-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "query_key_value", "c_attn", "W_pack"]),
     "ko-mlp-r4-rslora": dict(r=4, lora_alpha=8, use_rslora=True,
                              target_modules=["k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     "all-linear-patterns": dict(r=16, lora_alpha=8, target_modules="all-linear",
@@ -160,7 +161,7 @@ def refused_adapters(tiny_checkpoint, tmp_path_factory):
     cases = {
         "dora": (tiny_checkpoint, dict(r=4, target_modules=["q_proj"], use_dora=True), "'use_dora' is set: DoRA"),
         "embedding": (tiny_checkpoint, dict(r=4, target_modules=["embed_tokens", "q_proj"]),
-                      r"'target_modules' \['embed_tokens'\] not supported"),
+                      "embedding adapters are not supported"),
         "lm-head-regex": (tiny_checkpoint, dict(r=4, target_modules=r".*lm_head"), "lm_head adapters are not supported"),
         "modules-to-save": (tiny_checkpoint, dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
                             "'modules_to_save' is set"),
@@ -458,6 +459,18 @@ def test_settings_read_lora_keys_and_multi_lora_json(tmp_path, adapters):
     assert settings.lora_file == os.path.join(version, "multi_lora.json")
     off = Settings.load(write_version_dir(tmp_path / "off", {"model": "m"}, "not even JSON"))
     assert not off.engine.enable_lora and off.lora_modules == {}     # LoRA off: multi_lora.json unread
+
+
+def test_a_repository_for_another_checkpoint_leaves_the_demo_adapter_out(tmp_path, tiny_checkpoint):
+    """make_repository (make serve MODEL=...) for another checkpoint: an enable_lora override serves
+    no adapter until one is named, instead of failing the load on the shipped model's demo adapter."""
+    from inflight.serving.launch import make_repository
+    from inflight.serving.triton_models import Settings
+    other = Settings.load(os.path.join(make_repository(str(tmp_path / "other"), tiny_checkpoint,
+                                                       {"enable_lora": True}), "llm", "1"))
+    assert other.engine.enable_lora and other.lora_modules == {}
+    shipped = Settings.load(os.path.join(make_repository(str(tmp_path / "shipped")), "llm", "1"))
+    assert shipped.engine.enable_lora and list(shipped.lora_modules) == ["pydoc-json"]
 
 
 @pytest.mark.parametrize("model_json, multi_lora, message", [

@@ -176,13 +176,16 @@ def make_repository(dest: str, model_dir: str | None = None, engine: dict | None
     settings = {key: value for key, value in settings.items() if key not in (engine or {})}
     shipped = os.path.abspath(os.path.join(os.path.dirname(settings_path), settings["model"]))
     settings["model"] = os.path.abspath(os.path.expanduser(model_dir) if model_dir else shipped)
+    left_out = ["inflight-tiny", "__pycache__", "model.json"]
     if os.path.realpath(settings["model"]) != os.path.realpath(shipped):
-        settings.pop("enable_lora", None)     # the shipped multi_lora.json names adapters of the shipped model
+        # the shipped multi_lora.json names adapters of the shipped model: LoRA stays off, and an
+        # enable_lora override serves no adapters until the caller writes a multi_lora.json of its own
+        settings.pop("enable_lora", None)
+        left_out += ["multi_lora.json", "loras"]
     settings["engine"] = {**settings["engine"], **(engine or {})}
     for name in models:
         src = os.path.join(DEFAULT_REPOSITORY, name)
-        shutil.copytree(src, os.path.join(dest, name), dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("inflight-tiny", "__pycache__", "model.json"))
+        shutil.copytree(src, os.path.join(dest, name), dirs_exist_ok=True, ignore=shutil.ignore_patterns(*left_out))
     with open(os.path.join(dest, "llm", "1", "model.json"), "w") as f:
         json.dump(settings, f, indent=2)
     return dest
