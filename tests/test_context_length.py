@@ -61,7 +61,7 @@ def test_a_config_without_max_position_embeddings_gets_the_engines_default(tmp_p
     del config["max_position_embeddings"]
     with open(path, "w") as f:
         json.dump(config, f)
-    engine = LLMEngine.from_pretrained(directory, EngineConfig(dtype="float32", num_kv_blocks=64))
+    engine = LLMEngine.from_pretrained(directory, EngineConfig(dtype="float32", num_kv_blocks=128))
     assert checkpoint_max_len(directory) == engine.max_model_len == 2048     # LlamaConfig's default
 
 

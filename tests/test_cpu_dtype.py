@@ -35,7 +35,7 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
 
 
 def test_the_engine_uses_the_cpu_choice(tiny_checkpoint):
-    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=16))
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=16, max_model_len=256))
     assert engine.runner.dtype == cpu_auto_dtype()
 
 

@@ -274,7 +274,7 @@ def test_requests_that_can_never_run_are_rejected_at_once(engine):
 
 def test_preempted_requests_do_not_fill_the_queue(tiny_checkpoint):
     """max_queue_size counts requests that have not started: a preempted one is already streaming."""
-    eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=10, block_size=4, max_num_seqs=2,
+    eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=10, block_size=4, max_num_seqs=2, max_model_len=40,
                                                                   max_queue_size=1, cpu_threads=1))
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     eng.add_request("a", list(range(3, 15)), params)
@@ -312,10 +312,23 @@ def test_a_request_arriving_as_another_finishes_takes_its_seat_not_a_queue_place
     assert eng.stats()["kv_blocks_used"] == 0
 
 
-def test_a_request_larger_than_the_kv_pool_is_rejected(tiny_checkpoint):
-    small = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=4, block_size=16))
-    with pytest.raises(ValueError, match="KV blocks but the pool has only 4"):
-        small.add_request("big", [5] * 60, SamplingParams(max_tokens=10))
+def test_a_pool_smaller_than_one_max_model_len_sequence_or_the_memory_fails_the_load(tiny_checkpoint):
+    """As vLLM's start-up check: else the engine advertised a context it refused at each request
+    (every chat completion without max_tokens asks for all of it). A pool past the memory there is
+    is refused naming the setting (it was the allocator's traceback)."""
+    with pytest.raises(ValueError, match=r"the KV pool of 4 blocks x 16 tokens holds 64 tokens, less than one "
+                       r"sequence of 'max_model_len' 512: set 'max_model_len' to at most 64, or raise 'num_kv_blocks'"):
+        LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=4, block_size=16))
+    with pytest.raises(ValueError, match=r"holds \d+ tokens, less than .* or raise 'kv_cache_gb'"):
+        LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(kv_cache_gb=2**-14, max_num_seqs=1))
+    with pytest.raises(ValueError, match=r"the KV pool of 1000000000 blocks needs [\d.]+ GiB, more than the [\d.]+ GiB "
+                       r"available on cpu: lower 'num_kv_blocks'"):
+        LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=10**9))
+    small = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=4, block_size=16, max_model_len=64))
+    fits = small.add_request("fits", [5] * 60, SamplingParams(max_tokens=10, ignore_eos=True))
+    while small.has_unfinished():
+        small.step()
+    assert (len(fits.output_token_ids), fits.finish_reason) == (4, "length"), "capped at the context"
 
 
 def test_queue_limits_refuse_or_expire_requests(tiny_checkpoint):

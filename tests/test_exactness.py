@@ -67,7 +67,7 @@ def check_all_modes(model_dir: str, prompts, lengths):
         mismatches = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
         assert not mismatches, f"budget {budget}: requests {mismatches} differ from transformers"
     got, stats = engine_greedy(model_dir, prompts, lengths, max_num_batched_tokens=64,
-                               num_kv_blocks=PREEMPT_POOL_BLOCKS)
+                               num_kv_blocks=PREEMPT_POOL_BLOCKS, max_model_len=PREEMPT_POOL_BLOCKS * 16)
     assert stats["preemptions"] > 0, "the small pool should have forced preemptions"
     mismatches = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
     assert not mismatches, f"under preemption: requests {mismatches} differ from transformers"

@@ -43,7 +43,8 @@ def test_penalized_greedy_equals_transformers(cases_and_expected, budget, blocks
     row, and are rebuilt when a preempted request comes back."""
     cases, expected = cases_and_expected
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float64", max_num_batched_tokens=budget,
-                                                                   num_kv_blocks=blocks, max_num_seqs=seqs))
+                                                                   num_kv_blocks=blocks, max_num_seqs=seqs,
+                                                                   max_model_len=blocks and blocks * 16))
     got = engine.generate([p for p, _ in cases], [SamplingParams(max_tokens=64, temperature=0, **penalties)
                                                   for _, penalties in cases])
     assert engine.stats()["kv_blocks_used"] == 0

@@ -101,7 +101,8 @@ def test_mixed_adapter_batches_match_transformers_and_peft(tiny_checkpoint, adap
         assert count >= per_adapter[name] // 2, f"{name} changed only {count}/{per_adapter[name]} first tokens"
     for budget, blocks in ((8, 4096), (2048, 4096), (64, 16)):
         got, stats = engine_greedy(tiny_checkpoint, adapters, prompts, lengths, names,
-                                   max_num_batched_tokens=budget, num_kv_blocks=blocks)
+                                   max_num_batched_tokens=budget, num_kv_blocks=blocks,
+                                   max_model_len=min(512, blocks * 16))
         if blocks == 16:
             assert stats["preemptions"] > 0, "the small pool should have forced preemptions"
         mismatches = [(i, names[i]) for i, (g, e) in enumerate(zip(got, expected)) if g != e]

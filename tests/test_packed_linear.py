@@ -88,7 +88,7 @@ def test_only_shapes_of_whole_32s_take_the_tiles(amx_kernels):
 
 
 def test_the_cpu_engine_runs_its_linears_packed(tiny_checkpoint):
-    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float32", num_kv_blocks=16))
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float32", num_kv_blocks=16, max_model_len=256))
     model = engine.runner.model
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert isinstance(model.lm_head, PackedLinear)
@@ -160,10 +160,10 @@ def test_the_cpu_runner_pads_steps_and_sampled_rows_to_buckets(tiny_checkpoint, 
 def test_packed_cpu_runners_take_buckets_and_float64_ones_do_not(tiny_checkpoint):
     """Buckets wherever the linears are oneDNN's packed ones (float32, and bf16 where the CPU has
     it); float64 (the exactness runs) keeps torch's plain linears and exact shapes."""
-    float32 = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float32", num_kv_blocks=16))
+    float32 = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float32", num_kv_blocks=16, max_model_len=256))
     assert float32.runner.bucket is shape_bucket
-    float64 = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float64", num_kv_blocks=16))
+    float64 = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float64", num_kv_blocks=16, max_model_len=256))
     assert float64.runner.bucket is None
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        bf16 = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="bfloat16", num_kv_blocks=16))
+        bf16 = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="bfloat16", num_kv_blocks=16, max_model_len=256))
         assert bf16.runner.bucket is shape_bucket

@@ -141,8 +141,9 @@ def run_arrivals(model_dir, items, **config):
 def test_outputs_are_identical_with_caching_on_and_off_and_to_transformers(tiny_checkpoint, budget, blocks):
     from transformers import AutoModelForCausalLM
     items = shared_prefix_workload(seed=budget)
-    on, stats_on = run_arrivals(tiny_checkpoint, items, max_num_batched_tokens=budget, num_kv_blocks=blocks)
-    off, stats_off = run_arrivals(tiny_checkpoint, items, max_num_batched_tokens=budget, num_kv_blocks=blocks,
+    pool = dict(num_kv_blocks=blocks, max_model_len=min(512, blocks * 16))     # a small pool: a shorter context
+    on, stats_on = run_arrivals(tiny_checkpoint, items, max_num_batched_tokens=budget, **pool)
+    off, stats_off = run_arrivals(tiny_checkpoint, items, max_num_batched_tokens=budget, **pool,
                                   enable_prefix_caching=False)
     assert on == off
     assert stats_on["prefix_cache_hit_tokens"] > 0 and stats_off["prefix_cache_hit_tokens"] == 0
@@ -158,7 +159,7 @@ def test_outputs_are_identical_with_caching_on_and_off_and_to_transformers(tiny_
 def test_a_preempted_request_resumes_from_its_own_cached_blocks(tiny_checkpoint):
     """Recompute preemption is cheap with prefix caching: the victim's full blocks stay cached
     while the request that displaced it runs, and it resumes past them."""
-    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float64", num_kv_blocks=24,
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float64", num_kv_blocks=24, max_model_len=384,
                                                                      max_num_batched_tokens=256, block_size=16))
     low = engine.add_request("low", [5 + j % 500 for j in range(70)], SamplingParams(max_tokens=40, temperature=0),
                              priority="low")

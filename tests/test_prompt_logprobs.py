@@ -46,7 +46,8 @@ def check(prompt, got, rows):
 def test_prompt_logprobs_equal_a_full_softmax(prompts_and_expected, budget, blocks):
     prompts, expected = prompts_and_expected
     engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float64", max_num_batched_tokens=budget,
-                                                                   num_kv_blocks=blocks))
+                                                                   num_kv_blocks=blocks,
+                                                                   max_model_len=blocks and blocks * 16))
     plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     asking = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=TOP)
     engine.generate(prompts[6:7], plain)       # its first 40 tokens are cached for the last prompt

@@ -229,7 +229,7 @@ def test_bounded_queue_refuses_or_expires_requests_and_spares_the_running_one(st
 
 def test_kv_exhaustion_completes_through_preemption_with_exact_outputs(start_server, tokenizer):
     from transformers import AutoModelForCausalLM
-    s = start_server({"num_kv_blocks": 24, "max_num_seqs": 16})
+    s = start_server({"num_kv_blocks": 24, "max_num_seqs": 16, "max_model_len": 384})
     prompts = [tokenizer(f"{i} " + "The with statement is used to wrap the execution of a block " * 4)["input_ids"][:60]
                for i in range(16)]
     outs = run_streams(s, [stream(p, 40) for p in prompts])           # demand ~4.5x the pool
@@ -240,7 +240,7 @@ def test_kv_exhaustion_completes_through_preemption_with_exact_outputs(start_ser
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, len(prompt):].tolist()
         assert out.token_ids == expected
     never = run_streams(s, [stream([5] * 400, 10)])[0]
-    assert "needs 26 KV blocks but the pool has only 24" in never.error
+    assert "prompt (400 tokens) + at least one output token exceeds max_model_len (384)" in never.error
     assert wait_for_metric(s, "inflight_kv_blocks_used", 0) == 0
 
 

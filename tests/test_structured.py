@@ -156,7 +156,7 @@ def test_steps_without_constrained_rows_do_no_mask_work(tiny_checkpoint):
 def test_preempted_constrained_requests_resume_the_same_structure(reference_engine, tokenizer):
     """A pool of 10 blocks for 16 requests forces recompute preemptions mid-structure; the outputs
     are token for token those of the roomy engine, and all validate."""
-    small = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float64", num_kv_blocks=10, max_num_seqs=16,
+    small = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float64", num_kv_blocks=10, max_num_seqs=16, max_model_len=160,
                                                                   max_num_batched_tokens=256, cpu_threads=1))
     schema = SCHEMAS[6]                                          # an array of up to 3 objects: long outputs
     prompts = [prompt_ids(tokenizer, i) for i in range(16)]

@@ -100,21 +100,24 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "dynamic_length_window", "stream_interval"):
-            _check(_is_int(getattr(self, name)) and getattr(self, name) > 0, name, "must be a positive integer")
+            value = getattr(self, name)
+            _check(_is_int(value) and value > 0, name, f"must be a positive integer, got {value!r}")
         for name in ("num_kv_blocks", "max_model_len", "static_batch_size", "max_queue_size", "cpu_threads"):
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and value > 0), name, "must be a positive integer or None")
+            _check(value is None or (_is_int(value) and value > 0), name,
+                   f"must be a positive integer or None, got {value!r}")
         # more threads than cores only contend (a million never got a step done)
         cpus = usable_cpus()
         _check(self.cpu_threads is None or self.cpu_threads <= cpus, "cpu_threads",
                f"must be at most the {cpus} CPUs this process may run on, got {self.cpu_threads}")
         for name in ("kv_cache_gb", "max_queue_wait_s"):
             value = getattr(self, name)
-            _check(value is None or (_is_number(value) and value > 0), name, "must be a positive number or None")
+            _check(value is None or (_is_number(value) and value > 0), name,
+                   f"must be a positive number or None, got {value!r}")
         _check(_is_number(self.batch_wait_timeout_s) and self.batch_wait_timeout_s >= 0,
-               "batch_wait_timeout_s", "must be >= 0")
+               "batch_wait_timeout_s", f"must be >= 0, got {self.batch_wait_timeout_s!r}")
         _check(_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
-               "gpu_memory_utilization", "must be in (0, 1]")
+               "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",

@@ -103,11 +103,7 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(prompt)} tokens) + at least one output token exceeds max_model_len "
                              f"({self.max_model_len})")
         # a longer max_tokens is capped: the output ends with "length" at max_model_len, as in vLLM
-        total = min(len(prompt) + params.max_tokens, self.max_model_len)
-        blocks = -(-total // self.config.block_size)
-        if blocks > self.kv.num_blocks:
-            raise ValueError(f"prompt + 'max_tokens' needs {blocks} KV blocks but the pool has only "
-                             f"{self.kv.num_blocks} (block_size {self.config.block_size})")
+        # (the pool holds a whole max_model_len sequence: the runner refuses a smaller one at load)
         limit = self.config.max_queue_size
         if limit is not None and self.scheduler.num_waiting_for_a_seat >= limit:
             raise QueueFullError(f"queue full: {limit} requests are already waiting (max_queue_size)")

@@ -118,6 +118,7 @@ class ModelRunner:
                                           self.dtype, self.device, kernels=self.backend.name)
         self.cos, self.sin = rope_tables(hf_config, self.max_model_len, self.dtype, self.device)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        self._check_pool()
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv_caches = [(self._cache_tensor(shape), self._cache_tensor(shape)) for _ in range(self.spec.num_layers)]
         # CUDA: decode steps replay captured graphs (the Triton backend never syncs with the host;
@@ -181,6 +182,32 @@ class ModelRunner:
                  "max_num_seqs=%d x max_model_len=%d could use %d", blocks, blocks * self.kv_block_bytes / 2**20,
                  budget / 2**20, source, self.config.max_num_seqs, self.max_model_len, usable)
         return blocks
+
+    def _check_pool(self) -> None:
+        """Before allocating: the pool holds one sequence of max_model_len (vLLM's start-up check;
+        else each request was refused what the server advertises: a chat without max_tokens asks
+        for the whole context), and fits the memory there is (else the allocator's traceback)."""
+        knob = ("'num_kv_blocks'" if self.config.num_kv_blocks else "'kv_cache_gb'"
+                if self.device.type == "cpu" or self.config.kv_cache_gb else "'gpu_memory_utilization'")
+        tokens = self.num_blocks * self.block_size
+        if tokens < self.max_model_len:
+            raise ValueError(f"the KV pool of {self.num_blocks} blocks x {self.block_size} tokens holds {tokens} "
+                             f"tokens, less than one sequence of 'max_model_len' {self.max_model_len}: set "
+                             f"'max_model_len' to at most {tokens}, or raise {knob}")
+        size, available = self.num_blocks * self.kv_block_bytes, self._available_memory()
+        if available is not None and size > available:
+            raise ValueError(f"the KV pool of {self.num_blocks} blocks needs {size / 2**30:.2f} GiB, more than the "
+                             f"{available / 2**30:.2f} GiB available on {self.device.type}: lower {knob}")
+
+    def _available_memory(self) -> int | None:
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0]
+        try:
+            with open("/proc/meminfo") as f:
+                fields = dict(line.split(":", 1) for line in f)
+            return int(fields["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):         # not Linux: the allocator decides
+            return None
 
     def _cuda_kv_budget(self) -> float:
         """What gpu_memory_utilization leaves after weights and the peak of a full step, measured:
