@@ -300,6 +300,17 @@ def test_dynamic_batching_groups_similar_lengths_and_admits_no_joins():
     assert_pool_whole(s)
 
 
+def test_dynamic_batching_seats_higher_priority_before_closer_lengths():
+    """Within the length window priority comes first: a low-priority request of the head's length
+    took the seat of a high-priority one 30 tokens longer, which then waited for the whole group."""
+    s = make_scheduler(policy="dynamic", max_seqs=2, dynamic_length_window=32, num_blocks=256, max_model_len=512)
+    high, longer_high, low = add(s, 10, priority=0), add(s, 40, priority=0), add(s, 10, priority=2)
+    assert set(scheduled(s, step(s))) == {high.request_id, longer_high.request_id}
+    assert low.status == Status.WAITING
+    run_until_idle(s)
+    assert_pool_whole(s)
+
+
 # ---- property tests: the pool is conserved through any sequence of operations ----------------
 PREFIXES = [[], [5] * 8, [5] * 8 + [6] * 4, [7, 8, 9]]
 

@@ -330,7 +330,9 @@ class Scheduler:
             window = self.config.dynamic_length_window
             head_len = len(head.token_ids)
             near = [r for r in self._waiting_in_order() if abs(len(r.token_ids) - head_len) <= window]
-            near.sort(key=lambda r: abs(len(r.token_ids) - head_len))
+            # priority first (a low-priority request of the head's length took a seat before a
+            # high-priority one a little longer), then the closest lengths
+            near.sort(key=lambda r: (r.priority, abs(len(r.token_ids) - head_len)))
             members = near[:self.config.max_num_seqs]
         for req in members:
             # request-level batching reserves a request's whole KV up front, as contiguous
