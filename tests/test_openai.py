@@ -355,6 +355,30 @@ def test_the_checkpoints_generation_config_sets_the_defaults_of_fields_a_request
     assert (completion.choices[0].text, own.choices[0].text) == (penalized, plain)
 
 
+def test_api_keys_guard_every_route_but_the_probes(server, tmp_path, monkeypatch):
+    """vLLM's --api-key: any of the keys, as a Bearer token; a wrong or missing one is a 401 the
+    SDK raises as AuthenticationError; probes answer without one; INFLIGHT_API_KEY when no flag."""
+    from inflight_client.openai_server.cli import parse_args
+    monkeypatch.setenv("INFLIGHT_API_KEY", "from-env")
+    assert parse_args(["--model-dir", DEFAULT_MODEL])[0].api_keys == ("from-env",)
+    assert parse_args(["--model-dir", DEFAULT_MODEL, "--api-key", "a"])[0].api_keys == ("a",)
+    monkeypatch.delenv("INFLIGHT_API_KEY")
+    assert parse_args(["--model-dir", DEFAULT_MODEL])[0].api_keys == ()
+    with openai_server(server.http_url, tmp_path, "--api-key", "first-key", "--api-key", "second-key") as keyed:
+        for key in ("first-key", "second-key"):
+            keyed_client = openai.OpenAI(base_url=keyed.base_url, api_key=key, max_retries=0)
+            assert keyed_client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2).usage.completion_tokens
+            assert "".join(c.choices[0].text for c in keyed_client.completions.create(
+                model=MODEL, prompt=PROMPTS[0], max_tokens=2, stream=True))
+        for key in ("wrong", "first-keyx", ""):
+            with pytest.raises(openai.AuthenticationError, match="Incorrect API key provided"):
+                openai.OpenAI(base_url=keyed.base_url, api_key=key or "-", max_retries=0).models.list()
+        root = keyed.base_url.removesuffix("/v1")
+        assert httpx.post(root + "/tokenize", json={"prompt": "x"}).status_code == 401
+        assert httpx.get(keyed.base_url + "/models", headers={"Authorization": "Basic first-key"}).status_code == 401
+        assert [httpx.get(root + path).status_code for path in ("/health", "/ping", "/version")] == [200] * 3
+
+
 def test_n_seeds_and_stop_strings(client, reference_engine, tokenizer):
     kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=7)
     first = client.completions.create(n=3, **kwargs)

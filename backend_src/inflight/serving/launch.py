@@ -404,7 +404,8 @@ class Endpoints:
                  f"  gRPC     localhost:{self.grpc_port}",
                  f"  metrics  http://localhost:{self.metrics_port}/metrics"]
         if self.openai_port:
-            lines.append(f"  OpenAI   http://localhost:{self.openai_port}/v1")
+            keyed = "  (API key: $INFLIGHT_API_KEY)" if os.environ.get("INFLIGHT_API_KEY") else ""
+            lines.append(f"  OpenAI   http://localhost:{self.openai_port}/v1{keyed}")
         lines.append(f"  try:     curl -s localhost:{self.http_port}/v2/models/llm/generate "
                      "-d '{\"text_input\": \"The assert statement\", \"max_tokens\": 32, \"temperature\": 0}'")
         return lines

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 
 from inflight.serving.protocol import LONE_SURROGATE, lone_surrogate_field
 
+from .auth import RequireAPIKey
 from .chat_completions import create_chat_completion
 from .chat_template import ChatTemplate
 from .completions import create_completion
@@ -50,6 +51,7 @@ class Settings:
     trust_request_chat_template: bool = False
     max_triton_requests: int = 1024         # outputs in flight to Triton at once; more wait here (OutputSlots)
     generation_config: str = "auto"         # vLLM's: "auto" reads the checkpoint's sampling defaults, "vllm" ignores them
+    api_keys: tuple[str, ...] = ()          # any of them opens every route but the probes (auth.py); none: open
 
 
 def _members(annotation) -> list:
@@ -184,6 +186,8 @@ def create_app(settings: Settings) -> FastAPI:
         ctx.large_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="inflight OpenAI-compatible server", lifespan=lifespan)
+    if settings.api_keys:
+        app.add_middleware(RequireAPIKey, keys=settings.api_keys)
 
     @app.exception_handler(APIError)
     async def api_error(_request, exc: APIError):

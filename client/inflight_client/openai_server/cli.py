@@ -15,6 +15,7 @@ from inflight.context_length import checkpoint_max_len
 from inflight.serving.parent import when_parent_exits
 
 from .app import Settings, create_app
+from .auth import API_KEY_ENV
 from .process import PARENT_ENV
 
 
@@ -55,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                              "prompt, of n outputs each); more wait here, by priority then in turn. At most "
                              "`llm`'s max_num_seqs + max_queue_size (what `make serve` passes), one request's many "
                              "prompts never fill the engine's queue by themselves")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health, /ping and /version "
+                             f"(repeatable: any of the keys; default: ${API_KEY_ENV} if set, else no key)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--log-level", default="info")
@@ -71,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
         parser.error(f"--max-triton-requests must be at least 1, got {args.max_triton_requests}")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         parser.error(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
+    if any(not key.strip() for key in args.api_key):
+        parser.error("--api-key: a key must not be empty")
     for module in args.lora_modules:
         if "=" in module or module.lstrip().startswith("{"):
             parser.error(f"--lora-modules: {module!r} is vLLM's name=path form; give the names alone: `llm` "
@@ -83,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
         parser.error(f"--max-model-len must be at least 2 (a prompt token and an output token), got {max_model_len}")
     settings = Settings(args.triton_url, directory, name, max_model_len, args.triton_model, args.chat_template,
                         args.default_max_tokens, tuple(args.lora_modules), args.disable_any_whitespace,
-                        args.trust_request_chat_template, args.max_triton_requests, args.generation_config)
+                        args.trust_request_chat_template, args.max_triton_requests, args.generation_config,
+                        tuple(args.api_key) or tuple(filter(None, [os.environ.get(API_KEY_ENV)])))
     return settings, args
 
 
