@@ -537,6 +537,10 @@ def test_a_kind_gpu_instance_runs_on_the_gpu_triton_gives_it(tmp_path):
     assert placed.engine.device == "cuda:3" and settings.engine.device == "auto"
     assert placed.labels == {"model_instance": "llm_0_0", "gpu": "3"} and placed.instances == 4
     assert placed.engine.cpu_threads == max(len(os.sched_getaffinity(0)) // 4, 1)
+    assert placed.engine.engines_per_device == 1, "one per GPU: each takes the whole gpu_memory_utilization"
+    for groups in ([{"count": 2, "kind": "KIND_GPU"}], [{"count": 2, "kind": "KIND_CPU"}]):   # two on one GPU
+        shared = settings.placed({**instance, "model_config": json.dumps({"instance_group": groups})})
+        assert shared.engine.engines_per_device == 2
     for kind in ("CPU", "MODEL"):
         one = {"instance_group": [{"count": 1, "kind": f"KIND_{kind}"}]}
         assert settings.placed({**instance, "model_instance_kind": kind, "model_config": json.dumps(one)}) == settings

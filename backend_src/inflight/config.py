@@ -75,6 +75,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None          # explicit pool size; else derived from the memory budget
     kv_cache_gb: float | None = None          # memory budget for the KV pool (CPU default 1 GiB)
     gpu_memory_utilization: float = 0.9       # CUDA: share of device memory the engine may use in all
+    engines_per_device: int = 1               # CUDA: engines sharing that share (Triton instances on one GPU)
     max_num_seqs: int = 64                    # seats in the running batch
     max_num_batched_tokens: int = 2048        # token budget of one step
     max_model_len: int | None = None          # prompt + output; default: the model's max positions
@@ -99,7 +100,8 @@ class EngineConfig:
     max_lora_rank: int = 16                   # the largest adapter rank accepted
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "dynamic_length_window", "stream_interval"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "dynamic_length_window", "stream_interval",
+                     "engines_per_device"):
             value = getattr(self, name)
             _check(_is_int(value) and value > 0, name, f"must be a positive integer, got {value!r}")
         for name in ("num_kv_blocks", "max_model_len", "static_batch_size", "max_queue_size", "cpu_threads"):

@@ -240,7 +240,11 @@ class ModelRunner:
         peak = torch.cuda.max_memory_reserved(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        return total * self.config.gpu_memory_utilization - used_by_others - peak
+        target = total * self.config.gpu_memory_utilization
+        # engines sharing the device (Triton instances on one GPU, which load at once) each take an
+        # even part of the target; alone, what the device has left under it (others counted): else
+        # the second engine counted the first's pool as another user's and found no memory
+        return min(target / self.config.engines_per_device - peak, target - used_by_others - peak)
 
     # ---- one step ------------------------------------------------------------------------------
     def prepare(self, step: PackedStep, sample_order: np.ndarray | None = None):

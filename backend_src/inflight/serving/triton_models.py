@@ -86,7 +86,8 @@ class Settings:
         each unless 'cpu_threads' is given, and label their metrics with their instance name and
         GPU (Triton gives the instances of one count index the same name on every GPU): under the
         same labels each one's gauges would overwrite the others'."""
-        engine, count = self.engine, instance_count(json.loads(args.get("model_config", "{}")))
+        model_config = json.loads(args.get("model_config", "{}"))
+        engine, count = self.engine, instance_count(model_config)
         labels = {"model_instance": args["model_instance_name"]} if count > 1 else {}
         if args.get("model_instance_kind") == "GPU":
             gpu = int(args["model_instance_device_id"])
@@ -99,6 +100,7 @@ class Settings:
                 labels["gpu"] = str(gpu)
         if count > 1 and engine.cpu_threads is None:
             engine = replace(engine, cpu_threads=max(usable_cpus() // count, 1))
+        engine = replace(engine, engines_per_device=engines_per_device(model_config))
         return replace(self, engine=engine, labels=labels, instances=count)
 
     @property
@@ -112,6 +114,13 @@ def instance_count(model_config: dict) -> int:
     lists every GPU for a KIND_GPU group that names none)."""
     groups = model_config.get("instance_group") or [{}]
     return sum(int(group.get("count", 1)) * max(len(group.get("gpus") or ()), 1) for group in groups)
+
+
+def engines_per_device(model_config: dict) -> int:
+    """How many of the model's engines may share one GPU: a KIND_GPU group's `count` on each GPU
+    it lists, and every instance of another kind on the first GPU ('auto' placement); a group's
+    count on each (the most that can meet on one, whatever the groups list)."""
+    return max(sum(int(group.get("count", 1)) for group in model_config.get("instance_group") or [{}]), 1)
 
 
 def read_multi_lora(path: str) -> dict[str, str]:
