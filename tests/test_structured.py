@@ -643,8 +643,9 @@ def test_the_schemas_pydantic_and_openai_examples_write_are_served():
         tags: list[str] = Field(json_schema_extra={"uniqueItems": False})
         size: Size
 
+    one_of_the_calls = {"type": "object", "anyOf": [{"properties": {"name": {"const": "f"}}, "required": ["name"]}]}
     for schema in (Order.model_json_schema(), pydantic_1, pydantic_2_9, openapi, weather, Account.model_json_schema(),
-                   {"type": "number", "anyOf": [{"type": "integer"}, {"const": 2.5}]}):
+                   {"type": "number", "anyOf": [{"type": "integer"}, {"const": 2.5}]}, one_of_the_calls):
         assert structured.unenforced(schema) is None, schema
         SamplingParams(structured_outputs={"json": schema})
 

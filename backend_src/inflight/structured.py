@@ -253,7 +253,8 @@ def _json_type(value) -> str:
 
 
 def _named_types(schema) -> set[str] | None:
-    """The types a schema allows by its 'type', or by its only values ('const', 'enum'); None if unsaid."""
+    """The types a schema allows as xgrammar reads it: by its 'type', its only values ('const',
+    'enum'), or the object or array keywords that make it one there; None if unsaid."""
     kind = schema.get("type")
     if isinstance(kind, (str, list)):
         return {kind} if isinstance(kind, str) else set(kind)
@@ -261,6 +262,10 @@ def _named_types(schema) -> set[str] | None:
         return {_json_type(schema["const"])}
     if isinstance(schema.get("enum"), list):
         return {_json_type(value) for value in schema["enum"]}
+    if any(k in schema for k in ("properties", "additionalProperties", "patternProperties")):
+        return {"object"}
+    if any(k in schema for k in ("items", "prefixItems")):
+        return {"array"}
     return None
 
 
