@@ -1607,6 +1607,76 @@ def test_queue_full_is_429_and_triton_gone_is_503(tmp_path):
         triton.stop()
 
 
+def test_a_stopping_triton_is_unhealthy_at_once_and_not_held_up_by_this_server(tmp_path):
+    """While tritonserver stops it still answers ready on the connections it had, and waits for
+    them to close: the health probe takes a connection of its own, so under traffic /health turns
+    503 at once (it said 200 for 14 s); and the pool keeps an idle connection 2 s, not aiohttp's
+    15 s, so a stop after traffic is not held up by it."""
+    import threading
+    repo = make_repository(str(tmp_path / "repo"), DEFAULT_MODEL, TEST_ENGINE)
+    triton = ServerProcess(repo, extra=["--exit-timeout-secs=30"]).start()
+    try:
+        with openai_server(triton.http_url, tmp_path) as api:
+            root = api.base_url.removesuffix("/v1")
+            body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4}
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:      # four pooled connections
+                assert all(r.status_code == 200 for r in pool.map(
+                    lambda _: httpx.post(f"{api.base_url}/completions", json=body, timeout=30), range(8)))
+            started = time.monotonic()
+            stopping = threading.Thread(target=triton.stop)
+            stopping.start()
+            while httpx.get(root + "/health").status_code == 200 and time.monotonic() - started < 10:
+                time.sleep(0.1)
+            unhealthy_after = time.monotonic() - started
+            stopping.join(60)
+            stopped_after = time.monotonic() - started
+        assert unhealthy_after < 3, f"/health said 200 for {unhealthy_after:.1f} s of the stop"
+        assert triton.process.returncode == 0 and stopped_after < 10, (triton.process.returncode, stopped_after)
+    finally:
+        triton.stop()
+
+
+def test_a_stream_of_several_prompts_holds_back_what_nobody_reads():
+    """Each prompt's call is pumped into a bounded queue: a client that stops reading stops the
+    calls (and so Triton) instead of this server holding every prompt's whole output (+104 MB in
+    16 s for 24 prompts); leaving closes every call at once, which cancels its request."""
+    from inflight_client.openai_server.generation import stream
+    produced, closed = [0, 0, 0], []
+
+    async def call(i):
+        try:
+            for k in range(10_000):
+                await asyncio.sleep(0)          # as a call awaits its next event from Triton
+                produced[i] += 1
+                yield (i, k)
+        finally:
+            closed.append(i)
+
+    async def main():
+        merged = await stream([call(i) for i in range(3)])
+        got = [await anext(merged) for _ in range(2)]
+        await asyncio.sleep(0.1)            # the reader stalls
+        held = sum(produced)
+        await merged.aclose()
+        await asyncio.sleep(0.01)
+        return got, held
+
+    got, held = asyncio.run(main())
+    assert len(got) == 2 and held <= 12, f"{held} responses produced for 2 read"
+    assert sorted(closed) == [0, 1, 2]
+
+
+def test_a_body_over_64_mib_is_a_413_before_it_is_read(api):
+    """Triton's frontend's cap: a body is parsed on the event loop, ~4 ms a MB every stream waits."""
+    url = f"{api.base_url}/completions"
+    huge = b'{"model": "x", "prompt": "' + b"a" * (64 * 2**20) + b'"}'
+    for content in (huge, iter([huge[:2**20], huge[2**20:]])):          # with a Content-Length, and chunked
+        reply = httpx.post(url, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+        assert reply.status_code == 413, reply.text
+        assert reply.json()["error"]["message"] == "the request body is larger than 64 MiB"
+    assert httpx.post(url, json={"model": MODEL, "prompt": "a" * 2**20, "max_tokens": 1}, timeout=60).status_code == 400
+
+
 def test_a_lora_adapter_is_a_model_id_routed_to_lora_name(server, client):
     """model=<adapter> runs the base model with that adapter: the text `llm` gives for the same
     lora_name, not the base model's."""

@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from inflight.serving.protocol import LONE_SURROGATE, lone_surrogate_field
 
 from .auth import RequireAPIKey
+from .body_limit import BodyTooLarge, LimitBody
 from .chat_completions import create_chat_completion
 from .chat_template import ChatTemplate
 from .completions import create_completion
@@ -119,7 +120,7 @@ async def _body(request: Request, schema: type[BaseModel]):
     if not isinstance(raw, dict):
         raise APIError(400, "the request body must be a JSON object")
     # a surrogate as JSON's escape, or as its raw UTF-8-like bytes (ED A0..BF xx), which json accepts
-    if (b"\\ud" in body.lower() or b"\xed" in body) and (field := lone_surrogate_field(raw)):
+    if (b"\\ud" in body or b"\\uD" in body or b"\xed" in body) and (field := lone_surrogate_field(raw)):
         raise APIError(400, f"'{field}' {LONE_SURROGATE}", field)
     try:
         return schema.model_validate(raw)
@@ -186,7 +187,8 @@ def create_app(settings: Settings) -> FastAPI:
         ctx.large_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="inflight OpenAI-compatible server", lifespan=lifespan)
-    if settings.api_keys:
+    app.add_middleware(LimitBody)
+    if settings.api_keys:           # added last: it runs first, so an unkeyed body is never read
         app.add_middleware(RequireAPIKey, keys=settings.api_keys)
 
     @app.exception_handler(APIError)
@@ -196,6 +198,11 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(_request, exc: HTTPException):      # unknown path, wrong method
         return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(_request, exc: BodyTooLarge):
+        error = exc.error()
+        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(ClientDisconnect)
     async def client_left(_request, _exc):      # while it sent its body: nobody to answer, nothing wrong here

@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 
 TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+         405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
+         503: "service_unavailable"}
 
 # how `llm` errors that are the server's state, not the request's fault, begin (see serving/loop.py)
 UNAVAILABLE = ("the engine failed", "the server failed", "the server is shutting down", "the model is being unloaded",

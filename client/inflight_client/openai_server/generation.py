@@ -78,15 +78,19 @@ async def stream(calls: list[AsyncIterator[LLMResponse]]) -> AsyncIterator[tuple
         if first is None:
             raise APIError(503, "Triton ended the request without a response")
         return _chain(first, call)
-    queue: asyncio.Queue = asyncio.Queue()
+    # bounded: a client that stops reading stops the calls (and Triton) as one call's stream does,
+    # instead of this server holding every prompt's whole output
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(calls))
 
     async def pump(index: int, call: AsyncIterator[LLMResponse]) -> None:
         try:
             async for response in call:
-                queue.put_nowait((index, response))
-            queue.put_nowait((index, None))
+                await queue.put((index, response))
+            await queue.put((index, None))
         except Exception as exc:        # an APIError, or a bug: raised where the responses are read
-            queue.put_nowait((index, exc))
+            await queue.put((index, exc))
+        finally:        # cancelled while waiting to put: close the call now, which cancels its request
+            await call.aclose()
 
     tasks = [asyncio.create_task(pump(i, call)) for i, call in enumerate(calls)]
     buffered, started = [], set()

@@ -137,28 +137,41 @@ class OutputSlots:
             granted.set_result(None)
 
 
+# how long a connection to Triton is kept for the next request: long enough for a busy server,
+# short enough that an idle one never holds a stopping tritonserver long
+KEEPALIVE_S = 2.0
+
+
 class TritonLLM:
     def __init__(self, url: str, model: str = "llm", max_outputs: int = 1024):
         self.url = url                    # Triton's HTTP address, host:port
         self.model = model
         self.slots = OutputSlots(max_outputs)
         self.session: aiohttp.ClientSession | None = None
+        self.probes: aiohttp.ClientSession | None = None
         self.inputs: set[str] | None = None         # the model's input names (inflight's `llm` has more)
 
     async def start(self) -> None:
-        """Open the pool (inside the event loop that will use it): a connection per request in
-        flight (OutputSlots bounds them), kept alive for the next."""
-        self.session = aiohttp.ClientSession(f"http://{self.url}", connector=aiohttp.TCPConnector(limit=0),
+        """Open the pools (inside the event loop that will use them): a connection per request in
+        flight (OutputSlots bounds them), kept alive for the next a short while only, since a
+        stopping tritonserver waits for every open connection (its exit timeout, then exit 1); and
+        one that closes each connection, for the health probes: a stopping tritonserver still
+        answers ready on a connection it had, and refuses new ones."""
+        self.session = aiohttp.ClientSession(f"http://{self.url}",
+                                             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                                              timeout=aiohttp.ClientTimeout(total=None, connect=10))
+        self.probes = aiohttp.ClientSession(f"http://{self.url}", connector=aiohttp.TCPConnector(force_close=True),
+                                            timeout=aiohttp.ClientTimeout(total=2))
 
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
+            await self.probes.close()
 
     async def ready(self) -> bool:
         try:
             for path in ("/v2/health/ready", f"/v2/models/{self.model}/ready"):
-                async with self.session.get(path, timeout=aiohttp.ClientTimeout(total=2)) as response:
+                async with self.probes.get(path) as response:
                     if response.status != 200:
                         return False
             return True
@@ -229,14 +242,19 @@ class TritonLLM:
                 await self._check_inputs()
             async with self.session.post(f"/v2/models/{self.model}/generate_stream",
                                          json=self.payload(prompt, sampling)) as response:
-                if response.status != 200 and response.content_type != "text/event-stream":
-                    body = await response.text()
-                    raise from_triton(json.loads(body).get("error", body) if body.startswith("{") else body)
-                async for event in _events(response):
-                    if "error" in event:
-                        raise from_triton(event["error"])
-                    if "text_output" in event:      # not a heartbeat
-                        yield parse_event(event)
+                try:
+                    if response.status != 200 and response.content_type != "text/event-stream":
+                        body = await response.text()
+                        raise from_triton(json.loads(body).get("error", body) if body.startswith("{") else body)
+                    async for event in _events(response):
+                        if "error" in event:
+                            raise from_triton(event["error"])
+                        if "text_output" in event:      # not a heartbeat
+                            yield parse_event(event)
+                except APIError as exc:
+                    if exc.status == 503:       # Triton stopping (or failed): the connection goes, not back to the pool
+                        response.close()
+                    raise
         except aiohttp.ClientConnectionError as exc:
             raise APIError(503, f"Triton at {self.url} is not reachable: {exc}") from None
         except aiohttp.ClientError as exc:
