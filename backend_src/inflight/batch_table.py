@@ -8,6 +8,7 @@ runner pack a step's inputs by fancy indexing.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .request import Request
 
@@ -53,7 +54,12 @@ class BatchTable:
         self.has_bad_words = np.zeros(rows, dtype=bool)
         self.bad_words: list[list | None] = [None] * rows      # bad_word_endings of the row's request
         self.has_logit_bias = np.zeros(rows, dtype=bool)
+        # a row's logit_bias as (token ids, biases) and allowed_token_ids as an array, made once when
+        # it is seated: built from the request's tuples at every step, a whole-vocabulary list cost
+        # seconds a step (Python over 128k entries a row), for every request in the batch
+        self.logit_bias: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * rows
         self.has_allowed_ids = np.zeros(rows, dtype=bool)      # sampling limited to allowed_token_ids
+        self.allowed_ids: list[torch.Tensor | None] = [None] * rows
         self.constrained = np.zeros(rows, dtype=bool)          # has structured outputs (a grammar matcher)
         self.lora_slot = np.full(rows, -1, dtype=np.int32)      # LoRA adapter slot; -1: base model
         self.request_ids = np.empty(rows, dtype=object)
@@ -100,7 +106,12 @@ class BatchTable:
         self.has_bad_words[row] = bool(params.bad_words_ids)
         self.bad_words[row] = bad_word_endings(params.bad_words_ids) if params.bad_words_ids else None
         self.has_logit_bias[row] = bool(params.logit_bias)
+        if params.logit_bias:
+            ids, biases = zip(*params.logit_bias)
+            self.logit_bias[row] = torch.tensor(ids), torch.tensor(biases, dtype=torch.float64)
         self.has_allowed_ids[row] = params.allowed_token_ids is not None
+        if params.allowed_token_ids is not None:
+            self.allowed_ids[row] = torch.tensor(params.allowed_token_ids, dtype=torch.int64)
         self.constrained[row] = req.matcher is not None
         self.lora_slot[row] = req.lora_slot
         self.request_ids[row] = req.request_id
@@ -117,7 +128,7 @@ class BatchTable:
         req.row = -1
         self.requests[row] = None
         self.request_ids[row] = None
-        self.bad_words[row] = None
+        self.bad_words[row] = self.logit_bias[row] = self.allowed_ids[row] = None
         self.num_blocks[row] = 0
         self._clear_stop_ids(row)
         self._free_rows.append(row)

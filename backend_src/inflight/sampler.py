@@ -63,10 +63,9 @@ class Sampler:
         biased = np.flatnonzero(table.has_logit_bias[rows])
         if not biased.size:
             return
-        entries = [(i, token, bias) for i in biased.tolist()
-                   for token, bias in table.requests[int(rows[i])].params.logit_bias]
-        at, tokens, biases = zip(*entries)
-        logits[torch.tensor(at), torch.tensor(tokens)] += torch.tensor(biases, dtype=logits.dtype).to(logits.device)
+        for i in biased.tolist():       # a row at a time: one index_add of the tensors made at admission
+            tokens, biases = table.logit_bias[int(rows[i])]
+            logits[i].index_add_(0, tokens.to(logits.device), biases.to(logits.device, logits.dtype))
 
     @staticmethod
     def _apply_allowed(logits: torch.Tensor, table: BatchTable, rows: np.ndarray) -> None:
@@ -78,11 +77,10 @@ class Sampler:
         limited = np.flatnonzero(table.has_allowed_ids[rows])
         if not limited.size:
             return
-        allowed = [table.requests[int(rows[i])].params.allowed_token_ids for i in limited.tolist()]
         device = logits.device
-        at = np.repeat(np.arange(len(allowed)), [len(ids) for ids in allowed])
-        keep = torch.zeros((len(allowed), logits.shape[1]), dtype=torch.bool, device=device)
-        keep[torch.from_numpy(at).to(device), torch.tensor([t for ids in allowed for t in ids], device=device)] = True
+        keep = torch.zeros((len(limited), logits.shape[1]), dtype=torch.bool, device=device)
+        for k, row in enumerate(rows[limited].tolist()):
+            keep[k, table.allowed_ids[row].to(device)] = True
         index = torch.from_numpy(limited).to(device)
         subset = logits[index]
         keep &= subset > -torch.inf

@@ -134,13 +134,11 @@ def shm_prefix() -> str:
     return f"inflight_{os.getpid()}_{secrets.token_hex(4)}_"
 
 
-def remove_shm_regions(prefix: str) -> list[str]:
-    """Remove the regions a server started with `prefix` left behind; returns their paths."""
-    paths = glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "*"))
-    for path in paths:
+def remove_shm_regions(prefix: str) -> None:
+    """Remove the regions a server started with `prefix` left behind."""
+    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "*")):
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
-    return paths
 
 
 # Triton 2.51 finalizes a decoupled Python model only after its last response, so a long
