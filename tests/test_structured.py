@@ -352,6 +352,20 @@ def test_grammar_cache_is_lru_by_canonical_text(monkeypatch):
     assert cache.num_compiled == 4
 
 
+def test_grammar_cache_is_bounded_in_bytes_too(monkeypatch):
+    """A grammar of many choices holds megabytes: the cache keeps at most CACHE_BYTES of them
+    (least recently used out first), not 256 whatever their size."""
+    cache = structured.StructuredOutputs(DEFAULT_MODEL, 4096, (2,), 8)
+    big = [cache.compile(parse_spec({"choice": [f"{name}-{i}" for i in range(2000)]})) for name in ("a", "b")]
+    assert all(grammar.memory_size_bytes > 100_000 for grammar in big)
+    monkeypatch.setattr(structured, "CACHE_BYTES", big[0].memory_size_bytes + big[1].memory_size_bytes // 2)
+    third = cache.compile(parse_spec({"choice": [f"c-{i}" for i in range(2000)]}))
+    assert cache.cache_bytes <= structured.CACHE_BYTES and cache.cache_bytes == sum(
+        g.memory_size_bytes for g in cache._cache.values())
+    assert cache.cached(parse_spec({"choice": [f"c-{i}" for i in range(2000)]})) is third, "the newest stays"
+    assert cache.cached(parse_spec({"choice": [f"a-{i}" for i in range(2000)]})) is None, "the oldest went"
+
+
 def test_a_schema_asked_for_while_it_compiles_is_compiled_once_and_the_cache_stays_free(monkeypatch):
     """Three threads asking for one new schema at once share its compile (a burst of the same
     response_format compiled it once per compile thread); building the compiler (the tokenizer's

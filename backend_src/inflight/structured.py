@@ -35,6 +35,9 @@ BACKENDS = ("xgrammar", "xgrammar:no-fallback", "xgrammar:_auto", "auto")
 UNSUPPORTED = {"structural_tag": "is not supported (give one of json, regex, choice, grammar, json_object)",
                "whitespace_pattern": "is not supported by xgrammar (use 'disable_any_whitespace')"}
 CACHE_SIZE = 256                 # compiled grammars kept per engine
+# and at most this much of them (xgrammar's memory_size_bytes): a grammar of tens of thousands of
+# choices holds ~100 MB, and 256 of them pinned gigabytes (vLLM bounds its xgrammar cache at 512 MB)
+CACHE_BYTES = 512 * 2**20
 REFUSALS_SIZE = 64               # refused constraints kept apart, so that they never evict a grammar
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")     # "[15:12:11] /project/cpp/x.cc:94: "
 
@@ -400,6 +403,7 @@ class StructuredOutputs:
         self._compiling: dict[tuple, Future] = {}   # spec key: asked again, it waits for this compile
         self._terminate_without_stop = False
         self._cache: OrderedDict = OrderedDict()
+        self.cache_bytes = 0                 # what the cached grammars hold
         self._refused: OrderedDict = OrderedDict()
         self._bitmask = None                 # [max_num_seqs, ceil(vocab / 32)] int32, allocated on first use
         self._batch = None
@@ -430,10 +434,12 @@ class StructuredOutputs:
             raise
         with self._lock:
             self.num_compiled += 1
-            kept, size = (self._refused, REFUSALS_SIZE) if isinstance(compiled, Refusal) else (self._cache, CACHE_SIZE)
-            kept[key] = compiled
-            while len(kept) > size:
-                kept.popitem(last=False)
+            if isinstance(compiled, Refusal):
+                self._refused[key] = compiled
+                while len(self._refused) > REFUSALS_SIZE:
+                    self._refused.popitem(last=False)
+            else:
+                self._keep(key, compiled)
             del self._compiling[key]
         running.set_result(compiled)
         return self._usable(compiled, spec)
@@ -443,6 +449,15 @@ class StructuredOutputs:
         for a compile). Raises ValueError naming the field for a constraint refused before."""
         with self._lock:
             return self._hit(spec)
+
+    def _keep(self, key: tuple, compiled) -> None:
+        """Cache a grammar, evicting the least recently used past CACHE_SIZE or CACHE_BYTES (the
+        newest stays, whatever its size: its requests hold it anyway)."""
+        self._cache[key] = compiled
+        self.cache_bytes += compiled.memory_size_bytes
+        while len(self._cache) > CACHE_SIZE or (self.cache_bytes > CACHE_BYTES and len(self._cache) > 1):
+            _, evicted = self._cache.popitem(last=False)
+            self.cache_bytes -= evicted.memory_size_bytes
 
     def _hit(self, spec: GrammarSpec):
         for kept in (self._cache, self._refused):
