@@ -312,6 +312,36 @@ def test_a_request_arriving_as_another_finishes_takes_its_seat_not_a_queue_place
     assert eng.stats()["kv_blocks_used"] == 0
 
 
+def test_bad_words_take_both_forms_in_one_tokenizer_call(tokenizer):
+    """vLLM's two forms of a bad word (as text starts, and mid-text after a space where that is
+    another token), whitespace alone as it is; all words tokenized in one batched call (one by one,
+    100,000 words held Triton's execute thread 4.4 s)."""
+    from inflight.serving.loop import EngineLoop
+
+    class Unused:
+        config = EngineConfig()
+
+    calls = []
+
+    class Counting:                 # the tokenizer, counting its calls
+        def __call__(self, texts, **kwargs):
+            calls.append(texts)
+            return tokenizer(texts, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    def ids(text):
+        return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+    words = ("import", " class", "  ", "x y")
+    got = EngineLoop(Unused(), Counting())._bad_words_ids(words)
+    expected = [ids("import"), ids(" import"), ids("class"), ids(" class"), ids("  "), ids("x y")]
+    if len(ids("x y")) == len(ids(" x y")):
+        expected.insert(6, ids(" x y"))
+    assert got == tuple(expected) and len(calls) == 1
+    assert ids("import") != ids(" import"), "the word reads as another token mid-text"
+
+
 def test_a_pool_smaller_than_one_max_model_len_sequence_or_the_memory_fails_the_load(tiny_checkpoint):
     """As vLLM's start-up check: else the engine advertised a context it refused at each request
     (every chat completion without max_tokens asks for all of it). A pool past the memory there is

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from ..config import PRIORITIES, SamplingParams, parse_priority
+from ..config import MAX_BAD_WORDS, PRIORITIES, SamplingParams, parse_priority
 from ..structured import json_value, parse_spec
 
 
@@ -312,6 +312,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
     bad_words = knobs.pop("bad_words", ())
     if any(not word for word in bad_words):
         raise RequestError("'bad_words' must hold non-empty strings")
+    if len(bad_words) > MAX_BAD_WORDS:
+        raise RequestError(f"'bad_words' holds {len(bad_words)} entries, more than {MAX_BAD_WORDS}")
     n = knobs.pop("n", 1)
     if not 1 <= n <= MAX_N:
         raise RequestError(f"'n' must be an integer in [1, {MAX_N}], got {n}")
