@@ -355,16 +355,19 @@ def test_the_checkpoints_generation_config_sets_the_defaults_of_fields_a_request
     assert (completion.choices[0].text, own.choices[0].text) == (penalized, plain)
 
 
-def test_api_keys_guard_every_route_but_the_probes(server, tmp_path, monkeypatch):
+def test_api_keys_guard_every_route_but_the_probes_and_priority_can_be_refused(server, tmp_path, monkeypatch):
     """vLLM's --api-key: any of the keys, as a Bearer token; a wrong or missing one is a 401 the
-    SDK raises as AuthenticationError; probes answer without one; INFLIGHT_API_KEY when no flag."""
+    SDK raises as AuthenticationError; probes answer without one; INFLIGHT_API_KEY when no flag.
+    --no-request-priority: a priority other than normal is a 400 naming it, as vLLM's server
+    without priority scheduling answers, so clients cannot preempt each other."""
     from inflight_client.openai_server.cli import parse_args
     monkeypatch.setenv("INFLIGHT_API_KEY", "from-env")
     assert parse_args(["--model-dir", DEFAULT_MODEL])[0].api_keys == ("from-env",)
     assert parse_args(["--model-dir", DEFAULT_MODEL, "--api-key", "a"])[0].api_keys == ("a",)
     monkeypatch.delenv("INFLIGHT_API_KEY")
     assert parse_args(["--model-dir", DEFAULT_MODEL])[0].api_keys == ()
-    with openai_server(server.http_url, tmp_path, "--api-key", "first-key", "--api-key", "second-key") as keyed:
+    with openai_server(server.http_url, tmp_path, "--api-key", "first-key", "--api-key", "second-key",
+                       "--no-request-priority") as keyed:
         for key in ("first-key", "second-key"):
             keyed_client = openai.OpenAI(base_url=keyed.base_url, api_key=key, max_retries=0)
             assert keyed_client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2).usage.completion_tokens
@@ -377,6 +380,14 @@ def test_api_keys_guard_every_route_but_the_probes(server, tmp_path, monkeypatch
         assert httpx.post(root + "/tokenize", json={"prompt": "x"}).status_code == 401
         assert httpx.get(keyed.base_url + "/models", headers={"Authorization": "Basic first-key"}).status_code == 401
         assert [httpx.get(root + path).status_code for path in ("/health", "/ping", "/version")] == [200] * 3
+        keyed_client = openai.OpenAI(base_url=keyed.base_url, api_key="first-key", max_retries=0)
+        for priority in ("normal", 0):
+            assert keyed_client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1,
+                                                   extra_body={"priority": priority}).choices
+        for priority in ("high", -5):
+            with pytest.raises(openai.BadRequestError, match="this server runs every request at normal priority"):
+                keyed_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                     max_tokens=1, extra_body={"priority": priority})
 
 
 def test_n_seeds_and_stop_strings(client, reference_engine, tokenizer):

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
+from inflight.config import PRIORITIES, parse_priority
 from inflight.serving.protocol import LONE_SURROGATE, lone_surrogate_field
 
 from .auth import RequireAPIKey
@@ -53,6 +54,7 @@ class Settings:
     max_triton_requests: int = 1024         # outputs in flight to Triton at once; more wait here (OutputSlots)
     generation_config: str = "auto"         # vLLM's: "auto" reads the checkpoint's sampling defaults, "vllm" ignores them
     api_keys: tuple[str, ...] = ()          # any of them opens every route but the probes (auth.py); none: open
+    request_priority: bool = True           # False: a request's priority other than normal is a 400 (vLLM's FCFS)
 
 
 def _members(annotation) -> list:
@@ -233,15 +235,23 @@ def create_app(settings: Settings) -> FastAPI:
     async def model_card(model: str):
         return JSONResponse(ctx.models.card(model))
 
+    def priority_allowed(body) -> None:
+        if not settings.request_priority and body.priority is not None \
+                and parse_priority(body.priority) != PRIORITIES["normal"]:
+            raise APIError(400, f"'priority' {body.priority!r}: this server runs every request at normal priority "
+                           "(--no-request-priority; vLLM's server refuses it without priority scheduling)", "priority")
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _body(request, CompletionRequest)
+        priority_allowed(body)
         return await _unless_disconnected(request, create_completion(body, ctx, _request_id(request, body),
                                                                      await _large(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _body(request, ChatCompletionRequest)
+        priority_allowed(body)
         return await _unless_disconnected(request, create_chat_completion(body, ctx, _request_id(request, body),
                                                                           await _large(request)))
 

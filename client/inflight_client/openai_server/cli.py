@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help=f"require 'Authorization: Bearer KEY' on every route but /health, /ping and /version "
                              f"(repeatable: any of the keys; default: ${API_KEY_ENV} if set, else no key)")
+    parser.add_argument("--no-request-priority", dest="request_priority", action="store_false",
+                        help="refuse a request's 'priority' other than normal (400), as vLLM's server does without "
+                             "priority scheduling: clients that are not trusted cannot preempt each other")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--log-level", default="info")
@@ -90,7 +93,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     settings = Settings(args.triton_url, directory, name, max_model_len, args.triton_model, args.chat_template,
                         args.default_max_tokens, tuple(args.lora_modules), args.disable_any_whitespace,
                         args.trust_request_chat_template, args.max_triton_requests, args.generation_config,
-                        tuple(args.api_key) or tuple(filter(None, [os.environ.get(API_KEY_ENV)])))
+                        tuple(args.api_key) or tuple(filter(None, [os.environ.get(API_KEY_ENV)])),
+                        args.request_priority)
     return settings, args
 
 
