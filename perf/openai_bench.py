@@ -285,7 +285,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--requests", type=int, default=128, help="requests per run at the highest concurrency")
+    parser.add_argument("--requests", type=int, default=128,
+                        help="requests per run at the highest concurrency (fewer at lower ones, in proportion, "
+                             "but at least 16)")
     parser.add_argument("--engine-threads", type=int, help="the engine's torch threads (default: every core)")
     parser.add_argument("--stream-interval", type=int, help="also the OpenAI server with this stream_interval")
     parser.add_argument("--floor", action="store_true", help="also the floor server (perf/openai_floor.py)")

@@ -82,5 +82,7 @@ class Floor:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 3 or not sys.argv[2].isdigit():
+        sys.exit(__doc__)
     uvicorn.run(Floor(sys.argv[1]), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning",
                 loop="uvloop", http="httptools", access_log=False)
