@@ -538,9 +538,16 @@ def test_a_kind_gpu_instance_runs_on_the_gpu_triton_gives_it(tmp_path):
     assert placed.labels == {"model_instance": "llm_0_0", "gpu": "3"} and placed.instances == 4
     assert placed.engine.cpu_threads == max(len(os.sched_getaffinity(0)) // 4, 1)
     assert placed.engine.engines_per_device == 1, "one per GPU: each takes the whole gpu_memory_utilization"
-    for groups in ([{"count": 2, "kind": "KIND_GPU"}], [{"count": 2, "kind": "KIND_CPU"}]):   # two on one GPU
+    for groups, engines in (([{"count": 2, "kind": "KIND_GPU"}], 2), ([{"count": 2, "kind": "KIND_CPU"}], 1),
+                            ([{"count": 1, "kind": "KIND_GPU", "gpus": [0]},
+                              {"count": 1, "kind": "KIND_GPU", "gpus": [3]},
+                              {"count": 2, "kind": "KIND_GPU", "gpus": [1, 3]}], 3)):
+        # instance on cuda:3: two per GPU share it; KIND_CPU instances go to the first GPU, not here
         shared = settings.placed({**instance, "model_config": json.dumps({"instance_group": groups})})
-        assert shared.engine.engines_per_device == 2
+        assert shared.engine.engines_per_device == engines, groups
+    cpu_two = {"instance_group": [{"count": 2, "kind": "KIND_CPU"}]}
+    on_first = settings.placed({**instance, "model_instance_kind": "CPU", "model_config": json.dumps(cpu_two)})
+    assert on_first.engine.engines_per_device == 2, "KIND_CPU instances on a GPU host share the first GPU"
     for kind in ("CPU", "MODEL"):
         one = {"instance_group": [{"count": 1, "kind": f"KIND_{kind}"}]}
         assert settings.placed({**instance, "model_instance_kind": kind, "model_config": json.dumps(one)}) == settings

@@ -69,7 +69,8 @@ def test_word_lists_are_bounded():
                            ({"stop": [f"s{i}" for i in range(1_001)]}, "'stop' holds 1001 strings, more than 1000")):
         with pytest.raises((RequestError, ValueError), match=message):
             parse_request({"text_input": text()}, knobs)
-    assert len(parse_request({"text_input": text()}, {"bad_words": ["w"] * 10_000}).bad_words) == 10_000
+    both = parse_request({"text_input": text()}, {"bad_words": ["w"] * 10_000, "bad_words_ids": [[1]] * 10_000})
+    assert len(both.bad_words) == len(both.params.bad_words_ids) == 10_000, "each list up to the bound"
 
 
 BAD = [

@@ -512,6 +512,7 @@ COMPILED_AWAY = [
     ({"type": "string", "enum": ["a", 1]}, "1"),
     ({"type": "integer", "const": "x"}, '"x"'),
     ({"type": "integer", "anyOf": [{"type": "integer", "minimum": 5}, {"type": "string", "maxLength": 3}]}, '"ab"'),
+    ({"$defs": {"N": {"type": "integer"}}, "type": "string", "anyOf": [{"$ref": "#/$defs/N"}]}, "3"),
 ]
 
 
@@ -658,8 +659,12 @@ def test_the_schemas_pydantic_and_openai_examples_write_are_served():
         size: Size
 
     one_of_the_calls = {"type": "object", "anyOf": [{"properties": {"name": {"const": "f"}}, "required": ["name"]}]}
+    typed_refs = {"$defs": {"A": {"type": "object", "properties": {"kind": {"type": ["string", "null"], "anyOf": [
+                                  {"$ref": "#/$defs/Kind"}, {"type": "null"}]}}},
+                            "B": {"allOf": [{"$ref": "#/$defs/A"}]}, "Kind": {"type": "string", "enum": ["x"]}},
+                  "type": "object", "anyOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]}
     for schema in (Order.model_json_schema(), pydantic_1, pydantic_2_9, openapi, weather, Account.model_json_schema(),
-                   {"type": "number", "anyOf": [{"type": "integer"}, {"const": 2.5}]}, one_of_the_calls):
+                   {"type": "number", "anyOf": [{"type": "integer"}, {"const": 2.5}]}, one_of_the_calls, typed_refs):
         assert structured.unenforced(schema) is None, schema
         SamplingParams(structured_outputs={"json": schema})
 

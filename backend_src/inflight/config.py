@@ -71,7 +71,8 @@ def usable_cpus() -> int:
 
 # what one request may list: a request is admitted (bad words) and every token of its output is
 # checked (stop strings) on threads that every other request shares, and 100,000 bad words held
-# Triton's request thread seconds, 20,000 stop strings cost milliseconds a token (a review's)
+# Triton's request thread seconds, 20,000 stop strings cost milliseconds a token (a review's).
+# Bad words are bounded where requests arrive (serving/protocol.py), each list as sent.
 MAX_BAD_WORDS = 10_000
 MAX_STOP_STRINGS = 1_000
 
@@ -215,8 +216,6 @@ class SamplingParams:
         _check(_is_sequence(self.bad_words_ids) and all(
             _is_sequence(w) and w and all(_is_int(t) and t >= 0 for t in w) for w in self.bad_words_ids),
             "bad_words_ids", "must be a list of non-empty lists of non-negative integers")
-        _check(len(self.bad_words_ids) <= MAX_BAD_WORDS, "bad_words_ids",
-               f"holds {len(self.bad_words_ids)} entries, more than {MAX_BAD_WORDS}")
         self.bad_words_ids = tuple(tuple(w) for w in self.bad_words_ids)
         if self.allowed_token_ids is not None:
             _check(_is_sequence(self.allowed_token_ids) and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),

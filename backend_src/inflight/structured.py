@@ -169,7 +169,7 @@ _DECIDING = {"$ref": frozenset(), "allOf": frozenset(), "enum": frozenset({"type
 _OPENAPI_NOTES = frozenset({"nullable", "discriminator"})
 
 
-def unenforced(schema, path: str = "") -> str | None:
+def unenforced(schema, path: str = "", root=None) -> str | None:
     """What in a JSON schema xgrammar would compile away (measured: it accepts output that breaks
     it), with where it is; None if nothing. Checked: an empty `type`, `enum`, `allOf`, `anyOf` or
     `oneOf` (any value), `not` and `if`/`then`/`else` (ignored), a standard `format` outside
@@ -184,6 +184,7 @@ def unenforced(schema, path: str = "") -> str | None:
     pattern matching a character JSON escapes (written raw: invalid JSON; vLLM lets it through)."""
     if not isinstance(schema, dict):
         return None
+    root = schema if root is None else root
     where = path or "the top level"
     empty = [k for k in _NON_EMPTY_LISTS if schema.get(k) == []]
     if empty:
@@ -200,7 +201,7 @@ def unenforced(schema, path: str = "") -> str | None:
         rules = sorted(set(schema) - notes - also - {keyword})
         if keyword in schema and rules:
             return f"gives {', '.join(repr(r) for r in rules)} next to '{keyword}' at {where}"
-    if (outside := _outside_type(schema)) is not None:
+    if (outside := _outside_type(schema, root)) is not None:
         return (f"gives 'type' {json.dumps(schema['type'])} next to values or branches outside it at {where} "
                 f"({outside})")
     ignored = [k for k in _IGNORED if k in schema and not (k == "uniqueItems" and schema[k] is False)]
@@ -242,7 +243,7 @@ def unenforced(schema, path: str = "") -> str | None:
     children += [(f"{path}/{key}/{i}", sub) for key in _SUBSCHEMA_LISTS if isinstance(schema.get(key), list)
                  for i, sub in enumerate(schema[key])]
     children += [(f"{path}/{key}", schema[key]) for key in _SUBSCHEMAS if isinstance(schema.get(key), dict)]
-    return next(filter(None, (unenforced(sub, sub_path) for sub_path, sub in children)), None)
+    return next(filter(None, (unenforced(sub, sub_path, root) for sub_path, sub in children)), None)
 
 
 def _json_type(value) -> str:
@@ -255,9 +256,16 @@ def _json_type(value) -> str:
     return {float: "number", str: "string", list: "array"}.get(type(value), "object")
 
 
-def _named_types(schema) -> set[str] | None:
+def _named_types(schema, root: dict, depth: int = 0) -> set[str] | None:
     """The types a schema allows as xgrammar reads it: by its 'type', its only values ('const',
-    'enum'), or the object or array keywords that make it one there; None if unsaid."""
+    'enum'), the object or array keywords that make it one there, or what its local '$ref' (or
+    one-schema 'allOf') names; None if unsaid."""
+    if not isinstance(schema, dict) or depth > 32:      # a $ref cycle names nothing
+        return None
+    if isinstance(schema.get("$ref"), str):
+        return _named_types(_local_ref(root, schema["$ref"]), root, depth + 1)
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) == 1:
+        return _named_types(schema["allOf"][0], root, depth + 1)
     kind = schema.get("type")
     if isinstance(kind, (str, list)):
         return {kind} if isinstance(kind, str) else set(kind)
@@ -272,7 +280,18 @@ def _named_types(schema) -> set[str] | None:
     return None
 
 
-def _outside_type(schema: dict) -> str | None:
+def _local_ref(root: dict, ref: str):
+    """The schema a '#/...' JSON pointer names in the document; None for another document's."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _outside_type(schema: dict, root: dict) -> str | None:
     """What a 'type' beside 'enum', 'const', 'anyOf' or 'oneOf' does not cover: xgrammar keeps only
     those and drops the type (measured), so it holds only where they already imply it."""
     kind = schema.get("type")
@@ -287,7 +306,7 @@ def _outside_type(schema: dict) -> str | None:
             return f"its '{keyword}' value {json.dumps(value)}"
     for keyword in ("anyOf", "oneOf"):
         for i, branch in enumerate(schema.get(keyword) if isinstance(schema.get(keyword), list) else []):
-            kinds = _named_types(branch) if isinstance(branch, dict) else None
+            kinds = _named_types(branch, root)
             if kinds is None or not all(map(covered, kinds)):
                 return f"its '{keyword}' branch {i}, which names no type within it"
     return None

@@ -312,8 +312,9 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
     bad_words = knobs.pop("bad_words", ())
     if any(not word for word in bad_words):
         raise RequestError("'bad_words' must hold non-empty strings")
-    if len(bad_words) > MAX_BAD_WORDS:
-        raise RequestError(f"'bad_words' holds {len(bad_words)} entries, more than {MAX_BAD_WORDS}")
+    for name, words in (("bad_words", bad_words), ("bad_words_ids", knobs.get("bad_words_ids") or ())):
+        if len(words) > MAX_BAD_WORDS:      # each list as sent (a word becomes up to two id sequences)
+            raise RequestError(f"'{name}' holds {len(words)} entries, more than {MAX_BAD_WORDS}")
     n = knobs.pop("n", 1)
     if not 1 <= n <= MAX_N:
         raise RequestError(f"'n' must be an integer in [1, {MAX_N}], got {n}")

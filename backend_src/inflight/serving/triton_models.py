@@ -100,7 +100,8 @@ class Settings:
                 labels["gpu"] = str(gpu)
         if count > 1 and engine.cpu_threads is None:
             engine = replace(engine, cpu_threads=max(usable_cpus() // count, 1))
-        engine = replace(engine, engines_per_device=engines_per_device(model_config))
+        gpu = int(args["model_instance_device_id"]) if args.get("model_instance_kind") == "GPU" else 0
+        engine = replace(engine, engines_per_device=engines_per_device(model_config, gpu))
         return replace(self, engine=engine, labels=labels, instances=count)
 
     @property
@@ -116,11 +117,18 @@ def instance_count(model_config: dict) -> int:
     return sum(int(group.get("count", 1)) * max(len(group.get("gpus") or ()), 1) for group in groups)
 
 
-def engines_per_device(model_config: dict) -> int:
-    """How many of the model's engines may share one GPU: a KIND_GPU group's `count` on each GPU
-    it lists, and every instance of another kind on the first GPU ('auto' placement); a group's
-    count on each (the most that can meet on one, whatever the groups list)."""
-    return max(sum(int(group.get("count", 1)) for group in model_config.get("instance_group") or [{}]), 1)
+def engines_per_device(model_config: dict, gpu: int) -> int:
+    """How many of the model's engines run on GPU `gpu` (one instance's): each KIND_GPU group's
+    `count` on every GPU it lists (all of them where it lists none), and the instances of the other
+    kinds on the first ('auto' placement)."""
+    engines = 0
+    for group in model_config.get("instance_group") or [{}]:
+        count = int(group.get("count", 1))
+        if group.get("kind") == "KIND_GPU":
+            engines += count if not group.get("gpus") or gpu in group["gpus"] else 0
+        else:
+            engines += count if gpu == 0 else 0
+    return max(engines, 1)
 
 
 def read_multi_lora(path: str) -> dict[str, str]:
