@@ -454,6 +454,7 @@ SHAPE_ERRORS = [
     ({"json": {"type": "object", "properties": {"mail": {"type": "string", "format": "idn-email"}}}},
      "'structured_outputs.json' uses the format 'idn-email' at /properties/mail"),
     ({"json": {"type": "string", "format": "regex"}}, "uses the format 'regex' at the top level"),
+    ({"json": {"type": "string", "format": "ipvanyaddress"}}, "uses the format 'ipvanyaddress'"),   # pydantic's
     ({"json": {"type": "object", "properties": {"a": {"anyOf": []}}}}, "gives an empty 'anyOf' at /properties/a"),
     ({"json": {"type": []}}, "gives an empty 'type' at the top level"),
     ({"json": {"oneOf": []}}, "gives an empty 'oneOf' at the top level"),
@@ -513,6 +514,7 @@ COMPILED_AWAY = [
     ({"type": "integer", "const": "x"}, '"x"'),
     ({"type": "integer", "anyOf": [{"type": "integer", "minimum": 5}, {"type": "string", "maxLength": 3}]}, '"ab"'),
     ({"$defs": {"N": {"type": "integer"}}, "type": "string", "anyOf": [{"$ref": "#/$defs/N"}]}, "3"),
+    ({"$defs": {"N": {"type": "integer"}}, "type": "string", "$ref": "#/$defs/N"}, "3"),
 ]
 
 
@@ -610,9 +612,9 @@ def test_the_schemas_pydantic_and_openai_examples_write_are_served():
     OpenAPI's nullable and x- keys, and OpenAI's function-calling example."""
     from enum import Enum
     from pathlib import Path
-    from typing import Literal
+    from typing import Annotated, Literal
 
-    from pydantic import AnyUrl, BaseModel, Field, SecretStr
+    from pydantic import AnyUrl, BaseModel, Field, SecretStr, StringConstraints
 
     class Size(str, Enum):
         small = "S"
@@ -663,8 +665,18 @@ def test_the_schemas_pydantic_and_openai_examples_write_are_served():
                                   {"$ref": "#/$defs/Kind"}, {"type": "null"}]}}},
                             "B": {"allOf": [{"$ref": "#/$defs/A"}]}, "Kind": {"type": "string", "enum": ["x"]}},
                   "type": "object", "anyOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]}
+    class Notes(BaseModel):          # notes beside a $ref and an enum, constrained dict keys
+        size: Size = Field(json_schema_extra={"example": "S"})
+        status: Literal["open", "closed"] = Field(json_schema_extra={"example": "open"})
+        counts: dict[Annotated[str, StringConstraints(max_length=3)], int]
+
+    openapi_ref = {"$defs": {"C": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+                   "type": "object", "properties": {"c": {"type": "object", "$ref": "#/$defs/C"},
+                                                    "d": {"type": "object", "allOf": [{"$ref": "#/$defs/C"}]}}}
     for schema in (Order.model_json_schema(), pydantic_1, pydantic_2_9, openapi, weather, Account.model_json_schema(),
-                   {"type": "number", "anyOf": [{"type": "integer"}, {"const": 2.5}]}, one_of_the_calls, typed_refs):
+                   {"type": "number", "anyOf": [{"type": "integer"}, {"const": 2.5}]}, one_of_the_calls, typed_refs,
+                   Notes.model_json_schema(), openapi_ref,
+                   {"type": "object", "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}}):
         assert structured.unenforced(schema) is None, schema
         SamplingParams(structured_outputs={"json": schema})
 

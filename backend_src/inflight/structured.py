@@ -133,10 +133,10 @@ def _canonical_text(kind: str, value, name: str) -> str:
 # what xgrammar (0.2.9) compiles a JSON schema's "format" into; any other format it lets through as any string
 XGRAMMAR_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
                               "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
-# the formats JSON Schema (2020-12) defines that xgrammar does not know: a validator that asserts
-# formats checks them, so any string would break the schema. Other names (pydantic's "password",
-# "binary", "path") are notes a validator lets any string through, as xgrammar does.
-UNENFORCED_STANDARD_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
+# format names that ask nothing a validator checks (pydantic's for SecretStr, bytes and Path), which
+# xgrammar takes as any string; any other name it does not know is refused (as vLLM refuses it):
+# pydantic validates its own (ipvanyaddress, multi-host-uri, ...) and rejects any string there
+FREE_FORMATS = frozenset({"password", "binary", "path"})
 # the formats of XGRAMMAR_FORMATS whose grammar never writes an empty string, so a "minLength": 1
 # beside them (pydantic's HttpUrl) holds though xgrammar drops it
 _NEVER_EMPTY_FORMATS = XGRAMMAR_FORMATS - {"uri-reference", "uri-template", "json-pointer"}
@@ -151,9 +151,15 @@ _TYPING = ("type", "$ref", "enum", "const", "anyOf", "oneOf", "allOf", "properti
 _TYPE_SPECIFIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
                   "maxLength", "pattern", "format", "required", "minProperties", "maxProperties", "minItems",
                   "maxItems", "uniqueItems", "contains")
-# what may stand next to a "$ref" (or a one-schema "allOf") without being dropped: notes, not rules
-_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
-                          "writeOnly", "$schema", "$id", "$defs", "definitions"})
+# JSON Schema's assertion and applicator keywords: what a validator enforces. Any other key (title,
+# example, $defs, x- extensions, OpenAPI's nullable and discriminator) is a note no output can break
+_RULES = frozenset({"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
+                    "exclusiveMinimum", "maxLength", "minLength", "pattern", "format", "items", "prefixItems",
+                    "additionalItems", "contains", "maxItems", "minItems", "uniqueItems", "maxContains",
+                    "minContains", "properties", "patternProperties", "additionalProperties", "propertyNames",
+                    "required", "maxProperties", "minProperties", "dependentRequired", "dependentSchemas",
+                    "dependencies", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref",
+                    "unevaluatedItems", "unevaluatedProperties"})
 
 
 # keywords xgrammar drops wherever they stand (measured; "uniqueItems": false asks nothing)
@@ -161,23 +167,21 @@ _IGNORED = ("uniqueItems", "contains", "minContains", "maxContains", "dependentR
             "dependencies")
 # keywords whose list JSON Schema requires to be non-empty; xgrammar takes an empty one as any value
 _NON_EMPTY_LISTS = ("type", "enum", "allOf", "anyOf", "oneOf")
-# keywords that decide a value alone: xgrammar drops any rule beside them but these (pydantic
-# writes 'type' next to 'enum' and 'const', and 2.7-2.9 a one-value 'enum' next to 'const'), notes
-# and OpenAPI's 'nullable', 'discriminator' and x- extensions, which no JSON schema validator reads
-_DECIDING = {"$ref": frozenset(), "allOf": frozenset(), "enum": frozenset({"type"}), "const": frozenset({"type"}),
-             "anyOf": frozenset({"type"}), "oneOf": frozenset({"type"})}
-_OPENAPI_NOTES = frozenset({"nullable", "discriminator"})
+# keywords that decide a value alone: xgrammar drops any rule beside them (pydantic writes 'type'
+# next to 'enum' and 'const', OpenAPI's generators next to a '$ref': served where they imply it;
+# pydantic 2.7-2.9 a one-value 'enum' next to 'const')
+_DECIDING = ("$ref", "allOf", "enum", "const", "anyOf", "oneOf")
 
 
 def unenforced(schema, path: str = "", root=None) -> str | None:
     """What in a JSON schema xgrammar would compile away (measured: it accepts output that breaks
     it), with where it is; None if nothing. Checked: an empty `type`, `enum`, `allOf`, `anyOf` or
-    `oneOf` (any value), `not` and `if`/`then`/`else` (ignored), a standard `format` outside
-    XGRAMMAR_FORMATS (any string), a `pattern` or known `format` with `minLength` (but 1 beside a
-    format that is never empty) or `maxLength` (the lengths dropped), a `pattern` with a known
-    `format` (the pattern dropped), an `allOf` of several schemas (any value), a rule next to a
-    `$ref`, a one-schema `allOf`, `enum`, `const`, `anyOf` or `oneOf` (dropped; a `type` there
-    only where they imply it), a type-specific
+    `oneOf` (any value), `not` and `if`/`then`/`else` (ignored), a `format` outside
+    XGRAMMAR_FORMATS and FREE_FORMATS (any string), a `pattern` or known `format` with `minLength`
+    (but 1 beside a format that is never empty) or `maxLength` (the lengths dropped), a `pattern`
+    with a known `format` (the pattern dropped), an `allOf` of several schemas (any value), a rule
+    (not a note such as `example`) next to a `$ref`, a one-schema `allOf`, `enum`, `const`, `anyOf`
+    or `oneOf` (dropped; a `type` there only where they imply it), a type-specific
     keyword without anything that types the schema (any value), a `required` name its `properties`
     lack (not enforced), the _IGNORED keywords, `multipleOf` on a non-integer, `propertyNames`
     with `properties` or `patternProperties` (vLLM refuses most of these for xgrammar too), and a
@@ -194,11 +198,9 @@ def unenforced(schema, path: str = "", root=None) -> str | None:
             return f"uses '{keyword}' at {where}"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return f"uses 'allOf' of {len(schema['allOf'])} schemas at {where} (merge them into one)"
-    notes = _ANNOTATIONS | {k for k in schema if k in _OPENAPI_NOTES or k.startswith("x-")}
-    if isinstance(schema.get("enum"), list) and "const" in schema and schema["const"] in schema["enum"]:
-        notes |= {"enum", "const"}       # one value said twice
-    for keyword, also in _DECIDING.items():
-        rules = sorted(set(schema) - notes - also - {keyword})
+    said_twice = isinstance(schema.get("enum"), list) and "const" in schema and schema["const"] in schema["enum"]
+    for keyword in _DECIDING:
+        rules = sorted((set(schema) & _RULES) - {keyword, "type"} - ({"enum", "const"} if said_twice else set()))
         if keyword in schema and rules:
             return f"gives {', '.join(repr(r) for r in rules)} next to '{keyword}' at {where}"
     if (outside := _outside_type(schema, root)) is not None:
@@ -221,8 +223,9 @@ def unenforced(schema, path: str = "", root=None) -> str | None:
     if missing:
         return f"requires {missing[0]!r} at {where}, which its 'properties' do not define"
     form = schema.get("format")
-    if "format" in schema and (not isinstance(form, str) or form in UNENFORCED_STANDARD_FORMATS):
-        return f"uses the format {form!r} at {where} (known: {', '.join(sorted(XGRAMMAR_FORMATS))})"
+    if "format" in schema and (not isinstance(form, str) or form not in XGRAMMAR_FORMATS | FREE_FORMATS):
+        return (f"uses the format {form!r} at {where} (known: {', '.join(sorted(XGRAMMAR_FORMATS))}; any string: "
+                f"{', '.join(sorted(FREE_FORMATS))})")
     shapes = [k for k in ("pattern", "format") if k in schema and (k == "pattern" or form in XGRAMMAR_FORMATS)]
     if len(shapes) == 2:
         return f"combines 'pattern' with 'format' at {where}"
@@ -243,6 +246,8 @@ def unenforced(schema, path: str = "", root=None) -> str | None:
     children += [(f"{path}/{key}/{i}", sub) for key in _SUBSCHEMA_LISTS if isinstance(schema.get(key), list)
                  for i, sub in enumerate(schema[key])]
     children += [(f"{path}/{key}", schema[key]) for key in _SUBSCHEMAS if isinstance(schema.get(key), dict)]
+    if isinstance(schema.get("propertyNames"), dict):       # a key is a string: typed, if it says not
+        children = [(p, {"type": "string", **sub} if p.endswith("/propertyNames") else sub) for p, sub in children]
     return next(filter(None, (unenforced(sub, sub_path, root) for sub_path, sub in children)), None)
 
 
@@ -309,6 +314,10 @@ def _outside_type(schema: dict, root: dict) -> str | None:
             kinds = _named_types(branch, root)
             if kinds is None or not all(map(covered, kinds)):
                 return f"its '{keyword}' branch {i}, which names no type within it"
+    if "$ref" in schema or "allOf" in schema:
+        kinds = _named_types({k: schema[k] for k in ("$ref", "allOf") if k in schema}, root)
+        if kinds is None or not all(map(covered, kinds)):
+            return f"its '{'$ref' if '$ref' in schema else 'allOf'}', which names no type within it"
     return None
 
 
