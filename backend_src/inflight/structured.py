@@ -297,13 +297,16 @@ def _local_ref(root: dict, ref: str):
 
 
 def _outside_type(schema: dict, root: dict) -> str | None:
-    """What a 'type' beside 'enum', 'const', 'anyOf' or 'oneOf' does not cover: xgrammar keeps only
-    those and drops the type (measured), so it holds only where they already imply it."""
+    """What a 'type' beside 'enum', 'const', 'anyOf', 'oneOf', '$ref' or a one-schema 'allOf' does
+    not cover: xgrammar keeps only those and drops the type (measured), so it holds only where
+    they already imply it."""
     kind = schema.get("type")
     if not isinstance(kind, (str, list)):
         return None
     types = {kind} if isinstance(kind, str) else set(kind)
-    covered = lambda kind: kind in types or kind == "integer" and "number" in types     # noqa: E731
+
+    def covered(named: str) -> bool:
+        return named in types or named == "integer" and "number" in types
     values = [("const", schema["const"])] if "const" in schema else []
     values += [("enum", value) for value in schema["enum"]] if isinstance(schema.get("enum"), list) else []
     for keyword, value in values:
