@@ -228,6 +228,11 @@ def test_ensemble_errors_name_the_field(server):
     example = http_generate(server.http_url, "ensemble", {"text_input": "What is machine learning?", "max_tokens": 20,
                                                           "bad_words": "", "stop_words": ""})
     assert "error" not in example and example["text_output"], example
+    # the bounds on word lists, named as the ensemble's inputs (not llm's 'stop' and 'bad_words')
+    for name, limit in (("stop_words", 1_000), ("bad_words", 10_000)):
+        reply = http_generate(server.http_url, "ensemble", {"text_input": "hi", "max_tokens": 3,
+                                                            name: [f"w{i}" for i in range(limit + 1)]})
+        assert f"'{name}' holds {limit + 1} entries, more than {limit}" in reply.get("error", ""), reply
 
 
 def test_engine_metrics_are_served_next_to_tritons(server):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..config import EngineConfig, usable_cpus
+from ..config import MAX_BAD_WORDS, MAX_STOP_STRINGS, EngineConfig, usable_cpus
 from ..context_length import checkpoint_max_len
 from ..detokenizer import decode_delta
 from ..structured import json_value
@@ -450,9 +450,11 @@ class PreprocessingModel(TokenizerModel):
                     raise RequestError(f"'{name}' and another name for '{knob}' are both given")
                 sampling[knob] = kind(value)
         _trtllm_sampling(sampling)
-        for name, knob in (("stop_words", "stop"), ("bad_words", "bad_words")):
+        for name, knob, limit in (("stop_words", "stop", MAX_STOP_STRINGS), ("bad_words", "bad_words", MAX_BAD_WORDS)):
             if name in inputs:
                 words = [string_value(name, w) for w in inputs[name].reshape(-1)]
+                if len(words) > limit:      # named as this model's input, not llm's knob
+                    raise RequestError(f"'{name}' holds {len(words)} entries, more than {limit}")
                 if any(words):       # "" is none, as TensorRT-LLM's preprocessing skips a word of no tokens
                     sampling[knob] = [w for w in words if w]
         if "return_log_probs" in inputs and bool(_scalar("return_log_probs", inputs["return_log_probs"])):
