@@ -138,7 +138,7 @@ XGRAMMAR_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", 
 # pydantic validates its own (ipvanyaddress, multi-host-uri, ...) and rejects any string there
 FREE_FORMATS = frozenset({"password", "binary", "path"})
 # the formats of XGRAMMAR_FORMATS whose grammar never writes an empty string, so a "minLength": 1
-# beside them (pydantic's HttpUrl) holds though xgrammar drops it
+# beside them (pydantic's AnyUrl) holds though xgrammar drops it
 _NEVER_EMPTY_FORMATS = XGRAMMAR_FORMATS - {"uri-reference", "uri-template", "json-pointer"}
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")

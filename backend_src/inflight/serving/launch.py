@@ -402,7 +402,8 @@ class Endpoints:
                  f"  gRPC     localhost:{self.grpc_port}",
                  f"  metrics  http://localhost:{self.metrics_port}/metrics"]
         if self.openai_port:
-            keyed = "  (API key: $INFLIGHT_API_KEY)" if os.environ.get("INFLIGHT_API_KEY") else ""
+            from inflight_client.openai_server.auth import API_KEY_ENV
+            keyed = f"  (API key: ${API_KEY_ENV})" if os.environ.get(API_KEY_ENV) else ""
             lines.append(f"  OpenAI   http://localhost:{self.openai_port}/v1{keyed}")
         lines.append(f"  try:     curl -s localhost:{self.http_port}/v2/models/llm/generate "
                      "-d '{\"text_input\": \"The assert statement\", \"max_tokens\": 32, \"temperature\": 0}'")

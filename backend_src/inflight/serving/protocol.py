@@ -211,6 +211,11 @@ def _int_lists(name: str, value) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(_int(name, t) for t in v) for v in value)
 
 
+def check_count(name: str, values, limit: int) -> None:
+    if len(values) > limit:
+        raise RequestError(f"'{name}' holds {len(values)} entries, more than {limit}")
+
+
 def _count(name: str, value) -> int:
     """A number of log-probabilities; true is 1, as vLLM's SamplingParams reads it."""
     return 1 if value is True else _int(name, value)
@@ -313,8 +318,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
     if any(not word for word in bad_words):
         raise RequestError("'bad_words' must hold non-empty strings")
     for name, words in (("bad_words", bad_words), ("bad_words_ids", knobs.get("bad_words_ids") or ())):
-        if len(words) > MAX_BAD_WORDS:      # each list as sent (a word becomes up to two id sequences)
-            raise RequestError(f"'{name}' holds {len(words)} entries, more than {MAX_BAD_WORDS}")
+        check_count(name, words, MAX_BAD_WORDS)     # each list as sent (a word becomes up to two id sequences)
     n = knobs.pop("n", 1)
     if not 1 <= n <= MAX_N:
         raise RequestError(f"'n' must be an integer in [1, {MAX_N}], got {n}")

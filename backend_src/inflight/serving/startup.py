@@ -100,15 +100,16 @@ def check_checkpoint(model_dir: str, source: str) -> None:
             config = json.load(f)
         except json.JSONDecodeError as exc:
             raise StartupError(f"{config_path} is not valid JSON: {exc}") from None
+    fields = SimpleNamespace(**config)      # as transformers' config object reads them
     try:
-        named = architecture(SimpleNamespace(**config))
+        named = architecture(fields)
     except ValueError as exc:
         raise StartupError(f"{config_path}: {exc}") from None
     if named not in SUPPORTED_ARCHITECTURES:
         raise StartupError(f"{config_path}: 'architectures' is {config['architectures']}; supported: "
                            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     # refused before the weights load (minutes for a large checkpoint), not after
-    rope_type, _ = rope_scaling(SimpleNamespace(**config))
+    rope_type, _ = rope_scaling(fields)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise StartupError(f"{config_path}: rope_type {rope_type!r} is not supported; supported: "
                            f"{', '.join(SUPPORTED_ROPE_TYPES)}")

@@ -25,8 +25,8 @@ from ..detokenizer import decode_delta
 from ..structured import json_value
 from .metrics import EngineMetrics
 from .parent import when_parent_exits
-from .protocol import (BOOL_INPUTS, RequestError, bytes_per_token, check_text_size, ignored_parameter, one_value,
-                       parse_request, string_input, string_value)
+from .protocol import (BOOL_INPUTS, RequestError, bytes_per_token, check_count, check_text_size, ignored_parameter,
+                       one_value, parse_request, string_input, string_value)
 from .startup import (check_checkpoint, check_tokenizer, engine_config, engine_errors, one_line_errors,
                       StartupError, read_settings, tokenizer_error)
 
@@ -89,8 +89,9 @@ class Settings:
         model_config = json.loads(args.get("model_config", "{}"))
         engine, count = self.engine, instance_count(model_config)
         labels = {"model_instance": args["model_instance_name"]} if count > 1 else {}
-        if args.get("model_instance_kind") == "GPU":
-            gpu = int(args["model_instance_device_id"])
+        on_gpu = args.get("model_instance_kind") == "GPU"
+        gpu = int(args["model_instance_device_id"]) if on_gpu else 0     # the others go to the first ('auto')
+        if on_gpu:
             if engine.device not in ("auto", "cuda", f"cuda:{gpu}"):
                 raise StartupError(f"{self.path}: 'device' {engine.device!r} contradicts the KIND_GPU instance "
                                    f"{args.get('model_instance_name')} of config.pbtxt, which Triton placed on "
@@ -100,7 +101,6 @@ class Settings:
                 labels["gpu"] = str(gpu)
         if count > 1 and engine.cpu_threads is None:
             engine = replace(engine, cpu_threads=max(usable_cpus() // count, 1))
-        gpu = int(args["model_instance_device_id"]) if args.get("model_instance_kind") == "GPU" else 0
         engine = replace(engine, engines_per_device=engines_per_device(model_config, gpu))
         return replace(self, engine=engine, labels=labels, instances=count)
 
@@ -453,8 +453,7 @@ class PreprocessingModel(TokenizerModel):
         for name, knob, limit in (("stop_words", "stop", MAX_STOP_STRINGS), ("bad_words", "bad_words", MAX_BAD_WORDS)):
             if name in inputs:
                 words = [string_value(name, w) for w in inputs[name].reshape(-1)]
-                if len(words) > limit:      # named as this model's input, not llm's knob
-                    raise RequestError(f"'{name}' holds {len(words)} entries, more than {limit}")
+                check_count(name, words, limit)       # named as this model's input, not llm's knob
                 if any(words):       # "" is none, as TensorRT-LLM's preprocessing skips a word of no tokens
                     sampling[knob] = [w for w in words if w]
         if "return_log_probs" in inputs and bool(_scalar("return_log_probs", inputs["return_log_probs"])):

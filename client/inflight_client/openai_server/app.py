@@ -24,7 +24,7 @@ from inflight.config import PRIORITIES, parse_priority
 from inflight.serving.protocol import LONE_SURROGATE, lone_surrogate_field
 
 from .auth import RequireAPIKey
-from .body_limit import BodyTooLarge, LimitBody
+from .body_limit import LimitBody
 from .chat_completions import create_chat_completion
 from .chat_template import ChatTemplate
 from .completions import create_completion
@@ -200,11 +200,6 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(_request, exc: HTTPException):      # unknown path, wrong method
         return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
-
-    @app.exception_handler(BodyTooLarge)
-    async def too_large(_request, exc: BodyTooLarge):
-        error = exc.error()
-        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(ClientDisconnect)
     async def client_left(_request, _exc):      # while it sent its body: nobody to answer, nothing wrong here

@@ -12,9 +12,10 @@ from .errors import APIError
 MAX_BODY_BYTES = 64 * 2**20
 
 
-class BodyTooLarge(Exception):
-    def error(self) -> APIError:
-        return APIError(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
+class BodyTooLarge(APIError):
+    """Answered by the app's APIError handler where a route reads the body."""
+    def __init__(self):
+        super().__init__(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
 
 
 class LimitBody:
@@ -26,7 +27,7 @@ class LimitBody:
             return await self.app(scope, receive, send)
         declared = Headers(scope=scope).get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            error = BodyTooLarge().error()
+            error = BodyTooLarge()
             return await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
         received = 0
 
@@ -36,7 +37,7 @@ class LimitBody:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > MAX_BODY_BYTES:
-                    raise BodyTooLarge      # answered by the app's handler, from the route reading it
+                    raise BodyTooLarge
             return message
 
         await self.app(scope, counted, send)
