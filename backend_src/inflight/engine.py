@@ -23,6 +23,7 @@ from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .structured import StructuredOutputs
+from .tokenizer import load_tokenizer
 
 log = logging.getLogger("inflight")
 
@@ -34,7 +35,7 @@ class QueueFullError(RuntimeError):
 class LLMEngine:
     def __init__(self, runner: ModelRunner, config: EngineConfig, eos_token_ids: tuple[int, ...],
                  model_key: bytes, tokenizer=None):
-        """tokenizer: a transformers tokenizer or the directory to load it from, needed only by
+        """tokenizer: a transformers tokenizer, the directory to load it from, or None; needed only by
         requests with structured outputs (loaded on the first one)."""
         self.config = config
         self.runner = runner
@@ -75,12 +76,12 @@ class LLMEngine:
             # a generation config of sampling defaults alone names no EOS: config.json's stands
             eos = GenerationConfig.from_pretrained(model_dir).eos_token_id or eos
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        tokenizer = _load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir)
         if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
             eos_ids = (tokenizer.eos_token_id, *eos_ids)        # vLLM's EOS set: the tokenizer's and the configs'
         runner = ModelRunner(model_dir, hf_config, config, lora_modules)
         model_key = hashlib.blake2b(f"{os.path.realpath(model_dir)}|{runner.dtype}".encode(), digest_size=16).digest()
-        return cls(runner, config, eos_ids, model_key, tokenizer=tokenizer or model_dir)
+        return cls(runner, config, eos_ids, model_key, tokenizer=tokenizer)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
@@ -327,22 +328,6 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
-
-
-def _load_tokenizer(model_dir: str):
-    """The checkpoint's tokenizer, or None for one without (the engine then runs on token ids, and
-    structured outputs name the missing tokenizer when asked for)."""
-    from transformers import AutoTokenizer
-
-    from .serving.startup import has_tokenizer_files
-    if not has_tokenizer_files(model_dir):
-        return None         # transformers 5 builds an empty Qwen2 tokenizer here, whose EOS (id 0) would end outputs
-    try:
-        return AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as exc:      # what transformers raises for missing tokenizer files
-        log.info("inflight: %s has no usable tokenizer (%s); EOS from its configs alone", model_dir,
-                 str(exc).splitlines()[0])
-        return None
 
 
 def to_output(req: Request) -> RequestOutput:

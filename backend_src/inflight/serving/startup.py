@@ -17,9 +17,8 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 from ..config import EngineConfig
+from ..tokenizer import TOKENIZER_FILES, has_tokenizer_files
 
-# a tokenizer is one of these in the checkpoint directory (fast tokenizer, sentencepiece, BPE/WordPiece)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 class StartupError(Exception):
@@ -71,10 +70,6 @@ def check_model_dir(model_dir: str, source: str) -> None:
     if not os.path.isdir(model_dir):
         what = "is not a directory" if os.path.exists(model_dir) else "does not exist"
         raise StartupError(f"checkpoint directory {model_dir!r} {what} ({source})")
-
-
-def has_tokenizer_files(model_dir: str) -> bool:
-    return any(os.path.isfile(os.path.join(model_dir, name)) for name in TOKENIZER_FILES)
 
 
 def check_tokenizer(model_dir: str, source: str) -> None:
