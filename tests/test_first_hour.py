@@ -343,6 +343,10 @@ def _broken(kind: str, good: str, root) -> tuple[list[str], str, str]:
         for name in TOKENIZER_FILES:
             os.remove(os.path.join(copy, name))
         return ["--model", copy], "has no tokenizer", copy
+    if kind == "broken tokenizer":
+        with open(os.path.join(copy, "tokenizer.json"), "w") as f:
+            json.dump({"version": "1.0", "model": {"type": "Nope"}}, f)
+        return ["--model", copy], "does not load: KeyError: 'added_tokens'", copy
     assert kind == "unsupported architecture"
     path = os.path.join(copy, "config.json")
     with open(path) as f:
@@ -354,7 +358,8 @@ def _broken(kind: str, good: str, root) -> tuple[list[str], str, str]:
 
 @pytest.mark.server
 @pytest.mark.parametrize("kind", ["missing path", "no config.json", "no safetensors", "unsupported architecture",
-                                  "no tokenizer", "bad model.json key", "KV budget with no block"])
+                                  "no tokenizer", "broken tokenizer", "bad model.json key",
+                                  "KV budget with no block"])
 def test_a_broken_checkpoint_ends_the_launcher_with_the_cause_and_the_path(kind, served_checkpoint, tmp_path):
     args, cause, path = _broken(kind, served_checkpoint, tmp_path)
     launcher = Launcher(*args)
@@ -363,6 +368,8 @@ def test_a_broken_checkpoint_ends_the_launcher_with_the_cause_and_the_path(kind,
     assert code != 0 and elapsed < 30, last
     assert cause in last and path in last, last
     assert "Traceback" not in last and "At:" not in last, last
+    if kind == "broken tokenizer":      # llm too, before its weights: not a KeyError of its own
+        assert any("llm" in line.split(":")[0].strip().split(", ") and cause in line for line in launcher.lines[-10:]), last
 
 
 @pytest.mark.server

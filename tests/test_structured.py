@@ -150,7 +150,7 @@ def test_steps_without_constrained_rows_do_no_mask_work(tiny_checkpoint):
     engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=64))
     engine.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))
     assert engine.structured.mask_steps == 0 and engine.structured._bitmask is None
-    assert engine.structured._compiler is None, "no tokenizer is loaded for unconstrained requests"
+    assert engine.structured._compiler is None, "no grammar compiler is built for unconstrained requests"
 
 
 def test_preempted_constrained_requests_resume_the_same_structure(reference_engine, tokenizer):
@@ -335,8 +335,8 @@ def test_at_a_stop_a_grammar_not_begun_is_refused_without_compiling(tokenizer, m
         loop.shutdown()
 
 
-def test_grammar_cache_is_lru_by_canonical_text(monkeypatch):
-    cache = structured.StructuredOutputs(DEFAULT_MODEL, 4096, (2,), 8)
+def test_grammar_cache_is_lru_by_canonical_text(monkeypatch, tokenizer):
+    cache = structured.StructuredOutputs(tokenizer, 4096, (2,), 8)
     monkeypatch.setattr(structured, "CACHE_SIZE", 2)
     first = cache.compile(parse_spec({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}))
     # the same schema as JSON text with other spacing: the same canonical text, compiled once
@@ -352,10 +352,10 @@ def test_grammar_cache_is_lru_by_canonical_text(monkeypatch):
     assert cache.num_compiled == 4
 
 
-def test_grammar_cache_is_bounded_in_bytes_too(monkeypatch):
+def test_grammar_cache_is_bounded_in_bytes_too(monkeypatch, tokenizer):
     """A grammar of many choices holds megabytes: the cache keeps at most CACHE_BYTES of them
     (least recently used out first), not 256 whatever their size."""
-    cache = structured.StructuredOutputs(DEFAULT_MODEL, 4096, (2,), 8)
+    cache = structured.StructuredOutputs(tokenizer, 4096, (2,), 8)
     big = [cache.compile(parse_spec({"choice": [f"{name}-{i}" for i in range(2000)]})) for name in ("a", "b")]
     assert all(grammar.memory_size_bytes > 100_000 for grammar in big)
     monkeypatch.setattr(structured, "CACHE_BYTES", big[0].memory_size_bytes + big[1].memory_size_bytes // 2)
@@ -366,12 +366,12 @@ def test_grammar_cache_is_bounded_in_bytes_too(monkeypatch):
     assert cache.cached(parse_spec({"choice": [f"a-{i}" for i in range(2000)]})) is None, "the oldest went"
 
 
-def test_a_schema_asked_for_while_it_compiles_is_compiled_once_and_the_cache_stays_free(monkeypatch):
+def test_a_schema_asked_for_while_it_compiles_is_compiled_once_and_the_cache_stays_free(monkeypatch, tokenizer):
     """Three threads asking for one new schema at once share its compile (a burst of the same
     response_format compiled it once per compile thread); building the compiler (the tokenizer's
     vocabulary) does not hold up cache lookups of other threads."""
     import threading
-    cache = structured.StructuredOutputs(DEFAULT_MODEL, 4096, (2,), 8)
+    cache = structured.StructuredOutputs(tokenizer, 4096, (2,), 8)
     build = cache._build_compiler
 
     def slow_build(name):
@@ -394,11 +394,11 @@ def test_a_schema_asked_for_while_it_compiles_is_compiled_once_and_the_cache_sta
     assert cache._compiling == {}
 
 
-def test_a_compile_error_names_the_field_of_each_request_that_asked(monkeypatch):
+def test_a_compile_error_names_the_field_of_each_request_that_asked(monkeypatch, tokenizer):
     """Two requests, one sending guided_decoding and one structured_outputs, ask for the same bad
     schema at once: each error names its own request's field, not the first's."""
     import threading
-    cache = structured.StructuredOutputs(DEFAULT_MODEL, 4096, (2,), 8)
+    cache = structured.StructuredOutputs(tokenizer, 4096, (2,), 8)
     compile_grammar = cache._compile
     monkeypatch.setattr(cache, "_compile", lambda compiler, spec: time.sleep(0.5) or compile_grammar(compiler, spec))
     bad = {"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 1}
@@ -419,8 +419,8 @@ def test_a_compile_error_names_the_field_of_each_request_that_asked(monkeypatch)
     assert cache.num_compiled == 1
 
 
-def test_refused_constraints_are_kept_apart_and_never_evict_a_compiled_grammar(monkeypatch):
-    cache = structured.StructuredOutputs(DEFAULT_MODEL, 4096, (2,), 8)
+def test_refused_constraints_are_kept_apart_and_never_evict_a_compiled_grammar(monkeypatch, tokenizer):
+    cache = structured.StructuredOutputs(tokenizer, 4096, (2,), 8)
     monkeypatch.setattr(structured, "CACHE_SIZE", 2)
     monkeypatch.setattr(structured, "REFUSALS_SIZE", 2)
     good = cache.compile(parse_spec({"regex": "[a-z]+"}))

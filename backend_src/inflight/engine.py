@@ -35,8 +35,8 @@ class QueueFullError(RuntimeError):
 class LLMEngine:
     def __init__(self, runner: ModelRunner, config: EngineConfig, eos_token_ids: tuple[int, ...],
                  model_key: bytes, tokenizer=None):
-        """tokenizer: a transformers tokenizer, the directory to load it from, or None; needed only by
-        requests with structured outputs (loaded on the first one)."""
+        """tokenizer: the checkpoint's transformers tokenizer, or None for one without (structured
+        outputs need it)."""
         self.config = config
         self.runner = runner
         self.max_model_len = runner.max_model_len
@@ -60,9 +60,10 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str, config: EngineConfig | None = None,
-                        lora_modules: dict[str, str] | None = None) -> "LLMEngine":
+                        lora_modules: dict[str, str] | None = None, tokenizer=None) -> "LLMEngine":
         """Load a local Hugging Face checkpoint directory (config.json + *.safetensors), and with
-        config.enable_lora the PEFT LoRA adapters in `lora_modules` (name -> adapter directory)."""
+        config.enable_lora the PEFT LoRA adapters in `lora_modules` (name -> adapter directory).
+        `tokenizer`: the checkpoint's, already loaded; by default loaded here, or none if it has none."""
         from transformers import AutoConfig, GenerationConfig
 
         config = config or EngineConfig()
@@ -76,7 +77,8 @@ class LLMEngine:
             # a generation config of sampling defaults alone names no EOS: config.json's stands
             eos = GenerationConfig.from_pretrained(model_dir).eos_token_id or eos
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        tokenizer = load_tokenizer(model_dir)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(model_dir)
         if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
             eos_ids = (tokenizer.eos_token_id, *eos_ids)        # vLLM's EOS set: the tokenizer's and the configs'
         runner = ModelRunner(model_dir, hf_config, config, lora_modules)

@@ -423,13 +423,13 @@ class StructuredOutputs:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], max_num_seqs: int,
                  device=None):
-        self._tokenizer = tokenizer          # a transformers tokenizer, or the directory to load it from
+        self._tokenizer = tokenizer          # a transformers tokenizer, or None for a checkpoint without one
         self.vocab_size = vocab_size         # the model's (logits) vocabulary, maybe padded past the tokenizer's
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_num_seqs = max_num_seqs
         self.device = device
         self._lock = threading.Lock()        # the cache and the compiles in progress
-        self._compiler_lock = threading.Lock()   # building the compiler (loads the tokenizer: seconds)
+        self._compiler_lock = threading.Lock()   # building the compiler (reads the whole vocabulary: seconds)
         self._compiler = None
         self._compiling: dict[tuple, Future] = {}   # spec key: asked again, it waits for this compile
         self._terminate_without_stop = False
@@ -513,13 +513,6 @@ class StructuredOutputs:
         tokenizer = self._tokenizer
         if tokenizer is None:
             raise ValueError(f"'{name}' needs the model's tokenizer, and this engine has none")
-        if isinstance(tokenizer, str):
-            from transformers import AutoTokenizer
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-            except Exception as exc:           # a checkpoint without a tokenizer
-                raise ValueError(f"'{name}' needs the model's tokenizer, which could not be loaded from "
-                                 f"{self._tokenizer!r}: {exc}") from None
         try:
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=list(self.stop_token_ids) or None)

@@ -320,12 +320,13 @@ class LLMModel:
         from ..engine import LLMEngine
         from ..lora import LoraError
         from .loop import EngineLoop
+        tokenizer = load_tokenizer(settings)        # a broken one fails the load before the weights are read
         log.info("inflight: %sloading %s with %s", "".join(f"{k}={v} " for k, v in settings.labels.items()),
                  settings.model_dir, settings.engine)
         with engine_errors(settings.model_dir, settings.path):
             try:
-                engine = run_on_own_thread(lambda: LLMEngine.from_pretrained(settings.model_dir, settings.engine,
-                                                                             settings.lora_modules))
+                engine = run_on_own_thread(lambda: LLMEngine.from_pretrained(
+                    settings.model_dir, settings.engine, settings.lora_modules, tokenizer=tokenizer))
             except LoraError as exc:      # an adapter of multi_lora.json: name the file too
                 raise StartupError(f"{settings.lora_file}: {exc}") from None
         vllm_labels = {"model": args["model_name"], "version": args["model_version"]} \
@@ -334,7 +335,7 @@ class LLMModel:
                                      vllm_labels=vllm_labels, max_model_len=engine.max_model_len,
                                      labels=settings.labels)
         self.metrics.publish(self.metrics.snapshot(engine, force=True))      # before the loop's threads use it
-        self.loop = EngineLoop(engine, load_tokenizer(settings), self.metrics, on_failure=stop_server,
+        self.loop = EngineLoop(engine, tokenizer, self.metrics, on_failure=stop_server,
                                heartbeat_share=1 / settings.instances).start()
 
     def execute(self, requests):
