@@ -613,3 +613,15 @@ def test_a_server_process_runs_in_the_callers_session_in_a_group_of_its_own(tmp_
                                                       "temperature": 0, "exclude_input_in_output": True})
         assert out["text_output"]
     assert server.process.returncode is not None
+
+
+def test_without_the_client_package_tritonserver_goes_on_without_the_openai_server(monkeypatch, capsys):
+    """A backend-only image (docker/Dockerfile copies backend_src/ alone) has no inflight_client."""
+    from inflight.serving import launch
+    monkeypatch.setitem(sys.modules, "inflight_client.openai_server.process", None)     # import fails
+    children = launch.Children()
+    endpoints = launch.Endpoints(8000, 8001, 8002, openai_port=9000)
+    assert launch.start_openai_server(children, "/nowhere", endpoints) is False
+    assert children.processes == []
+    assert "the OpenAI server did not start (import of inflight_client.openai_server.process halted" \
+        in capsys.readouterr().out

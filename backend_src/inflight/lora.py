@@ -98,10 +98,6 @@ class LoraAdapter:
     modules: dict[tuple[int, str], LoraModule]         # (layer, module name) -> weights
     key: bytes = b""                                   # identity in prefix-cache hashes
 
-    @property
-    def target_modules(self) -> list[str]:
-        return sorted({module for _, module in self.modules}, key=SUPPORTED_MODULES.index)
-
 
 def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """(in, out) features of each supported module of the base model."""

@@ -545,11 +545,10 @@ def wait_ready(triton: subprocess.Popen, children: Children, output: TritonOutpu
 def start_openai_server(children: Children, model_repository: str, endpoints: Endpoints) -> bool:
     """The OpenAI-compatible server (inflight_client.openai_server) for the checkpoint `llm` serves,
     started once tritonserver is ready and stopped with it. False (and why) if it did not start."""
-    from inflight_client.openai_server.process import OpenAIServerProcess
-
     from .startup import StartupError
     from .triton_models import llm_settings
     try:
+        from inflight_client.openai_server.process import OpenAIServerProcess      # absent from a backend-only image
         settings = llm_settings(os.path.join(model_repository, "llm"))
         lora_names = sorted(settings.lora_modules)      # each adapter of multi_lora.json is a model id
         extra = [*endpoints.openai_args, *(["--lora-modules", *lora_names] if lora_names else [])]
@@ -562,7 +561,7 @@ def start_openai_server(children: Children, model_repository: str, endpoints: En
         openai = OpenAIServerProcess(f"localhost:{endpoints.http_port}", settings.model_dir,
                                      port=endpoints.openai_port, host="0.0.0.0", extra=extra)
         children.processes.append(openai.start(wait=True, timeout_s=60).process)
-    except (StartupError, RuntimeError, TimeoutError) as exc:
+    except (StartupError, ImportError, RuntimeError, TimeoutError) as exc:
         print(f"inflight: the OpenAI server did not start ({exc}); tritonserver goes on without it", flush=True)
         return False
     return True

@@ -225,14 +225,14 @@ _COERCERS = {"int": _int, "float": _float, "bool": _bool, "str": _str, "priority
              "ints": _ints, "bias": _bias, "constraint": _constraint, "int_lists": _int_lists, "count": _count}
 
 
-MAX_BYTES_PER_TOKEN = 32     # the least the bound below allows a token
+MIN_BYTES_PER_TOKEN = 32     # the bound below never allows a token fewer bytes
 
 
 def bytes_per_token(tokenizer) -> int:
-    """The most bytes one token can stand for, at least MAX_BYTES_PER_TOKEN: the vocabulary's
+    """The most bytes one token can stand for, at least MIN_BYTES_PER_TOKEN: the vocabulary's
     longest entry in UTF-8 (an over-estimate: 'Ġ', '▁' or '<0x0A>' stand for one byte), so text
     over max_model_len x this surely has more tokens than the context holds."""
-    return max(MAX_BYTES_PER_TOKEN, *(len(token.encode("utf-8")) for token in tokenizer.get_vocab()))
+    return max(MIN_BYTES_PER_TOKEN, *(len(token.encode("utf-8")) for token in tokenizer.get_vocab()))
 
 
 def check_text_size(text: str, max_model_len: int, per_token: int, field: str = "text_input") -> None:

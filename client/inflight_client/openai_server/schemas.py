@@ -21,10 +21,12 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from inflight.config import MAX_LOGPROBS
+from inflight.serving.protocol import MAX_N
+
 from .errors import APIError
 from .logprobs import as_token_ids
 
-MAX_LOGPROBS = 20       # the engine's limit (inflight.config.MAX_LOGPROBS)
 
 
 def _not_a_boolean(value):
@@ -107,7 +109,7 @@ class SamplingFields(Body):
     stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
-    n: Int = Field(1, ge=1, le=128)
+    n: Int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     frequency_penalty: Float | None = None
