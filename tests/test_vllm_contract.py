@@ -6,6 +6,7 @@ them."""
 import asyncio
 import json
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -320,7 +321,7 @@ def openai_frontend_request(prompt: str, stream: bool, sampling: dict, logprobs:
 
 def read_like_the_openai_frontend(responses, stream: bool):
     """What engine/triton_engine.py reads: text_output as one string, num_input_tokens and
-    num_output_tokens (summed over a stream for usage), logprobs JSON (null -> None) whose
+    num_output_tokens (summed over a stream for usage), logprobs JSON where sent (null -> None) whose
     lowest-rank entry it takes as the chosen token, and the final flag."""
     if not stream:
         assert 1 <= len(responses) <= 2 and responses[-1][1]
@@ -332,27 +333,33 @@ def read_like_the_openai_frontend(responses, stream: bool):
         assert outputs["num_input_tokens"].dtype == outputs["num_output_tokens"].dtype == np.uint32
         prompt_tokens = int(outputs["num_input_tokens"].reshape(-1)[0])
         completion_tokens += int(outputs["num_output_tokens"].reshape(-1)[0])
-        parsed = json.loads(strings(outputs["logprobs"])[0])
+        parsed = json.loads(strings(outputs["logprobs"])[0]) if "logprobs" in outputs else None
         for position in parsed or []:
             chosen.append(min(position.values(), key=lambda e: e["rank"])["decoded_token"])
     assert responses[-1][1], "the last response is final"
     return text, prompt_tokens, completion_tokens, chosen
 
 
+def chat_prompt(tokenizer, content: str) -> str:
+    """The frontend renders the chat template and sends the text."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
 @pytest.mark.parametrize("kind, stream", [("completions", False), ("completions", True), ("chat", True),
                                           ("chat", False)])
 def test_the_requests_tritons_openai_frontend_builds(server, tokenizer, reference_engine, kind, stream):
-    if kind == "chat":     # the frontend renders the template and sends the text
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is a dict?"}], tokenize=False,
-                                               add_generation_prompt=True)
-        # CreateChatCompletionRequest(logprobs=True, max_completion_tokens=16, temperature=0, stop=["\n\n"])
+    """No logprobs: the frontend refuses them for any model whose config's backend is not "vllm"
+    (`llm`'s is "python"), whatever its --backend."""
+    if kind == "chat":     # CreateChatCompletionRequest(max_completion_tokens=16, temperature=0, stop=["\n\n"])
+        prompt = chat_prompt(tokenizer, "What is a dict?")
         sampling = {"frequency_penalty": 0, "ignore_eos": False, "n": 1, "presence_penalty": 0, "stop": ["\n\n"],
-                    "temperature": 0.0, "top_p": 1, "max_tokens": 16, "logprobs": 1}
-    else:                  # CreateCompletionRequest(prompt=..., max_tokens=16, temperature=0, logprobs=2, seed=4)
+                    "temperature": 0.0, "top_p": 1, "max_tokens": 16}
+    else:                  # CreateCompletionRequest(prompt=..., max_tokens=16, temperature=0, seed=4)
         prompt = PROMPT
         sampling = {"frequency_penalty": 0, "ignore_eos": False, "n": 1, "presence_penalty": 0, "seed": 4,
-                    "temperature": 0.0, "top_p": 1, "max_tokens": 16, "logprobs": 2}
-    responses = llm(server, openai_frontend_request(prompt, stream, sampling, logprobs=True))
+                    "temperature": 0.0, "top_p": 1, "max_tokens": 16}
+    responses = llm(server, openai_frontend_request(prompt, stream, sampling, logprobs=False))
     text, prompt_tokens, completion_tokens, chosen = read_like_the_openai_frontend(responses, stream)
     prompt_ids = tokenizer(prompt)["input_ids"]       # `llm` tokenizes text_input as the vLLM backend does
     ref = reference_engine.generate([prompt_ids], SamplingParams(max_tokens=16, temperature=0))[0]
@@ -360,10 +367,33 @@ def test_the_requests_tritons_openai_frontend_builds(server, tokenizer, referenc
     stopped = "stop" in sampling and "\n\n" in expected
     if stopped:
         expected = expected[:expected.index("\n\n")]
-    assert text == expected and prompt_tokens == len(prompt_ids)
-    assert completion_tokens == len(chosen) and (stopped or completion_tokens == len(ref.token_ids))
-    # greedy: the rank-1 entry the frontend picks is the sampled token, each decoded alone
-    assert chosen == [tokenizer.decode([t]) for t in ref.token_ids[:completion_tokens]]
+    assert text == expected and prompt_tokens == len(prompt_ids) and chosen == []
+    assert stopped or completion_tokens == len(ref.token_ids)
+
+
+TOOL_PARAMETERS = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+                   "required": ["name"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_from_tritons_openai_frontend(server, tokenizer, reference_engine, stream):
+    """tool_choice named or "required": the frontend sends the tool's parameters as
+    json.dumps(asdict(vllm.StructuredOutputsParams(json=...))), vLLM's private fields included
+    (as vLLM 0.32's dataclass writes them), which the vLLM backend reads back and ignores."""
+    schema_text = json.dumps(TOOL_PARAMETERS)
+    structured = {"json": schema_text, "regex": None, "choice": None, "grammar": None, "json_object": None,
+                  "disable_any_whitespace": False, "disable_additional_properties": False,
+                  "whitespace_pattern": None, "structural_tag": None, "_backend": None, "_backend_was_auto": False}
+    prompt = chat_prompt(tokenizer, "Count the dicts.")
+    sampling = {"frequency_penalty": 0, "ignore_eos": False, "n": 1, "presence_penalty": 0, "temperature": 0.0,
+                "top_p": 1, "max_tokens": 64, "structured_outputs": json.dumps(structured)}
+    responses = llm(server, openai_frontend_request(prompt, stream, sampling, logprobs=False))
+    text, *_ = read_like_the_openai_frontend(responses, stream)
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    ref = reference_engine.generate([prompt_ids], SamplingParams(max_tokens=64, temperature=0,
+                                                                  structured_outputs={"json": schema_text}))[0]
+    assert text == decode(tokenizer, ref.token_ids) and ref.finish_reason == "stop"
+    jsonschema.validate(json.loads(text), TOOL_PARAMETERS)
 
 
 def test_prompt_logprobs_come_whole_in_the_first_response(server, tokenizer, hf_model):

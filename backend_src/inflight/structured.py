@@ -32,6 +32,9 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 BOOLEAN_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
 # vLLM's names for the library it enforces constraints with; anything else is refused
 BACKENDS = ("xgrammar", "xgrammar:no-fallback", "xgrammar:_auto", "auto")
+# vLLM's own bookkeeping, which dataclasses.asdict of its params writes (Triton's OpenAI frontend
+# sends that for a tool call) and vLLM ignores when it reads them back
+PRIVATE_FIELDS = ("_backend", "_backend_was_auto")
 UNSUPPORTED = {"structural_tag": "is not supported (give one of json, regex, choice, grammar, json_object)",
                "whitespace_pattern": "is not supported by xgrammar (use 'disable_any_whitespace')"}
 CACHE_SIZE = 256                 # compiled grammars kept per engine
@@ -65,7 +68,7 @@ def parse_spec(value, name: str = "structured_outputs") -> GrammarSpec:
     if not isinstance(value, dict):
         raise ValueError(f"'{name}' must be an object with one of the keys {', '.join(KINDS)}; "
                          f"got {type(value).__name__}")
-    value = {k: v for k, v in value.items() if v is not None}
+    value = {k: v for k, v in value.items() if v is not None and k not in PRIVATE_FIELDS}
     unknown = sorted(set(value) - set(KINDS) - set(BOOLEAN_OPTIONS) - set(UNSUPPORTED) - {"backend"})
     if unknown:
         raise ValueError(f"'{name}' has unknown key(s) {unknown}; known: "
