@@ -1031,7 +1031,7 @@ def test_a_client_that_leaves_while_its_request_is_queued_has_it_cancelled_in_th
         cancelled = server.metric("inflight_requests_total", finish_reason="cancelled")
         body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8}
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{api.base_url}/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+            httpx.post(f"{api.base_url}/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
         assert wait_for_metric(server, "inflight_requests_total", cancelled + 1, timeout_s=3,
                                finish_reason="cancelled") == cancelled + 1
         assert server.metric("inflight_requests_running") == filling, "cancelled in the queue, not run"
@@ -1606,6 +1606,13 @@ def test_queue_full_is_429_and_triton_gone_is_503(tmp_path):
                     next(busy.iter_lines())             # it holds the one slot
                     health = httpx.get(paced.base_url.removesuffix("/v1") + "/health", timeout=5)
                     assert health.status_code == 200, "a health check never waits behind the requests"
+                # a client that left gave its slot back, streamed or not: the next request is served
+                small = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2}
+                assert httpx.post(f"{paced.base_url}/completions", json=small, timeout=20).status_code == 200
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(f"{paced.base_url}/completions", json={**small, "max_tokens": 500, "ignore_eos": True},
+                               timeout=httpx.Timeout(60, read=0.5))
+                assert httpx.post(f"{paced.base_url}/completions", json=small, timeout=20).status_code == 200
             assert wait_for_metric(triton, "inflight_kv_blocks_used", 0) == 0
             triton.stop()
             health = httpx.get(api.base_url.removesuffix("/v1") + "/health")
