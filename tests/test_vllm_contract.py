@@ -117,7 +117,7 @@ def test_one_response_defaults_to_the_prompt_and_the_full_counts(server, tokeniz
     streamed = llm(server, grpc_inputs(PROMPT, True, sampling))
     assert "".join(strings(o["text_output"])[0] for o, _ in streamed) == text, "a stream never repeats the prompt"
     error = llm_error(server, grpc_inputs(PROMPT, True, sampling, exclude_input_in_output=False))
-    assert "'exclude_input_in_output' = false is not allowed when streaming" in error
+    assert "When streaming, `exclude_input_in_output` = False is not allowed." in error
 
 
 def test_the_vllm_backends_own_test_client_knobs_in_the_tensor_and_as_parameters(server, tokenizer, reference_engine):

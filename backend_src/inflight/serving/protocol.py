@@ -347,6 +347,6 @@ def _resolve_exclude_input(flags: dict) -> None:
     stream = flags.get("stream", False)
     given = flags.get("exclude_input_in_output")
     if stream and given is False and not flags.get("return_token_ids"):
-        raise RequestError("'exclude_input_in_output' = false is not allowed when streaming "
-                           "(a stream never repeats the prompt)")
+        # the vLLM backend's words, which its own CI and its clients match
+        raise RequestError("When streaming, `exclude_input_in_output` = False is not allowed.")
     flags["exclude_input_in_output"] = stream if given is None else given or stream
