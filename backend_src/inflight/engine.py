@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import logging
 import os
 import time
 from collections.abc import Sequence
@@ -24,9 +23,6 @@ from .sampler import Sampler
 from .scheduler import Scheduler
 from .structured import StructuredOutputs
 from .tokenizer import load_tokenizer
-
-log = logging.getLogger("inflight")
-
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at max_queue_size: the request is refused, not queued."""

@@ -20,7 +20,6 @@ from ..config import EngineConfig
 from ..tokenizer import TOKENIZER_FILES, has_tokenizer_files
 
 
-
 class StartupError(Exception):
     """A start-up failure the user can fix; the message is one line naming the file and the field."""
 
