@@ -24,6 +24,7 @@ from .scheduler import Scheduler
 from .structured import StructuredOutputs
 from .tokenizer import load_tokenizer
 
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at max_queue_size: the request is refused, not queued."""
 
