@@ -361,6 +361,46 @@ def test_a_pool_smaller_than_one_max_model_len_sequence_or_the_memory_fails_the_
     assert (len(fits.output_token_ids), fits.finish_reason) == (4, "length"), "capped at the context"
 
 
+def test_of_two_engines_loading_at_once_whose_pools_fit_once_the_second_fails_its_load(tiny_checkpoint, monkeypatch):
+    """Triton loads a model's instances at once: each checked its pool against memory the other was
+    about to take, both passed, and the OOM killer ended one. The host's memory is a counter here
+    (/proc/meminfo would need gigabytes), lowered as pools are written, slowly."""
+    import threading
+    import time
+
+    from inflight.runner import ModelRunner
+    alone = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=64)).runner
+    pool_bytes = alone.num_blocks * alone.kv_block_bytes
+    taken = []
+    monkeypatch.setattr(ModelRunner, "_available_memory", lambda self: int(1.5 * pool_bytes) - sum(taken))
+    write = ModelRunner._cache_tensor
+
+    def slow_write(self, shape):
+        time.sleep(0.05)
+        tensor = write(self, shape)
+        taken.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    monkeypatch.setattr(ModelRunner, "_cache_tensor", slow_write)
+    results = []
+
+    def load():
+        try:
+            results.append(LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=64)).runner)
+        except ValueError as exc:
+            results.append(str(exc))
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    sizes = {r.num_blocks * r.kv_block_bytes for r in results if not isinstance(r, str)}
+    assert sizes == {pool_bytes}, (sizes, results)
+    errors = [r for r in results if isinstance(r, str)]
+    assert len(errors) == 1 and "the KV pool of 64 blocks needs" in errors[0] and "lower 'num_kv_blocks'" in errors[0]
+
+
 def test_queue_limits_refuse_or_expire_requests(tiny_checkpoint):
     eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(max_num_seqs=1, max_queue_size=2,
                                                                   max_queue_wait_s=0.05, num_kv_blocks=64))

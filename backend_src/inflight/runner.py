@@ -7,6 +7,7 @@ import glob
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,6 +85,26 @@ def iter_checkpoint(model_dir: str):
                 yield name, f.get_tensor(name)
 
 
+@contextlib.contextmanager
+def pool_lock(device: torch.device):
+    """CPU: one engine of this host at a time checks the memory left and takes its KV pool, which
+    is resident once written. Triton loads a model's instances at once, and each saw the memory
+    the others were about to take: pools that fit once but not twice passed, and the OOM killer
+    ended one. (CUDA engines split the device's share between them: engines_per_device.)"""
+    if device.type != "cpu":
+        yield
+        return
+    try:
+        import fcntl
+        lock = open(os.path.join(tempfile.gettempdir(), "inflight-kv-pool.lock"), "a")
+    except (ImportError, OSError):      # not POSIX, or another user's file: unordered, as before
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 class ModelRunner:
     def __init__(self, model_dir: str | None, hf_config, config: EngineConfig,
                  lora_modules: dict[str, str] | None = None):
@@ -118,9 +139,11 @@ class ModelRunner:
                                           self.dtype, self.device, kernels=self.backend.name)
         self.cos, self.sin = rope_tables(hf_config, self.max_model_len, self.dtype, self.device)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
-        self._check_pool()
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        self.kv_caches = [(self._cache_tensor(shape), self._cache_tensor(shape)) for _ in range(self.spec.num_layers)]
+        with pool_lock(self.device):
+            self._check_pool()
+            self.kv_caches = [(self._cache_tensor(shape), self._cache_tensor(shape))
+                              for _ in range(self.spec.num_layers)]
         # CUDA: decode steps replay captured graphs (the Triton backend never syncs with the host;
         # adapters' per-step segments are not captured)
         self.graphs = None
