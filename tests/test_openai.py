@@ -1201,6 +1201,10 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "A \ud800"}, 400, "'prompt' holds a lone UTF-16 surrogate", "prompt"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]}, 400,
      "'messages' holds a lone UTF-16 surrogate", "messages"),
+    ("completions", {"model": MODEL, "prompt": "x", "\ud800": 1}, 400,      # pydantic's error named nothing
+     "'\\ud800' holds a lone UTF-16 surrogate", "\\ud800"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": ["text"], "text": "a"}]}]},
+     400, "'messages[0].content': only text parts are supported, got ['text']", "messages"),     # it was a 500
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "audio": {"voice": "alloy", "format": "wav"}}, 400,
      "'audio' is not supported", "audio"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "functions": [{"name": "f"}]}, 400,

@@ -93,6 +93,7 @@ HTTP_LLM = [
     ({"text_input": "hi", "bad_words": ["x"]}, "parameter 'bad_words' has invalid type"),   # lists: JSON only
     ({"text_input": "hi", "sampling_parameters": '{"bad_words": ["\\ud800"]}'},
      "'bad_words' holds a lone UTF-16 surrogate"),
+    ({"text_input": "hi", "sampling_parameters": '{"\\ud800": 1}'}, "'\\ud800' holds a lone UTF-16 surrogate"),
     ({"text_input": "hi", "sampling_parameters": json.dumps({"structured_outputs": {"json": DEEP_SCHEMA}})},
      "'structured_outputs.json' is nested too deeply"),
     ({"input_ids": [1, 99999], "max_tokens": 4}, "token id 99999 at position 1 is outside the vocabulary"),

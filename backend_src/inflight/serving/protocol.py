@@ -248,9 +248,13 @@ LONE_SURROGATE = "holds a lone UTF-16 surrogate (an escape in \\ud800-\\udfff wi
 
 
 def lone_surrogate_field(values: dict) -> str | None:
-    """The first key whose value holds a lone UTF-16 surrogate: JSON may escape half of a pair
-    alone ("\\ud800"), which Python keeps as a string no tokenizer or grammar can encode."""
+    """The first key that holds a lone UTF-16 surrogate, or whose value does: JSON may escape half
+    of a pair alone ("\\ud800"), which Python keeps as a string no tokenizer or grammar can encode.
+    Such a key comes back escaped, printable in the error."""
     for key, value in values.items():
+        escaped = key.encode("utf-8", "backslashreplace").decode("utf-8")
+        if escaped != key:
+            return escaped
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except RecursionError:

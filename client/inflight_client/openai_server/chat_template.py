@@ -29,10 +29,11 @@ def message_text(message: ChatMessage, index: int) -> str:
         if isinstance(part, str):
             texts.append(part)
             continue
-        key = TEXT_PARTS.get(part.get("type"))
+        kind = part.get("type")
+        key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None:
             raise APIError(400, f"'messages[{index}].content': only text parts are supported, got "
-                           f"{part.get('type')!r}", "messages")
+                           f"{kind!r}", "messages")
         if not isinstance(part.get(key), str):
             raise APIError(400, f"'messages[{index}].content[{position}].{key}' must be a string", "messages")
         texts.append(part[key])
