@@ -401,6 +401,17 @@ def test_of_two_engines_loading_at_once_whose_pools_fit_once_the_second_fails_it
     assert len(errors) == 1 and "the KV pool of 64 blocks needs" in errors[0] and "lower 'num_kv_blocks'" in errors[0]
 
 
+def test_a_temp_dir_without_file_locks_leaves_the_load_unordered_not_failed(tiny_checkpoint, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")         # NFS without lockd
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=64)).runner.num_blocks == 64
+
+
 def test_queue_limits_refuse_or_expire_requests(tiny_checkpoint):
     eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(max_num_seqs=1, max_queue_size=2,
                                                                   max_queue_wait_s=0.05, num_kv_blocks=64))

@@ -375,18 +375,22 @@ TOOL_PARAMETERS = {"type": "object", "properties": {"name": {"type": "string", "
                    "required": ["name"], "additionalProperties": False}
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_tool_call_from_tritons_openai_frontend(server, tokenizer, reference_engine, stream):
+@pytest.mark.parametrize("stream, key", [(False, "structured_outputs"), (True, "structured_outputs"),
+                                         (True, "guided_decoding")])
+def test_a_tool_call_from_tritons_openai_frontend(server, tokenizer, reference_engine, stream, key):
     """tool_choice named or "required": the frontend sends the tool's parameters as
     json.dumps(asdict(vllm.StructuredOutputsParams(json=...))), vLLM's private fields included
-    (as vLLM 0.32's dataclass writes them), which the vLLM backend reads back and ignores."""
+    (as vLLM 0.32's dataclass writes them), which the vLLM backend reads back and ignores; its
+    versions for vLLM before 0.11 sent asdict(GuidedDecodingParams(...)) as 'guided_decoding'."""
     schema_text = json.dumps(TOOL_PARAMETERS)
-    structured = {"json": schema_text, "regex": None, "choice": None, "grammar": None, "json_object": None,
-                  "disable_any_whitespace": False, "disable_additional_properties": False,
-                  "whitespace_pattern": None, "structural_tag": None, "_backend": None, "_backend_was_auto": False}
+    common = {"json": schema_text, "regex": None, "choice": None, "grammar": None, "json_object": None,
+              "disable_any_whitespace": False, "disable_additional_properties": False,
+              "whitespace_pattern": None, "structural_tag": None}
+    structured = {**common, "_backend": None, "_backend_was_auto": False} if key == "structured_outputs" else \
+        {**common, "backend": None, "backend_was_auto": False, "disable_fallback": False}
     prompt = chat_prompt(tokenizer, "Count the dicts.")
     sampling = {"frequency_penalty": 0, "ignore_eos": False, "n": 1, "presence_penalty": 0, "temperature": 0.0,
-                "top_p": 1, "max_tokens": 64, "structured_outputs": json.dumps(structured)}
+                "top_p": 1, "max_tokens": 64, key: json.dumps(structured)}
     responses = llm(server, openai_frontend_request(prompt, stream, sampling, logprobs=False))
     text, *_ = read_like_the_openai_frontend(responses, stream)
     prompt_ids = tokenizer(prompt)["input_ids"]

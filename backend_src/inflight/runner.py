@@ -94,15 +94,26 @@ def pool_lock(device: torch.device):
     if device.type != "cpu":
         yield
         return
+    path = os.path.join(tempfile.gettempdir(), "inflight-kv-pool.lock")
     try:
         import fcntl
-        lock = open(os.path.join(tempfile.gettempdir(), "inflight-kv-pool.lock"), "a")
-    except (ImportError, OSError):      # not POSIX, or another user's file: unordered, as before
+        # read-only, and created only where missing: flock needs no more, so another user's file
+        # serves too (an O_CREAT open of it in a sticky /tmp is refused under protected_regular)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    except (ImportError, OSError):      # not POSIX, or a temp dir that cannot hold it: unordered
         yield
         return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:                 # a file system without locks (NFS without lockd): unordered
+            pass
         yield
+    finally:
+        os.close(fd)
 
 
 class ModelRunner:

@@ -33,8 +33,9 @@ BOOLEAN_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "d
 # vLLM's names for the library it enforces constraints with; anything else is refused
 BACKENDS = ("xgrammar", "xgrammar:no-fallback", "xgrammar:_auto", "auto")
 # vLLM's own bookkeeping, which dataclasses.asdict of its params writes (Triton's OpenAI frontend
-# sends that for a tool call) and vLLM ignores when it reads them back
-PRIVATE_FIELDS = ("_backend", "_backend_was_auto")
+# sends that for a tool call: StructuredOutputsParams now, GuidedDecodingParams before vLLM 0.11)
+# and vLLM ignores when it reads them back
+PRIVATE_FIELDS = ("_backend", "_backend_was_auto", "backend_was_auto")
 UNSUPPORTED = {"structural_tag": "is not supported (give one of json, regex, choice, grammar, json_object)",
                "whitespace_pattern": "is not supported by xgrammar (use 'disable_any_whitespace')"}
 CACHE_SIZE = 256                 # compiled grammars kept per engine
