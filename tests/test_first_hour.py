@@ -369,7 +369,8 @@ def test_a_broken_checkpoint_ends_the_launcher_with_the_cause_and_the_path(kind,
     assert cause in last and path in last, last
     assert "Traceback" not in last and "At:" not in last, last
     if kind == "broken tokenizer":      # llm too, before its weights: not a KeyError of its own
-        assert any("llm" in line.split(":")[0].strip().split(", ") and cause in line for line in launcher.lines[-10:]), last
+        models = {line: line.split(":")[0].strip().split(", ") for line in launcher.lines[-10:]}
+        assert any("llm" in names and cause in line for line, names in models.items()), last
 
 
 @pytest.mark.server

@@ -1031,7 +1031,7 @@ def test_a_client_that_leaves_while_its_request_is_queued_has_it_cancelled_in_th
         cancelled = server.metric("inflight_requests_total", finish_reason="cancelled")
         body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8}
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{api.base_url}/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+            httpx.post(f"{api.base_url}/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
         assert wait_for_metric(server, "inflight_requests_total", cancelled + 1, timeout_s=3,
                                finish_reason="cancelled") == cancelled + 1
         assert server.metric("inflight_requests_running") == filling, "cancelled in the queue, not run"
