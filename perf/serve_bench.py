@@ -26,7 +26,7 @@ sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"),
 
 from inflight.serving.launch import ServerProcess, make_repository  # noqa: E402
 from perf import workloads  # noqa: E402
-from perf.bench_stats import RequestRecord, error_note, median_of_rounds, rotated, summarize  # noqa: E402
+from perf.bench_stats import RequestRecord, error_note, median_of_rounds, median_ratio, rotated, summarize  # noqa: E402
 
 SHIPPED_MODEL = os.path.join(REPO, "model_repository", "llm", "1", "inflight-tiny")
 MAX_MODEL_LEN = 1024
@@ -88,6 +88,8 @@ async def one_request(client, item, record: RequestRecord, progress) -> None:
         progress.update(1)
     record.sent, record.response_times, record.error = out.start, out.chunk_times, out.error
     record.num_output_tokens = out.num_output_tokens or 0
+    if record.error is None and record.num_output_tokens != item.max_tokens:     # an aborted stream ends quietly
+        record.error = f"ended after {record.num_output_tokens} of {item.max_tokens} tokens"
 
 
 async def drive(url: str, items, arrival: tuple, seed: int = 0) -> list[RequestRecord]:
@@ -228,6 +230,12 @@ def plot(results: dict, path: str, max_batch: int) -> None:
     fig.savefig(path, dpi=110)
 
 
+def round_rates(summary: dict) -> list[float]:
+    """A policy's tokens/s round by round: ratios are taken per round (the rounds interleave the
+    policies, so each round's runs share its host speed), then their median."""
+    return [x["generated_tokens_per_s"] for x in summary["rounds"]]
+
+
 def report_equal_memory(rows: dict, blocks: int) -> None:
     """Concurrency reached (running requests, sampled every 0.1 s from the metrics, all rounds) and tokens/s."""
     print(f"\nthe same KV pool for every policy ({blocks} blocks of 16 tokens, max batch 64):")
@@ -238,7 +246,7 @@ def report_equal_memory(rows: dict, blocks: int) -> None:
         print(f"{name:24s}{s['mean_running']:14.1f}{s['peak_running']:14.0f}{s['generated_tokens_per_s']:9.1f}")
     c = rows["continuous-equal-kv"]
     for other in ("static-equal-kv", "dynamic-equal-kv"):
-        ratio = c["generated_tokens_per_s"] / rows[other]["generated_tokens_per_s"]
+        ratio = median_ratio(round_rates(c), round_rates(rows[other]))
         print(f"continuous/{other.split('-')[0]} at equal memory: {ratio:.2f}x "
               f"tokens/s, {c['mean_running'] / rows[other]['mean_running']:.2f}x mean concurrency")
 
@@ -358,13 +366,12 @@ def main() -> None:
               f"{s['ttft']['p50']:10.2f}{s['ttft']['p99']:10.2f}{s['tpot']['p50'] * 1000:9.1f}m"
               f"{s['tpot']['p99'] * 1000:9.1f}m{s['itl']['p99'] * 1000:8.0f}m{s['goodput']:9.2f}"
               f"{s['engine_steps']:7.0f}")
-    served = u["continuous"]["generated_tokens_per_s"]
     # served/in-process per round (paired: the same round's conditions), then the median
     paired = [x["generated_tokens_per_s"] / y for x, y in zip(u["continuous"]["rounds"], in_process_runs)]
     tpot_spread = {k: v["tpot"]["p99"] / v["tpot"]["p50"] for k, v in lm.items()}
     summary = {
-        "continuous_over_static": served / u["static"]["generated_tokens_per_s"],
-        "continuous_over_dynamic": served / u["dynamic"]["generated_tokens_per_s"],
+        "continuous_over_static": median_ratio(round_rates(u["continuous"]), round_rates(u["static"])),
+        "continuous_over_dynamic": median_ratio(round_rates(u["continuous"]), round_rates(u["dynamic"])),
         # what the throughput ratios would be if every step cost the same whatever its batch
         "static_steps_over_continuous": u["static"]["engine_steps"] / u["continuous"]["engine_steps"],
         "dynamic_steps_over_continuous": u["dynamic"]["engine_steps"] / u["continuous"]["engine_steps"],
@@ -383,7 +390,8 @@ def main() -> None:
     plot(results, os.path.join(args.out, "serve_bench.png"), args.max_batch)
     print(f"wrote {args.out}/serve_bench.json and serve_bench.png in {summary['seconds']:.0f} s")
     print(f"continuous/static = {summary['continuous_over_static']:.2f}x, "
-          f"continuous/dynamic = {summary['continuous_over_dynamic']:.2f}x generated tokens/s")
+          f"continuous/dynamic = {summary['continuous_over_dynamic']:.2f}x generated tokens/s (medians of the "
+          "rounds' ratios)")
 
 
 if __name__ == "__main__":

@@ -32,11 +32,14 @@ sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"),
 from inflight.serving.launch import ServerProcess, free_port, make_repository  # noqa: E402
 from perf import workloads  # noqa: E402
 from perf.bench_stats import RequestRecord, error_note, median_of_rounds, summarize  # noqa: E402
-from perf.engine_bench import VLLM_ENV  # noqa: E402
+from perf.engine_bench import vllm_env  # noqa: E402
 from perf.quiet import paused, wait_quiet  # noqa: E402
 from perf.serve_bench import MAX_MODEL_LEN, build_serve_model  # noqa: E402
 
 LIMITS = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "max_model_len": MAX_MODEL_LEN}
+# both servers compute on every CPU this process may use (torch's default would count physical
+# cores only, half of them on a host with two threads a core, where vLLM binds every one)
+THREADS = len(os.sched_getaffinity(0))
 LOADS = {"burst 64": ("all", 64), "Poisson 2/s": ("poisson", 2.0), "Poisson 4/s": ("poisson", 4.0)}
 
 
@@ -48,7 +51,7 @@ class VllmServer:
                "--max-num-seqs", str(LIMITS["max_num_seqs"]),
                "--max-num-batched-tokens", str(LIMITS["max_num_batched_tokens"]), "--enforce-eager",
                "--host", "127.0.0.1", "--port", str(self.port)]
-        env = {**os.environ, **{k: os.environ.get(k, v) for k, v in VLLM_ENV.items()
+        env = {**os.environ, **{k: os.environ.get(k, v) for k, v in vllm_env(THREADS).items()
                                 if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}}
         env.pop("PYTHONPATH", None)
         self.log = open(log_path, "w")
@@ -218,7 +221,7 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(model).vocab_size
     print(f"serve_vs_vllm: {os.cpu_count()} cores, model {model}, {args.dtype}, {LIMITS}, {args.rounds} rounds, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}", flush=True)
-    engine = {**LIMITS, "dtype": args.dtype, "kv_cache_gb": 2.0}
+    engine = {**LIMITS, "dtype": args.dtype, "kv_cache_gb": 2.0, "cpu_threads": THREADS}
     builds = {"inflight": inflight_request, "vllm": vllm_request}
     started = time.monotonic()
     vllm = VllmServer(args.vllm, model, args.dtype, os.path.join(args.out, "vllm_server.log"))

@@ -22,9 +22,9 @@ sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"),
 
 from inflight.serving.launch import ServerProcess, make_repository  # noqa: E402
 from perf import vllm_backend, workloads  # noqa: E402
-from perf.engine_bench import VLLM_ENV  # noqa: E402
+from perf.engine_bench import vllm_env  # noqa: E402
 from perf.serve_bench import build_serve_model  # noqa: E402
-from perf.serve_vs_vllm import LIMITS, report, side_by_side  # noqa: E402
+from perf.serve_vs_vllm import LIMITS, THREADS, report, side_by_side  # noqa: E402
 
 SIDES = {"inflight": "llm", "vLLM backend": vllm_backend.MODEL_NAME}
 
@@ -69,14 +69,15 @@ def main() -> None:
     print(f"triton_vs_vllm_backend: {os.cpu_count()} cores, model {model}, {args.dtype}, {LIMITS}, "
           f"{args.rounds} rounds, {time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}", flush=True)
     vllm_engine = {"model": model, "dtype": args.dtype, "enforce_eager": True, **LIMITS}
-    vllm_env = {k: os.environ.get(k, v) for k, v in VLLM_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env = {k: os.environ.get(k, v) for k, v in vllm_env(THREADS).items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     started = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="triton_vs_vllm_backend_")
     theirs = vllm_backend.server(args.vllm, args.vllm_backend, os.path.join(workdir, "vllm"), vllm_engine,
-                                 env=vllm_env, log_path=os.path.join(args.out, "vllm_backend_server.log"),
+                                 env=env, log_path=os.path.join(args.out, "vllm_backend_server.log"),
                                  metrics=False)
     ours_repo = make_repository(os.path.join(workdir, "inflight"), model,
-                                {**LIMITS, "dtype": args.dtype, "kv_cache_gb": 2.0}, models=("llm",))
+                                {**LIMITS, "dtype": args.dtype, "kv_cache_gb": 2.0, "cpu_threads": THREADS},
+                                models=("llm",))
     ours = ServerProcess(ours_repo, log_path=os.path.join(args.out, "inflight_server.log"))
     with theirs, ours:
         servers = {"inflight": (f"http://{ours.http_url}", ours.process.pid),
