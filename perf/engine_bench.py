@@ -621,5 +621,6 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
 
+
 if __name__ == "__main__":
     main()
