@@ -4,11 +4,13 @@ grammars), unconstrained neighbours are untouched, preemption keeps a matcher's 
 schema compiles without stalling running requests, and every bad constraint is refused with a
 message that names the field."""
 import json
+import math
 import re
 import time
 
 import jsonschema
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -803,3 +805,31 @@ def test_sampling_parameters_take_the_constraint_as_an_object_or_its_json_text()
     assert not parse({"guided_decoding": {"regex": "a+", "disable_any_whitespace": True}}).params.structured_outputs.any_whitespace
     with pytest.raises(RequestError, match="'guided_decoding.choice' is empty"):
         parse({"guided_decoding": {"choice": []}})
+
+
+def test_log_probabilities_of_a_constrained_request_are_those_within_its_grammar(reference_engine, tokenizer):
+    """vLLM masks the logits with the grammar before its sampler takes raw_logprobs: the reported
+    log-probabilities are the model's distribution over what the grammar allows (a choice's
+    confidence; a forced token's 0), not over the whole vocabulary. Checked against transformers'
+    logits, masked here by decoding every token."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float64)
+    choices = ("yes", "no")
+    prompt = tokenizer("Is a dict ordered? Answer:")["input_ids"]
+    out = reference_engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, logprobs=3,
+                                                             structured_outputs={"choice": list(choices)}))[0]
+    assert out.finish_reason == "stop" and decode(tokenizer, out.token_ids) in choices
+    eos = set(reference_engine.eos_token_ids)
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        done = out.token_ids[:i]
+        text = decode(tokenizer, done)
+        allowed = [t for t in range(len(tokenizer)) if t in eos and text in choices or t not in eos and (
+            grown := decode(tokenizer, done + [t])) != text and any(c.startswith(grown) for c in choices)]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + done])).logits[0, -1, :len(tokenizer)]
+        expected = logits[allowed] - torch.logsumexp(logits[allowed], dim=0)
+        assert token in allowed and entry[token].logprob == pytest.approx(
+            expected[allowed.index(token)].item(), abs=1e-9)
+        finite = {t: e.logprob for t, e in entry.items() if e.logprob > -math.inf}
+        assert set(finite) <= set(allowed), "a token outside the grammar among the top log-probabilities"
+    assert out.logprobs[-1][out.token_ids[-1]].logprob == pytest.approx(0.0), "the forced end"

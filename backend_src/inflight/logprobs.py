@@ -3,7 +3,8 @@ log-probability and rank plus the N most likely tokens (`SamplingParams.logprobs
 prompt token after the first, the same for that token (`SamplingParams.prompt_logprobs = N`).
 
 Values are those of the model's own distribution (log_softmax of the raw logits, before
-temperature, top-k/top-p and bans), as vLLM's default `raw_logprobs` mode. A rank counts the
+temperature, top-k/top-p and bans), as vLLM's default `raw_logprobs` mode; for a request with
+structured outputs, of the logits its grammar masked, as vLLM masks them before its sampler. A rank counts the
 tokens at least as likely as the token (1 = the most likely; ties share the larger rank), as
 vLLM counts it; a sampled token that is also among the top N takes its place there, as in
 vLLM's per-position dict (where the top-N entries are written after the sampled one). Only the rows that asked are computed: a step where nobody asked costs nothing.

@@ -1,14 +1,14 @@
 """Logits -> next tokens for a whole step, with torch ops over the batch.
 
-logit_bias, bans (min_tokens, bad words) and penalties (penalties.py) come first, then the grammar
-mask (structured outputs) and allowed_token_ids. Greedy rows (temperature under SAMPLING_EPS, as
+The grammar mask (structured outputs) comes first, then logit_bias, bans (min_tokens, bad words),
+penalties (penalties.py) and allowed_token_ids. Greedy rows (temperature under SAMPLING_EPS, as
 in vLLM) take the argmax. Sampled rows apply temperature, min-p, top-k and top-p, then draw with
 the exponential-race trick (argmax of p / E, E ~ Exp(1)), which needs exactly one noise vector per
 token: a seeded request draws it from its own generator, so its tokens do not depend on what else
-is in the batch. Log-probabilities (logprobs.py) are those of the model's own distribution, which
-none of the above changes (vLLM's default, raw_logprobs, also takes them before logit_bias and
-allowed_token_ids): they are taken first, so that every edit after them works on the logits in
-place.
+is in the batch. Log-probabilities (logprobs.py) are those of the model's own distribution within
+its grammar: vLLM masks the logits with the grammar before its sampler, whose default mode,
+raw_logprobs, takes them before logit_bias, bans, penalties and allowed_token_ids. So they are
+taken right after the mask, and every later edit works on the logits in place.
 """
 from __future__ import annotations
 
@@ -36,15 +36,15 @@ class Sampler:
         """logits [len(rows), vocab] -> (token ids, log-probs of the rows that asked, or None).
         The logits are edited in place (a float32 or float64 tensor is the caller's). grammar_mask
         (structured outputs) sets the tokens outside each constrained row's grammar to -inf, in
-        place, before any sampling."""
+        place, before anything else (-inf stays -inf through the edits after it)."""
         if logits.dtype != torch.float64:   # float64 stays: exactness tests compare argmaxes
             logits = logits.float()
+        if grammar_mask is not None:
+            grammar_mask(logits)
         asked = asked_logprobs(logits, table.num_logprobs[rows])
         self._apply_bias(logits, table, rows)
         self._apply_bans(logits, table, rows)
         self.penalties(logits, table, rows)
-        if grammar_mask is not None:
-            grammar_mask(logits)
         self._apply_allowed(logits, table, rows)
         temperature = table.temperature[rows]
         tokens = cpu_kernels.argmax(logits)
