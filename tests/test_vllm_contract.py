@@ -504,3 +504,30 @@ def test_the_vllm_backends_metrics_with_report_custom_metrics(tmp_path, tokenize
         assert server.metric("vllm:e2e_request_latency_seconds_count", **labels) == 5
         assert server.metric("vllm:request_generation_tokens_count", **labels) == 5
         assert server.metric("inflight_e2e_request_latency_seconds_count") == 4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_token_holding_part_of_a_character_is_decoded_as_vllm_decodes_it(server, tokenizer, stream):
+    """vLLM 0.32 decodes a byte-fallback token that alone is an unfinished character after the
+    sampled tokens before it: "" until the character is whole, then all of it (its
+    _correct_decoded_token), so the sampled tokens' texts add up to the output. A stream cuts
+    the positions across responses; prompt log-probabilities get the same."""
+    text = "🐱日本é"
+    sampling = {"max_tokens": 24, "temperature": 0, "logprobs": 1, "prompt_logprobs": 1,
+                "structured_outputs": {"choice": [text]}}
+    responses = llm(server, grpc_inputs("cats 🐱🐱", stream, sampling, exclude_input_in_output=True,
+                                        return_logprobs=True, return_prompt_logprobs=not stream))
+    assert "".join(strings(o["text_output"])[0] for o, _ in responses) == text
+    positions = [p for o, _ in responses for p in json.loads(strings(o["logprobs"])[0]) or []]
+    assert int(next(iter(positions[-1]))) == tokenizer.eos_token_id, "the grammar's end"
+    positions = positions[:-1]
+    sampled = [next(iter(p.values()))["decoded_token"] for p in positions]
+    assert "".join(sampled) == text and "\ufffd" not in "".join(sampled)
+    assert "" in sampled, "the pieces before a character's last byte"
+    alone = [tokenizer.decode([int(next(iter(p)))]) for p in positions]
+    assert [s for s, a in zip(sampled, alone) if not a.endswith("\ufffd")] == \
+        [a for a in alone if not a.endswith("\ufffd")], "whole tokens stay decoded alone"
+    if not stream:
+        prompt = json.loads(strings(responses[0][0]["prompt_logprobs"])[0])
+        ids = tokenizer("cats 🐱🐱")["input_ids"]
+        assert "".join(next(iter(p.values()))["decoded_token"] for p in prompt[1:]) == tokenizer.decode(ids[1:])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -68,6 +69,24 @@ def token_text(tokenizer, token: int) -> str:
         if missing > 0:
             return " " * missing + text
     return text
+
+
+def completed_token_text(tokenizer, token: int, context: Sequence[int]) -> str:
+    """vLLM 0.32's decoded_token for a token that alone decodes to an unfinished character (U+FFFD
+    at its end: a byte-fallback piece): decoded after up to 4 of the sampled tokens before it, the
+    text it completes, those of the pieces before it that were unfinished too included; "" while
+    the character is still unfinished (vLLM's _correct_decoded_token)."""
+    for n in range(1, min(len(context), 4) + 1):
+        window = list(context[-n:])
+        full = tokenizer.decode(window + [token])
+        if full.endswith(REPLACEMENT):
+            continue
+        clean = len(window)
+        while clean and tokenizer.decode([window[clean - 1]]).endswith(REPLACEMENT):
+            clean -= 1
+        prefix = tokenizer.decode(window[:clean]) if clean else ""
+        return full[len(os.path.commonprefix([prefix, full])):]
+    return ""
 
 
 def decode_delta(tokenizer, context_ids: Sequence[int], new_ids: Sequence[int],

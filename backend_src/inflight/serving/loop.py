@@ -18,7 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..config import SamplingParams, usable_cpus
-from ..detokenizer import DecodeOptions, IncrementalDetokenizer, StopStrings, decode, token_text
+from ..detokenizer import (REPLACEMENT, DecodeOptions, IncrementalDetokenizer, StopStrings, completed_token_text,
+                           decode, token_text)
 from ..engine import LLMEngine, QueueFullError
 from .job import Job, ResponseSink, Sample
 from .outputs import response_outputs
@@ -470,14 +471,15 @@ class EngineLoop:
         final = job.finished
         if final:       # counted before the client can see its end, so metrics never lag a reply
             self._record(job, job.samples[0].finish_reason)
-        self._send(job, response_outputs(job, pieces, self._token_text, prompt), final=final)
+        self._send(job, response_outputs(job, pieces, self._decoded_token, prompt), final=final)
 
-    def _token_text(self, token: int) -> str:
-        """A token decoded alone (vLLM's `decoded_token`), cached."""
+    def _decoded_token(self, token: int, context: list[int]) -> str:
+        """vLLM's `decoded_token`: the token decoded alone (cached), unless that leaves a character
+        unfinished: then what it completes after the sampled tokens before it (`context`)."""
         text = self._token_texts.get(token)
         if text is None:
             text = self._token_texts[token] = token_text(self.tokenizer, token)
-        return text
+        return completed_token_text(self.tokenizer, token, context) if text.endswith(REPLACEMENT) else text
 
     def _fail(self, job: Job, error: str | None, refused: bool = False) -> None:
         """End a job now with an error (or, error None, with an empty final response: an abort).

@@ -25,13 +25,22 @@ def _strings(values: list[str]) -> np.ndarray:
     return np.array([value.encode("utf-8") for value in values], dtype=object)
 
 
-def logprobs_json(positions: list, token_text: Callable[[int], str]) -> str:
-    return json.dumps([None if position is None else
-                       {str(token): {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": token_text(token)}
-                        for token, entry in position.items()} for position in positions])
+def logprobs_json(positions: list, decoded_token: Callable[[int, list[int]], str], before: list[int] = ()) -> str:
+    """decoded_token(token, context): vLLM's text of a token at a position, given the sampled tokens
+    before it (`before`, then each earlier position's own: the first of its entries)."""
+    context, listed = list(before), []
+    for position in positions:
+        if position is None:
+            listed.append(None)
+            continue
+        listed.append({str(token): {"logprob": entry.logprob, "rank": entry.rank,
+                                    "decoded_token": decoded_token(token, context)}
+                       for token, entry in position.items()})
+        context.append(next(iter(position)))
+    return json.dumps(listed)
 
 
-def response_outputs(job: Job, pieces: list[Piece], token_text: Callable[[int], str],
+def response_outputs(job: Job, pieces: list[Piece], decoded_token: Callable[[int, list[int]], str],
                      prompt_text: str | None = None) -> dict[str, np.ndarray]:
     """pieces: one per sample, in order; prompt_text: prepended to every text (the non-streaming
     default, exclude_input_in_output = false)."""
@@ -46,11 +55,13 @@ def response_outputs(job: Job, pieces: list[Piece], token_text: Callable[[int], 
         outputs["cumulative_logprob"] = np.array([sample.cumulative_logprob for sample in job.samples], dtype=np.float32)
     if request.return_logprobs:
         asked = request.params.logprobs is not None
-        outputs["logprobs"] = _strings([logprobs_json(piece.logprobs, token_text) if asked else "null"
-                                        for piece in pieces])
+        # each piece's positions are its sample's latest tokens; vLLM's context is the 4 before them
+        outputs["logprobs"] = _strings([
+            logprobs_json(piece.logprobs, decoded_token, sample.output_ids[:-len(piece.logprobs) or None][-4:])
+            if asked else "null" for piece, sample in zip(pieces, job.samples)])
     if request.return_prompt_logprobs:
         first = job.num_responses == 0 and request.params.prompt_logprobs is not None
-        outputs["prompt_logprobs"] = _strings([logprobs_json([None, *job.prompt_logprobs], token_text) if first
+        outputs["prompt_logprobs"] = _strings([logprobs_json([None, *job.prompt_logprobs], decoded_token) if first
                                                else "null"])
     if request.return_num_input_tokens:
         outputs["num_input_tokens"] = np.array([len(job.prompt_ids)], dtype=np.uint32)
