@@ -29,6 +29,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(REPO, "backend_src"), os.path.join(REPO, "client"), REPO]
 
+from inflight.config import usable_cpus  # noqa: E402
 from inflight.serving.launch import ServerProcess, free_port, make_repository  # noqa: E402
 from perf import workloads  # noqa: E402
 from perf.bench_stats import RequestRecord, error_note, median_of_rounds, summarize  # noqa: E402
@@ -39,7 +40,7 @@ from perf.serve_bench import MAX_MODEL_LEN, build_serve_model  # noqa: E402
 LIMITS = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "max_model_len": MAX_MODEL_LEN}
 # both servers compute on every CPU this process may use (torch's default would count physical
 # cores only, half of them on a host with two threads a core, where vLLM binds every one)
-THREADS = len(os.sched_getaffinity(0))
+THREADS = usable_cpus()
 LOADS = {"burst 64": ("all", 64), "Poisson 2/s": ("poisson", 2.0), "Poisson 4/s": ("poisson", 4.0)}
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 REPLACEMENT = "\ufffd"
 MAX_LOOKBACK = 8             # tokens searched back for a cut (a character spans at most 4)
+TOKEN_CONTEXT = 4            # sampled tokens before a byte piece that vLLM decodes it after
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +74,10 @@ def token_text(tokenizer, token: int) -> str:
 
 def completed_token_text(tokenizer, token: int, context: Sequence[int]) -> str:
     """vLLM 0.32's decoded_token for a token that alone decodes to an unfinished character (U+FFFD
-    at its end: a byte-fallback piece): decoded after up to 4 of the sampled tokens before it, the
+    at its end: a byte-fallback piece): decoded after up to TOKEN_CONTEXT sampled tokens before it, the
     text it completes, those of the pieces before it that were unfinished too included; "" while
     the character is still unfinished (vLLM's _correct_decoded_token)."""
-    for n in range(1, min(len(context), 4) + 1):
+    for n in range(1, min(len(context), TOKEN_CONTEXT) + 1):
         window = list(context[-n:])
         full = tokenizer.decode(window + [token])
         if full.endswith(REPLACEMENT):

@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .job import Job, Piece
+from ..detokenizer import TOKEN_CONTEXT
+from .job import Job, Piece, Sample
 
 
 def _strings(values: list[str]) -> np.ndarray:
@@ -40,6 +41,14 @@ def logprobs_json(positions: list, decoded_token: Callable[[int, list[int]], str
     return json.dumps(listed)
 
 
+def _tokens_before(piece: Piece, sample: Sample) -> list[int]:
+    """The sampled tokens a byte piece of this response may be decoded after: the last
+    TOKEN_CONTEXT before the piece's positions, which are its sample's latest tokens (sliced, not
+    copied: a long output's every response would copy all of it)."""
+    end = len(sample.output_ids) - len(piece.logprobs)
+    return sample.output_ids[max(end - TOKEN_CONTEXT, 0):end]
+
+
 def response_outputs(job: Job, pieces: list[Piece], decoded_token: Callable[[int, list[int]], str],
                      prompt_text: str | None = None) -> dict[str, np.ndarray]:
     """pieces: one per sample, in order; prompt_text: prepended to every text (the non-streaming
@@ -55,10 +64,8 @@ def response_outputs(job: Job, pieces: list[Piece], decoded_token: Callable[[int
         outputs["cumulative_logprob"] = np.array([sample.cumulative_logprob for sample in job.samples], dtype=np.float32)
     if request.return_logprobs:
         asked = request.params.logprobs is not None
-        # each piece's positions are its sample's latest tokens; vLLM's context is the 4 before them
-        outputs["logprobs"] = _strings([
-            logprobs_json(piece.logprobs, decoded_token, sample.output_ids[:-len(piece.logprobs) or None][-4:])
-            if asked else "null" for piece, sample in zip(pieces, job.samples)])
+        outputs["logprobs"] = _strings([logprobs_json(piece.logprobs, decoded_token, _tokens_before(piece, sample))
+                                        if asked else "null" for piece, sample in zip(pieces, job.samples)])
     if request.return_prompt_logprobs:
         first = job.num_responses == 0 and request.params.prompt_logprobs is not None
         outputs["prompt_logprobs"] = _strings([logprobs_json([None, *job.prompt_logprobs], decoded_token) if first

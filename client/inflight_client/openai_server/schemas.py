@@ -28,7 +28,6 @@ from .errors import APIError
 from .logprobs import as_token_ids
 
 
-
 def _not_a_boolean(value):
     """pydantic reads true as 1 where a number is expected; OpenAI's API and `llm` refuse it."""
     if isinstance(value, bool):
