@@ -19,7 +19,7 @@ from perf.vllm_backend import REPORT_CUSTOM_METRICS
 
 from .conftest import DEFAULT_MODEL
 from .helpers import wait_for_metric
-from .test_vllm_contract import openai_frontend_request, read_like_the_openai_frontend
+from .test_vllm_contract import chat_prompt, openai_frontend_request, read_like_the_openai_frontend
 from .vllm_peer import PEER_ENGINE, PEER_MODEL, vllm_backend_server
 
 pytestmark = pytest.mark.peer
@@ -186,8 +186,7 @@ def test_both_refuse_the_same_requests(ours, peer, prompt, stream, sampling, fla
 @pytest.mark.parametrize("kind, stream", [("completions", False), ("completions", True), ("chat", True)])
 def test_the_requests_tritons_openai_frontend_builds_read_the_same(ours, peer, tokenizer, kind, stream):
     if kind == "chat":
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is a dict?"}], tokenize=False,
-                                               add_generation_prompt=True)
+        prompt = chat_prompt(tokenizer, "What is a dict?")
         sampling = {"frequency_penalty": 0, "ignore_eos": False, "n": 1, "presence_penalty": 0, "stop": ["\n\n"],
                     "temperature": 0.0, "top_p": 1, "max_tokens": 16, "logprobs": 1}
     else:
