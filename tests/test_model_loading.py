@@ -75,6 +75,32 @@ def test_a_tied_config_with_its_own_lm_head_gives_transformers_tokens(tiny_check
         assert (got == tied) == (head is not None)
 
 
+def test_loading_a_checkpoint_draws_no_random_weights_first(tiny_checkpoint, monkeypatch):
+    """The checkpoint sets every parameter, so the modules are built without their random
+    initialisation (seconds per billion parameters); a tied head is the embedding itself, and the
+    tokens are transformers' (as every exactness test checks)."""
+    import torch
+    import transformers
+
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    drawn = []
+    for name in ("kaiming_uniform_", "uniform_", "normal_"):
+        init = getattr(torch.nn.init, name)
+        monkeypatch.setattr(torch.nn.init, name,
+                            lambda tensor, *a, _init=init, **k: drawn.append(tensor.device.type) or _init(tensor, *a, **k))
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float64", num_kv_blocks=64))
+    assert drawn and set(drawn) == {"meta"}
+    model = engine.runner.model
+    assert model.spec.tie_word_embeddings and model.model.embed_tokens.weight.device.type == "cpu"
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    prompt = [5, 6, 7, 8]
+    got = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float64)
+    want = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+    assert got == want
+
+
 def test_an_index_that_names_a_missing_shard_is_refused_before_loading(tmp_path):
     import json
 

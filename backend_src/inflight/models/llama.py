@@ -227,7 +227,11 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.model = LlamaModel(spec)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        if spec.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """A tied config's LM head is the embedding matrix itself."""
+        if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
