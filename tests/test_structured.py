@@ -99,7 +99,10 @@ def test_200_sampled_requests_over_12_schemas_all_stop_and_validate(reference_en
     assert [o.finish_reason for o in outs] == ["stop"] * 200, "max_tokens must be large enough that all stop"
     for i, out in enumerate(outs):
         assert out.token_ids[-1] in engine.eos_token_ids         # the grammar ended, then EOS
-        jsonschema.validate(json.loads(text_of(tokenizer, out)), SCHEMAS[i % len(SCHEMAS)])
+        text = text_of(tokenizer, out)
+        jsonschema.validate(json.loads(text), SCHEMAS[i % len(SCHEMAS)])
+        # without free whitespace the JSON is compact, as vLLM's: no space after ',' or ':'
+        assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)), text
     assert len({text_of(tokenizer, o) for o in outs}) > 150, "temperature 1.0 should vary the outputs"
     assert engine.structured.num_compiled - compiled_before <= len(SCHEMAS), "each schema compiles once"
     assert engine.kv.num_used_blocks == 0 and engine.num_constrained == 0 and not engine.requests
@@ -536,8 +539,8 @@ def test_what_xgrammar_compiles_away_is_refused(schema, breaking):
     ({"type": "string", "pattern": "^a\\x22$"}, '"a""'),
     ({"type": "string", "pattern": '^[\\"]+$'}, '"""'),
     ({"type": "string", "pattern": "^a\\u005cb$"}, '"a\\b"'),       # JSON's backspace escape: not a backslash
-    ({"type": "object", "properties": {"note": {"type": "string", "pattern": "^a\\nb$"}}}, '{"note": "a\nb"}'),
-    ({"type": "object", "patternProperties": {'^k"$': {"type": "integer"}}}, '{"k"": 1}'),
+    ({"type": "object", "properties": {"note": {"type": "string", "pattern": "^a\\nb$"}}}, '{"note":"a\nb"}'),
+    ({"type": "object", "patternProperties": {'^k"$': {"type": "integer"}}}, '{"k"":1}'),
     ({"type": "string", "pattern": "^[\\b]$"}, '"\b"'),                  # a backspace in a class
     ({"type": "string", "pattern": "^[\\n-\\r]$"}, '"\n"'),              # a class of nothing else
 ])
@@ -578,17 +581,17 @@ def test_constrained_json_strings_hold_no_raw_control_character(string):
     from inflight.structured import json_schema_grammar
     schema = {"type": "object", "properties": {"tz": string}, "required": ["tz"]}
     grammar = xgr.Grammar.from_ebnf(json_schema_grammar(json.dumps(schema), any_whitespace=False))
-    assert _is_grammar_accept_string(grammar, '{"tz": "UTC+1"}')
+    assert _is_grammar_accept_string(grammar, '{"tz":"UTC+1"}')
     for code in range(0x20):
-        assert not _is_grammar_accept_string(grammar, '{"tz": "a%sb"}' % chr(code)), hex(code)
+        assert not _is_grammar_accept_string(grammar, '{"tz":"a%sb"}' % chr(code)), hex(code)
 
 
 @pytest.mark.parametrize("schema, valid", [
     ({"type": "object", "properties": {"Straße": {"enum": ["décembre", "café1"]}}, "required": ["Straße"]},
-     ['{"Straße": "décembre"}', '{"Straße": "café1"}']),
+     ['{"Straße":"décembre"}', '{"Straße":"café1"}']),
     ({"type": "string", "pattern": "^[é1]{3}$"}, ['"é1é"', '"111"']),
     ({"type": "object", "properties": {"naïve\\xe9": {"const": "\\xe91"}}, "required": ["naïve\\xe9"]},
-     ['{"naïve\\\\xe9": "\\\\xe91"}']),          # a backslash and "xe9" in the text: no escape
+     ['{"naïve\\\\xe9":"\\\\xe91"}']),          # a backslash and "xe9" in the text: no escape
 ])
 def test_schema_text_outside_ascii_is_enforced_as_written(schema, valid, reference_engine, tokenizer):
     """xgrammar prints U+0080-U+00FF as \\xHH and reads a hex digit after it into the escape:

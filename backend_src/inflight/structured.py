@@ -399,9 +399,11 @@ _LATIN1_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\x([0-9a-fA-F]{2})")
 
 def json_schema_grammar(schema: str, any_whitespace: bool) -> str:
     """xgrammar's EBNF for a JSON schema, its length-bounded strings' characters made JSON's and
-    its Latin-1 escapes read back as printed."""
+    its Latin-1 escapes read back as printed. Without free whitespace the JSON is compact, no space
+    after ',' or ':' (vLLM asks xgrammar for those separators; its own default has a space after each)."""
     import xgrammar as xgr
-    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
+    separators = None if any_whitespace else (",", ":")
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, separators=separators))
     ebnf = _LATIN1_ESCAPE.sub(r"\1\\u00\2", ebnf)
     return ebnf.replace(_BOUNDED_STRING_CHARACTER, _JSON_STRING_CHARACTER)
 
