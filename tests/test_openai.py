@@ -1148,6 +1148,61 @@ def test_a_forced_tool_call_replaces_response_format(client):
     jsonschema.validate(json.loads(calls_of(formatted)[0][1]), PARAMETERS["get_weather"])
 
 
+def exact_regex(text: str) -> str:
+    """A regex matching text alone (xgrammar's regex syntax: metacharacters escaped, newline as \\n)."""
+    return re.sub(r"[.^$*+?{}\[\]\\|()]", r"\\\g<0>", text).replace("\n", "\\n")
+
+
+# a reply in each parser's format, which a regex makes the tiny random model write
+AUTO_REPLIES = {
+    "hermes": ('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tool_call>',
+               "Sure. ", [("get_weather", '{"city": "Oslo", "unit": "C"}')]),
+    "llama3_json": ('{"name": "add", "parameters": {"a": 1, "b": 2}}; '
+                    '{"name": "get_weather", "parameters": {"city": "Lima", "unit": "F"}}',
+                    None, [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "Lima", "unit": "F"}')]),
+}
+
+
+@pytest.mark.parametrize("parser", sorted(AUTO_REPLIES))
+def test_auto_tool_choice_reads_the_calls_a_model_writes_in_its_format(server, tmp_path, parser):
+    """vLLM's --enable-auto-tool-choice --tool-call-parser: with tools and no tool_choice (what
+    LangChain's and LlamaIndex's tool bindings send) the model decides; its calls come back as
+    tool_calls, streamed or not, and a reply without one as content."""
+    text, content, calls = AUTO_REPLIES[parser]
+    with openai_server(server.http_url, tmp_path, "--enable-auto-tool-choice", "--tool-call-parser", parser) as auto:
+        auto_client = openai.OpenAI(base_url=auto.base_url, api_key="-", max_retries=0)
+        forced = dict(model=MODEL, messages=ASK, max_tokens=150, temperature=0, tools=TOOLS,
+                      extra_body={"structured_outputs": {"regex": exact_regex(text)}})
+        whole = auto_client.chat.completions.create(**forced)
+        choice = whole.choices[0]
+        assert (choice.message.content, calls_of(whole), choice.finish_reason) == (content, calls, "tool_calls")
+        assert len({call.id for call in choice.message.tool_calls}) == len(calls)
+        streamed = streamed_completion(auto_client, **forced)
+        assert (streamed.choices[0].message.content, calls_of(streamed)) == (content, calls)
+        assert streamed.choices[0].finish_reason == "tool_calls"
+        # no call: the reply is content, as with tool_choice "none" (hermes reads special tokens too)
+        free = dict(model=MODEL, messages=ASK, max_tokens=12, temperature=0, tools=TOOLS)
+        reply = auto_client.chat.completions.create(**free)
+        plain = auto_client.chat.completions.create(**free, tool_choice="none",
+                                                    extra_body={"skip_special_tokens": parser != "hermes"})
+        assert reply.choices[0].message.tool_calls is None and reply.choices[0].message.content
+        assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == \
+            (plain.choices[0].message.content, plain.choices[0].finish_reason)
+        streamed = "".join(c.choices[0].delta.content or "" for c in auto_client.chat.completions.create(
+            stream=True, **free))
+        assert streamed == reply.choices[0].message.content
+
+
+def test_auto_tool_choice_needs_the_models_format():
+    from inflight_client.openai_server.cli import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--model-dir", DEFAULT_MODEL, "--enable-auto-tool-choice"])
+    settings, _ = parse_args(["--model-dir", DEFAULT_MODEL, "--enable-auto-tool-choice",
+                              "--tool-call-parser", "hermes"])
+    assert settings.tool_call_parser == "hermes"
+    assert parse_args(["--model-dir", DEFAULT_MODEL, "--tool-call-parser", "hermes"])[0].tool_call_parser is None
+
+
 def test_required_tool_calls_cut_short_or_single_read_the_same_streamed_and_not(client):
     """A "required" array cut short (a stop string, max_tokens) gives its complete calls as calls
     and the unfinished rest as content, streamed or not; parallel_tool_calls false asks for one
@@ -1285,9 +1340,9 @@ BAD = [
                           "tools": TOOLS, "tool_choice": "required"}, 400,
      "got 'guided_regex', 'tool_choice'", "tool_choice"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": TOOLS}, 400,
-     "'tool_choice' \"auto\" (the default when 'tools' are given) is not supported", "tool_choice"),
+     "'tool_choice' \"auto\" (the default when 'tools' are given) needs a tool-call parser", "tool_choice"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": TOOLS, "tool_choice": "auto"}, 400,
-     "no tool-call parser", "tool_choice"),
+     "start this server with --enable-auto-tool-choice and --tool-call-parser", "tool_choice"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": TOOLS,
                           "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
      "'tool_choice' names the function 'nope', which is not in 'tools' (get_weather, add)", "tool_choice"),
@@ -1463,7 +1518,7 @@ def test_a_schema_too_deep_once_wrapped_and_odd_tool_arguments_are_not_500s():
     assert arguments_json({"s": "é"}) == '{"s": "é"}'          # otherwise as vLLM writes them
     # numbers Python cannot hold (the grammar allows them) stay as written, not Infinity or a ValueError
     digits = "9" * 5000
-    (call,) = ToolCallText(None).feed(f'[{{"name": "f", "parameters": {{"x": -1e999, "n": {digits}, "y": 0.5}}}}]')
+    _, (call,) = ToolCallText(None).feed(f'[{{"name": "f", "parameters": {{"x": -1e999, "n": {digits}, "y": 0.5}}}}]')
     assert call["function"]["arguments"] == f'{{"x": -1e999, "n": {digits}, "y": 0.5}}'
 
 

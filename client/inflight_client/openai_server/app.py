@@ -55,6 +55,7 @@ class Settings:
     generation_config: str = "auto"         # vLLM's: "auto" reads the checkpoint's sampling defaults, "vllm" ignores them
     api_keys: tuple[str, ...] = ()          # any of them opens every route but the probes (auth.py); none: open
     request_priority: bool = True           # False: a request's priority other than normal is a 400 (vLLM's FCFS)
+    tool_call_parser: str | None = None     # set: tool_choice "auto" reads calls in this format (tool_parsers.py)
 
 
 def _members(annotation) -> list:
@@ -173,7 +174,7 @@ def create_app(settings: Settings) -> FastAPI:
     ctx = Context(TritonLLM(settings.triton_url, settings.triton_model, settings.max_triton_requests), tokenizer,
                   ChatTemplate(tokenizer, settings.chat_template, settings.trust_request_chat_template),
                   ServedModels(settings.served_model_name, settings.max_model_len, settings.lora_names),
-                  settings.default_max_tokens, settings.disable_any_whitespace,
+                  settings.default_max_tokens, settings.disable_any_whitespace, settings.tool_call_parser,
                   sampling_defaults(settings.tokenizer_dir, settings.generation_config))
 
     @contextlib.asynccontextmanager

@@ -20,17 +20,27 @@ from .sampling import chat_sampling
 from .schemas import ChatCompletionRequest
 from .sse import event, sse_response
 from .structured import Constraint, blame, request_constraints, single
+from .tool_parsers import AutoToolText, special_tokens_kept
 from .tools import ToolCallText, called_function, tool_constraint, tool_message
 from .triton import LLMResponse, Prompt
 
 
 async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, request_id: str, large: bool):
     lora_name = ctx.models.check(body.model)
+    if body.tool_choice == "auto" and ctx.tool_call_parser is None:
+        # vLLM answers the same without --enable-auto-tool-choice and a --tool-call-parser
+        raise APIError(400, "'tool_choice' \"auto\" (the default when 'tools' are given) needs a tool-call "
+                       "parser to find calls in free text: start this server with --enable-auto-tool-choice and "
+                       "--tool-call-parser (hermes or llama3_json, the model's format), or give 'tool_choice' "
+                       "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}} (the output "
+                       "is then constrained to a call), or \"none\"", "tool_choice")
     constraint = single(_constraints(body), ctx.disable_any_whitespace)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     prompt, prompt_ids = await ctx.offload(large, _prompt, body, tools, ctx)
     sampling = ctx.fit(chat_sampling(body, ctx.chat_max_tokens, constraint, lora_name, ctx.sampling_defaults),
                        prompt_ids, "messages")
+    if body.tool_choice == "auto" and special_tokens_kept(ctx.tool_call_parser):
+        sampling["skip_special_tokens"] = False         # the parser reads the model's tags (as vLLM)
     text = None if body.truncate_prompt_tokens is not None else ctx.text_input(prompt, bool(body.add_special_tokens))
     calls = [ctx.triton.generate(Prompt(prompt_ids, text, "truncate_prompt_tokens"), sampling)]
     head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
@@ -43,7 +53,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
         if body.stream:
             responses = await generation.stream(calls)
             return sse_response(_chunks({**head, "object": "chat.completion.chunk"}, body, responses, top_n,
-                                        prompt_ids, _echo(body), prompt_text), as_sent)
+                                        prompt_ids, _echo(body), prompt_text, ctx), as_sent)
         outputs, usage = await generation.gather(calls, body.n)
     except APIError as exc:
         raise as_sent(exc) from None
@@ -53,7 +63,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
         message = {"role": _role(body), "content": "".join(out.text)}
         reason = out.finish_reason
         if _calls_tools(body):
-            message, reason = tool_message(called_function(body), message["content"], reason)
+            message, reason = tool_message(_tool_reader(body, ctx), message["content"], reason)
         if echo:
             message["content"] = echo + (message["content"] or "")
         message["refusal"] = None       # a field of every message in OpenAI's schema (and vLLM's replies)
@@ -122,10 +132,17 @@ def _calls_tools(body: ChatCompletionRequest) -> bool:
     return body.tools is not None and body.tool_choice != "none"
 
 
+def _tool_reader(body: ChatCompletionRequest, ctx: Context) -> ToolCallText | AutoToolText:
+    """What reads a choice's text as tool calls: the model's own format for "auto"."""
+    if body.tool_choice == "auto":
+        return AutoToolText(ctx.tool_call_parser, parallel=body.parallel_tool_calls is not False)
+    return ToolCallText(called_function(body))
+
+
 async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int, prompt_ids: list[int], echo: str,
-                  prompt_text: str | None):
+                  prompt_text: str | None, ctx: Context):
     include_usage, continuous = body.stream_usage()
-    readers = [ToolCallText(called_function(body)) for _ in range(body.n)] if _calls_tools(body) else None
+    readers = [_tool_reader(body, ctx) for _ in range(body.n)] if _calls_tools(body) else None
     usage = generation.Usage()
     counts = [0] * body.n                   # each choice's tokens so far
     ended = set()                           # choices whose finish_reason went out (`llm` repeats it)
@@ -172,13 +189,14 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
                 if readers is None:
                     yield chunk(response, index, {"content": text}, logprobs, reason, positions)
                     continue
-                calls = readers[index].feed(text)
-                delta = {"tool_calls": calls} if calls else {}
+                content, calls = readers[index].feed(text)
                 if reason is not None:
-                    rest = readers[index].rest()
-                    if rest is not None:
-                        delta["content"] = rest
+                    rest, more = readers[index].close()
+                    content, calls = content + (rest or ""), calls + more
                     reason = readers[index].finish_reason(reason)
+                delta = {"content": content} if content else {}
+                if calls:
+                    delta["tool_calls"] = calls
                 if delta or reason is not None or logprobs is not None or body.return_token_ids:
                     yield chunk(response, index, delta, logprobs, reason, positions)
     finally:

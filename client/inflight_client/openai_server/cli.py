@@ -17,6 +17,7 @@ from inflight.serving.parent import when_parent_exits
 from .app import Settings, create_app
 from .auth import API_KEY_ENV
 from .process import PARENT_ENV
+from .tool_parsers import PARSERS
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namespace]:
@@ -45,9 +46,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                              "as a chat's default max_tokens) for requests that leave them out; vllm ignores them")
     parser.add_argument("--disable-any-whitespace", action="store_true",
                         help="constrained JSON (response_format, tool calls, guided_json) without free whitespace: "
-                             "one space after each ':' and ',' and none elsewhere, as vLLM's structured-outputs option "
+                             "compact JSON, no space after ':' or ',', as vLLM's structured-outputs option "
                              "of that name gives it; a small model may otherwise spend max_tokens on whitespace the "
                              "schema allows")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="serve tool_choice \"auto\" (OpenAI's default when a request gives tools, as LangChain's "
+                             "and LlamaIndex's tool bindings send it): the model decides whether to call, and its "
+                             "calls are read from its text in the format of --tool-call-parser (vLLM's flags)")
+    parser.add_argument("--tool-call-parser", choices=PARSERS,
+                        help="the model's tool-call format, for --enable-auto-tool-choice: hermes (<tool_call> tags: "
+                             "Hermes 2 Pro, Qwen 2.5 and 3) or llama3_json (a JSON object per call: Llama 3.1-3.3)")
     parser.add_argument("--max-model-len", type=int,
                         help="the context length `llm` runs with (default: the checkpoint's, from config.json; "
                              "needed with a --tokenizer directory without one)")
@@ -84,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
         if "=" in module or module.lstrip().startswith("{"):
             parser.error(f"--lora-modules: {module!r} is vLLM's name=path form; give the names alone: `llm` "
                          "loads the adapters, from the paths in its multi_lora.json")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format: "
+                     f"{', '.join(PARSERS)})")
     max_model_len = args.max_model_len or checkpoint_max_len(directory)
     if max_model_len is None:
         parser.error(f"the context length is unknown: {directory!r} has no config.json transformers can read; give "
@@ -94,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                         args.default_max_tokens, tuple(args.lora_modules), args.disable_any_whitespace,
                         args.trust_request_chat_template, args.max_triton_requests, args.generation_config,
                         tuple(args.api_key) or tuple(filter(None, [os.environ.get(API_KEY_ENV)])),
-                        args.request_priority)
+                        args.request_priority, args.tool_call_parser if args.enable_auto_tool_choice else None)
     return settings, args
 
 

@@ -32,6 +32,7 @@ class Context:
     models: ServedModels
     default_max_tokens: int | None               # --default-max-tokens; None: vLLM's defaults, below
     disable_any_whitespace: bool = False         # added to every output constraint (structured.py)
+    tool_call_parser: str | None = None          # with --enable-auto-tool-choice: tool_choice "auto" (tool_parsers.py)
     # the checkpoint's generation_config.json sampling defaults (generation_config.py; {}: none or ignored)
     sampling_defaults: dict = field(default_factory=dict)
     large_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(thread_name_prefix="large"))

@@ -340,13 +340,7 @@ class ChatCompletionRequest(SamplingFields, TemplateFields):
         if self.tool_choice not in (None, "none") and not self.tools:
             raise APIError(400, "'tool_choice' needs 'tools'", "tool_choice")
         if self.tools and self.tool_choice is None:
-            self.tool_choice = "auto"            # OpenAI's default when tools are given
-        if self.tool_choice == "auto":
-            # vLLM answers the same without --enable-auto-tool-choice and a --tool-call-parser
-            raise APIError(400, "'tool_choice' \"auto\" (the default when 'tools' are given) is not supported: "
-                           "this server has no tool-call parser to find calls in free text. Give 'tool_choice' "
-                           "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}} (the "
-                           "output is then constrained to a call), or \"none\"", "tool_choice")
+            self.tool_choice = "auto"            # OpenAI's default when tools are given (chat_completions.py)
         if isinstance(self.tool_choice, NamedToolChoice):
             names = [tool.function.name for tool in self.tools]
             if self.tool_choice.function.name not in names:

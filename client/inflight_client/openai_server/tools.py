@@ -1,8 +1,9 @@
-"""Tool calls for chat completions without a tool-call parser, as vLLM does them: a named
-`tool_choice` constrains the output to that function's `parameters` schema (the text is its
-arguments); "required" constrains it to a JSON array of {"name", "parameters"} calls, one of the
-tools each. The text then becomes `tool_calls`, whole or as stream deltas (OpenAI's shape: the
-first delta of a call has its id, type and name, later ones add to `function.arguments`).
+"""Forced tool calls for chat completions, as vLLM does them (`tool_choice` "auto" is
+tool_parsers.py's): a named `tool_choice` constrains the output to that function's `parameters`
+schema (the text is its arguments); "required" constrains it to a JSON array of {"name",
+"parameters"} calls, one of the tools each. The text then becomes `tool_calls`, whole or as
+stream deltas (OpenAI's shape: the first delta of a call has its id, type and name, later ones add
+to `function.arguments`).
 """
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def _int(text: str) -> int | _Literal:
 
 
 _DECODER = json.JSONDecoder(parse_float=_float, parse_int=_int)
+
+
+def decode_json(text: str, start: int = 0) -> tuple[object, int]:
+    """The JSON value at text[start:] and where it ends (numbers kept as the model wrote them
+    where Python's cannot hold them); JSONDecodeError where none is complete there."""
+    return _DECODER.raw_decode(text, start)
 _MARK = uuid.uuid4().hex                        # around a _Literal's text in json.dumps' output
 _MARKED = re.compile(f'"{_MARK}([^"]*){_MARK}"')
 
@@ -88,7 +95,7 @@ def called_function(body: ChatCompletionRequest) -> str | None:
     return body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
 
 
-def _new_call(index: int, name: str, arguments: str) -> dict:
+def new_call(index: int, name: str, arguments: str) -> dict:
     return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
@@ -118,16 +125,15 @@ class ToolCallText:
         self.num_calls = 0
         self.closed = False               # "required": the array's "]" was read
 
-    def feed(self, text: str) -> list[dict]:
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        """(content, calls): a forced call's text is all calls."""
         self.text += text
-        if self.function is not None:
-            return self._named(text)
-        return self._required()
+        return "", self._named(text) if self.function is not None else self._required()
 
     def _named(self, text: str) -> list[dict]:
         if self.num_calls == 0:
             self.num_calls = 1
-            return [_new_call(0, self.function, text)]
+            return [new_call(0, self.function, text)]
         return [{"index": 0, "function": {"arguments": text}}] if text else []
 
     def _required(self) -> list[dict]:
@@ -140,10 +146,10 @@ class ToolCallText:
                 self.closed = True
                 break
             try:
-                call, end = _DECODER.raw_decode(self.text, start)
+                call, end = decode_json(self.text, start)
             except json.JSONDecodeError:       # not complete yet
                 break
-            deltas.append(_new_call(self.num_calls, call["name"], arguments_json(call["parameters"])))
+            deltas.append(new_call(self.num_calls, call["name"], arguments_json(call["parameters"])))
             self.num_calls += 1
             self.position = end
         return deltas
@@ -153,22 +159,23 @@ class ToolCallText:
         'stop', as OpenAI and vLLM report a call the request forced."""
         return "tool_calls" if self.function is None and reason == "stop" and self.closed else reason
 
-    def rest(self) -> str | None:
+    def close(self) -> tuple[str | None, list[dict]]:
         """At the end: the text of a "required" array cut short (by max_tokens, a stop string or
         a stop token) after its last complete call, which is content, not a call."""
         if self.function is not None or self.closed:
-            return None
-        return self.text[self.position:] or None
+            return None, []
+        return self.text[self.position:] or None, []
 
 
-def tool_message(function: str | None, text: str, reason: str) -> tuple[dict, str]:
-    """A whole output as the assistant message and its finish_reason: the same calls and content
-    a stream of it gives."""
-    reader = ToolCallText(function)
-    calls = reader.feed(text)
+def tool_message(reader, text: str, reason: str) -> tuple[dict, str]:
+    """A whole output as the assistant message and its finish_reason, read by a ToolCallText or an
+    AutoToolText (tool_parsers.py): the same calls and content a stream of it gives."""
+    content, calls = reader.feed(text)
+    rest, more = reader.close()
+    calls += more
     for call in calls:
         del call["index"]
-    message = {"role": "assistant", "content": reader.rest()}
+    message = {"role": "assistant", "content": (content + (rest or "")) or None}
     if calls:
         message["tool_calls"] = calls
     return message, reader.finish_reason(reason)

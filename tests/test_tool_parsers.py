@@ -1,0 +1,63 @@
+"""tool_choice "auto"'s parsers (the OpenAI server's tool_parsers.py) on the text a model writes:
+the content and calls of a whole reply, and the same from a stream cut anywhere."""
+import random
+
+import pytest
+
+from inflight_client.openai_server.tool_parsers import AutoToolText
+from inflight_client.openai_server.tools import tool_message
+
+WEATHER = ("get_weather", '{"city": "Oslo"}')
+ADD = ("add", '{"a": 1, "b": 2}')
+CASES = [  # parser, the model's text -> content, calls, finish_reason
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\nDone.',
+     "Let me check.\n", [WEATHER, ADD], "tool_calls"),
+    ("hermes", "Plain text < with a <tool but no call", "Plain text < with a <tool but no call", [], "stop"),
+    ("hermes", 'x<tool_call>{"name": 3}</tool_call>', 'x<tool_call>{"name": 3}</tool_call>', [], "stop"),
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}', None, [ADD], "tool_calls"),
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1,', '<tool_call>{"name": "add", "arguments": {"a": 1,',
+     [], "stop"),
+    ("llama3_json", ' {"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "add", "arguments": '
+                    '{"a": 1, "b": 2}}', None, [WEATHER, ADD], "tool_calls"),
+    ("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}', None, [ADD], "tool_calls"),
+    ("llama3_json", 'The answer: {"name": "add"}', 'The answer: {"name": "add"}', [], "stop"),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1, "b": 2}} {"other": 1} and text',
+     '{"other": 1} and text', [ADD], "tool_calls"),
+    ("llama3_json", '{"name": "add", "parameters": {', '{"name": "add", "parameters": {', [], "stop"),
+]
+
+
+def streamed(parser: str, text: str, cuts: list[int]):
+    return streamed_reader(AutoToolText(parser), text, cuts)
+
+
+def streamed_reader(reader: AutoToolText, text: str, cuts: list[int]):
+    content, calls = "", []
+    for start, end in zip([0] + cuts, cuts + [len(text)]):
+        more_content, more_calls = reader.feed(text[start:end])
+        content, calls = content + more_content, calls + more_calls
+    rest, more_calls = reader.close()
+    return (content + (rest or "")) or None, [(c["function"]["name"], c["function"]["arguments"])
+                                              for c in calls + more_calls], reader.finish_reason("stop")
+
+
+@pytest.mark.parametrize("parser, text, content, calls, reason", CASES)
+def test_a_reply_reads_as_its_content_and_calls_whole_or_streamed_in_any_pieces(parser, text, content, calls, reason):
+    message, finish_reason = tool_message(AutoToolText(parser), text, "stop")
+    assert message["content"] == content and finish_reason == reason
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == calls
+    assert len({c["id"] for c in message.get("tool_calls", [])}) == len(calls)
+    rng = random.Random(0)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(12, len(text) - 1))))
+        assert streamed(parser, text, cuts) == (content, calls, reason), cuts
+    assert streamed(parser, text, list(range(1, len(text)))) == (content, calls, reason), "a character at a time"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = CASES[0][1]
+    message, reason = tool_message(AutoToolText("hermes", parallel=False), text, "stop")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"] and reason == "tool_calls"
+    assert streamed_reader(AutoToolText("hermes", parallel=False), text, [20, 90]) == ("Let me check.\n", [WEATHER],
+                                                                                       "tool_calls")
