@@ -90,6 +90,7 @@ def test_loading_a_checkpoint_draws_no_random_weights_first(tiny_checkpoint, mon
                             lambda tensor, *a, _init=init, **k: drawn.append(tensor.device.type) or _init(tensor, *a, **k))
     engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype="float64", num_kv_blocks=64))
     assert drawn and set(drawn) == {"meta"}
+    assert engine.runner.model.lm_head.weight.dtype == torch.float64
     model = engine.runner.model
     assert model.spec.tie_word_embeddings and model.model.embed_tokens.weight.device.type == "cpu"
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -99,6 +100,27 @@ def test_loading_a_checkpoint_draws_no_random_weights_first(tiny_checkpoint, mon
     want = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8,
                               pad_token_id=0)[0, len(prompt):].tolist()
     assert got == want
+
+
+def test_loading_never_changes_torchs_default_dtype(tiny_checkpoint, monkeypatch):
+    """torch's default dtype is the whole process's: an engine that set it while building its
+    modules, from two threads at once, left it bfloat16 for everything after (a later test's
+    float32 tensors came out bfloat16)."""
+    import torch
+
+    from inflight import EngineConfig, LLMEngine
+    from inflight.models.llama import LlamaForCausalLM
+    seen = []
+    build = LlamaForCausalLM.__init__
+
+    def building(self, spec):
+        seen.append(torch.get_default_dtype())
+        build(self, spec)
+    monkeypatch.setattr(LlamaForCausalLM, "__init__", building)
+    for dtype in ("bfloat16", "float64"):
+        engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(dtype=dtype, num_kv_blocks=64))
+        assert engine.runner.model.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+    assert seen == [torch.float32] * 2 and torch.get_default_dtype() == torch.float32
 
 
 def test_an_index_that_names_a_missing_shard_is_refused_before_loading(tmp_path):
