@@ -169,7 +169,8 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
         async for _, response in responses:
             if first:
                 for index in range(body.n):
-                    yield chunk(response, index, {"role": _role(body), "content": None if readers else ""})
+                    yield chunk(response, index, {"role": _role(body),
+                                                  "content": readers[index].empty_content if readers else ""})
                 for index in range(body.n if echo else 0):
                     yield chunk(response, index, {"content": echo}, positions=[])
             usage.add(response, first)

@@ -241,7 +241,7 @@ class FunctionDefinition(Body):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict | None = None               # a JSON schema
-    strict: bool | None = None                   # accepted: the arguments always follow `parameters`
+    strict: bool | None = None                   # accepted: a forced call's arguments always follow `parameters`
 
 
 class Tool(Body):

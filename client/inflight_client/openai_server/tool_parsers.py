@@ -2,14 +2,15 @@
 vLLM's `--enable-auto-tool-choice --tool-call-parser NAME` (the two formats below). The model
 decides whether to call; the text it writes is read as it arrives: content streams as content,
 and each call goes out whole once its JSON is complete (the arguments are not split into pieces).
+Content is the text before the first call (a reply that has calls, vLLM's parsers read the same
+way); whitespace alone before a call is none.
 
 - `hermes` (Hermes 2 Pro, Qwen 2.5 and 3): each call `<tool_call>{"name": ..., "arguments": {...}}
-  </tool_call>`. Content is the text before the first call; text between or after calls is not
-  (vLLM keeps only that part too). A block that is not a JSON call stays in the content as written.
-- `llama3_json` (Llama 3.1 to 3.3): an output that starts with a JSON object (after whitespace or
+  </tool_call>`. A block before the first call that is not a JSON call stays in the content as
+  written.
+- `llama3_json` (Llama 3.1 to 3.3): a reply that starts with a JSON object (after whitespace or
   `<|python_tag|>`) is calls, `{"name": ..., "parameters": {...}}` (or "arguments"), separated by
-  ';'; an output that starts with anything else is content. A call that does not parse ends the
-  calls: the text from there on is content.
+  ';'; a reply that starts with anything else, or whose first object is not a call, is content.
 """
 from __future__ import annotations
 
@@ -38,14 +39,20 @@ def _call(value, arguments_keys: tuple[str, ...]) -> tuple[str, str] | None:
     return None if key is None else (value["name"], arguments_json(value[key]))
 
 
+def _decoded(text: str, start: int = 0) -> tuple[object, int] | None:
+    """The JSON value at text[start:] and its end; None where none is complete there (or it is
+    nested too deeply for Python's decoder, which a model can write)."""
+    try:
+        return decode_json(text, start)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+
+
 def _whole_call(text: str, arguments_keys: tuple[str, ...]) -> tuple[str, str] | None:
     """The call a block's text is, JSON and nothing else around it but whitespace; None if not one."""
     text = text.strip()
-    try:
-        value, end = decode_json(text)
-    except json.JSONDecodeError:
-        return None
-    return _call(value, arguments_keys) if end == len(text) else None
+    decoded = _decoded(text)
+    return _call(decoded[0], arguments_keys) if decoded is not None and decoded[1] == len(text) else None
 
 
 def _held_tag_prefix(text: str, tag: str) -> int:
@@ -60,6 +67,8 @@ class AutoToolText:
     """One choice's output text read for tool calls as it arrives: `feed` returns the content and
     the `tool_calls` delta entries the new text completes, `close` those of what is left at the end."""
 
+    empty_content = ""                # a reply without a call, and without text (as vLLM's)
+
     def __init__(self, parser: str, parallel: bool = True):
         assert parser in PARSERS
         self.parser = parser
@@ -68,29 +77,34 @@ class AutoToolText:
         self.position = 0             # what has been read: sent as content, or taken as calls
         self.num_calls = 0
         self.in_call = False          # hermes: inside <tool_call> ... </tool_call>
-        self.calling = None           # llama3_json: None until the output's first characters tell
-        self.failed = False           # llama3_json: a call did not parse; the rest is content
+        self.calling = None           # llama3_json: None until the reply's first characters tell
+        self.done = False             # llama3_json: its calls ended; what follows is not content
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.text += text
         return self._hermes() if self.parser == "hermes" else self._llama3_json()
 
     def close(self) -> tuple[str | None, list[dict]]:
-        """At the end: the content not yet sent (a held start of a tag, a call never completed) and
-        an unfinished hermes block that still parses as a whole call (vLLM reads those too)."""
+        """At the end: the content not yet sent (held text, a call never completed) and an
+        unfinished hermes block that still parses as a whole call (vLLM reads those too)."""
         rest, self.position = self.text[self.position:], len(self.text)
+        calls = []
         if self.parser == "hermes" and self.in_call:
             call = _whole_call(rest, ("arguments", "parameters"))
             if call is not None:
-                return None, self._take(call)
-            return f"<tool_call>{rest}", []
-        if self.parser == "hermes" and self.num_calls:
-            return None, []            # text after a call is not content
-        return rest or None, []
+                calls, rest = self._take(call), ""
+            else:
+                rest = HERMES_OPEN + rest
+        if self.num_calls:
+            return None, calls         # after a call, text is not content
+        if self.parser == "llama3_json" and self.calling:
+            rest = self.text            # calls that never completed: the whole reply is content
+        return rest or None, calls
 
     def finish_reason(self, reason: str) -> str:
-        """'tool_calls' when the output held a call (vLLM's for "auto")."""
-        return "tool_calls" if self.num_calls else reason
+        """'tool_calls' when the reply held a call and ended as the model chose (vLLM's streams;
+        a reply cut by max_tokens keeps "length")."""
+        return "tool_calls" if self.num_calls and reason == "stop" else reason
 
     def _take(self, name_and_arguments: tuple[str, str]) -> list[dict]:
         call = new_call(self.num_calls, *name_and_arguments)
@@ -103,14 +117,17 @@ class AutoToolText:
             if not self.in_call:
                 start = self.text.find(HERMES_OPEN, self.position)
                 if start < 0:
-                    # all but what could be the start of a tag is read: content before the first
-                    # call, and after one nothing (text outside the tags is not content then)
+                    # all but what could be the start of a tag (or, before anything was sent,
+                    # whitespace that a call may follow) is read: content before the first call,
+                    # and after one nothing
                     end = len(self.text) - _held_tag_prefix(self.text[self.position:], HERMES_OPEN)
                     if not self.num_calls:
+                        if self.position == 0 and not self.text[:end].strip():
+                            break
                         content.append(self.text[self.position:end])
                     self.position = end
                     break
-                if not self.num_calls:
+                if not self.num_calls and (self.position or self.text[:start].strip()):
                     content.append(self.text[self.position:start])
                 self.position, self.in_call = start + len(HERMES_OPEN), True
             end = self.text.find(HERMES_CLOSE, self.position)
@@ -118,14 +135,17 @@ class AutoToolText:
                 break
             block = self.text[self.position:end]
             call = _whole_call(block, ("arguments", "parameters"))
-            if call is None:
-                content.append(f"{HERMES_OPEN}{block}{HERMES_CLOSE}")
-            else:
+            if call is not None:
                 calls += self._take(call)
+            elif not self.num_calls:
+                content.append(f"{HERMES_OPEN}{block}{HERMES_CLOSE}")
             self.position, self.in_call = end + len(HERMES_CLOSE), False
         return "".join(content), calls
 
     def _llama3_json(self) -> tuple[str, list[dict]]:
+        if self.done:
+            self.position = len(self.text)
+            return "", []
         if self.calling is None:
             body = self.text.lstrip()
             if body.startswith(PYTHON_TAG):
@@ -137,23 +157,23 @@ class AutoToolText:
             self.calling = body.startswith("{")
             if self.calling:
                 self.position = len(self.text) - len(body)
-        if not self.calling or self.failed:
+        if not self.calling:
             content, self.position = self.text[self.position:], len(self.text)
             return content, []
         calls = []
         while True:
             start = _BETWEEN_CALLS.match(self.text, self.position).end()
-            if start == len(self.text):
+            decoded = _decoded(self.text, start) if start < len(self.text) else None
+            if decoded is None:
+                break                      # not complete yet (close() gives what never completes)
+            call = _call(decoded[0], ("parameters", "arguments"))
+            if call is not None:
+                calls += self._take(call)
+                self.position = decoded[1]
+            elif self.num_calls:           # text after the calls is not content
+                self.position, self.done = len(self.text), True
                 break
-            try:
-                value, end = decode_json(self.text, start)
-            except json.JSONDecodeError:
-                break                          # not complete yet (close() gives what never completes)
-            call = _call(value, ("parameters", "arguments"))
-            if call is None:
-                self.failed = True
-                content, self.position = self.text[start:], len(self.text)
-                return content, calls
-            calls += self._take(call)
-            self.position = end
+            else:                          # its first object is not a call: the reply is content
+                self.calling, self.position = False, 0
+                return self._llama3_json()[0], calls
         return "", calls

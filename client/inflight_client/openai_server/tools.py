@@ -118,6 +118,8 @@ class ToolCallText:
     """One choice's output text read as tool calls, as it arrives: `feed` returns the
     `tool_calls` delta entries the new text completes."""
 
+    empty_content = None              # a forced call's reply has no content (as OpenAI's and vLLM's)
+
     def __init__(self, function: str | None):
         self.function = function          # named tool_choice; None: "required"'s array
         self.text = ""
@@ -147,7 +149,7 @@ class ToolCallText:
                 break
             try:
                 call, end = decode_json(self.text, start)
-            except json.JSONDecodeError:       # not complete yet
+            except (json.JSONDecodeError, RecursionError):     # not complete yet (or never: too deep)
                 break
             deltas.append(new_call(self.num_calls, call["name"], arguments_json(call["parameters"])))
             self.num_calls += 1
@@ -175,7 +177,8 @@ def tool_message(reader, text: str, reason: str) -> tuple[dict, str]:
     calls += more
     for call in calls:
         del call["index"]
-    message = {"role": "assistant", "content": (content + (rest or "")) or None}
+    text = content + (rest or "")
+    message = {"role": "assistant", "content": text or (None if calls else reader.empty_content)}
     if calls:
         message["tool_calls"] = calls
     return message, reader.finish_reason(reason)
