@@ -42,14 +42,14 @@ def _int(text: str) -> int | _Literal:
 
 
 _DECODER = json.JSONDecoder(parse_float=_float, parse_int=_int)
+_MARK = uuid.uuid4().hex                        # around a _Literal's text in json.dumps' output
+_MARKED = re.compile(f'"{_MARK}([^"]*){_MARK}"')
 
 
 def decode_json(text: str, start: int = 0) -> tuple[object, int]:
     """The JSON value at text[start:] and where it ends (numbers kept as the model wrote them
     where Python's cannot hold them); JSONDecodeError where none is complete there."""
     return _DECODER.raw_decode(text, start)
-_MARK = uuid.uuid4().hex                        # around a _Literal's text in json.dumps' output
-_MARKED = re.compile(f'"{_MARK}([^"]*){_MARK}"')
 
 
 def _parameters(tool) -> dict:
@@ -115,8 +115,9 @@ def _marked(value: _Literal) -> str:
 
 
 class ToolCallText:
-    """One choice's output text read as tool calls, as it arrives: `feed` returns the
-    `tool_calls` delta entries the new text completes."""
+    """One choice's output text read as a forced call, as it arrives: `feed` returns the content
+    (none) and the `tool_calls` delta entries the new text completes, `close` what is left at the
+    end (AutoToolText's shape)."""
 
     empty_content = None              # a forced call's reply has no content (as OpenAI's and vLLM's)
 
