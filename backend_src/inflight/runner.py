@@ -119,19 +119,15 @@ class ModelRunner:
         self.max_model_len = self._resolve_max_model_len(config.max_model_len)
         self.block_size = config.block_size
         self.backend = select_backend(config.attention_backend, self.device, self.dtype)
-        # (torch's default dtype, float32, is never changed here: it is the whole process's, and two
-        # engines loading at once on two threads left it bfloat16 for everything after them)
-        if model_dir is None:
-            # random weights are drawn in float32, the same values whatever the dtype
-            with torch.device(self.device):
-                self.model = LlamaForCausalLM(self.spec).to(self.dtype)
-        else:
-            # the checkpoint sets every parameter (load_hf_weights checks), so the modules are built
-            # on the meta device, without drawing random weights first (a 1.2B model: 6 s on 2
-            # cores), and take storage only in the serving dtype, so loading never holds a float32
-            # copy (a 14B model: 59 GB instead of 29)
-            with torch.device("meta"):
-                self.model = LlamaForCausalLM(self.spec).to(self.dtype)
+        # Random weights are drawn in float32 (torch's default dtype, never changed here: it is the
+        # whole process's, and two engines loading at once on two threads left it bfloat16 for
+        # everything after them), the same values whatever the dtype. A checkpoint sets every
+        # parameter (load_hf_weights checks), so its modules are built on the meta device, without
+        # drawing random weights first (a 1.2B model: 6 s on 2 cores), and take storage only in the
+        # serving dtype, so loading never holds a float32 copy (a 14B model: 59 GB instead of 29).
+        with torch.device(self.device if model_dir is None else "meta"):
+            self.model = LlamaForCausalLM(self.spec).to(self.dtype)
+        if model_dir is not None:
             self.model.to_empty(device=self.device)
             self.model.tie_weights()        # to_empty gives the tied head a tensor of its own
             with torch.no_grad():
