@@ -1162,6 +1162,8 @@ AUTO_REPLIES = {
     "llama3_json": ('{"name": "add", "parameters": {"a": 1, "b": 2}}; '
                     '{"name": "get_weather", "parameters": {"city": "Lima", "unit": "F"}}',
                     None, [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "Lima", "unit": "F"}')]),
+    "pythonic": ('[get_weather(city="Lima", unit="F"), add(a=1, b=2)]',
+                 None, [("get_weather", '{"city": "Lima", "unit": "F"}'), ("add", '{"a": 1, "b": 2}')]),
 }
 
 

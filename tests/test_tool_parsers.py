@@ -33,6 +33,34 @@ CASES = [  # parser, the model's text -> content, calls, finish_reason
     ("hermes", "<tool_call>" + "[" * 1200 + "</tool_call>", "<tool_call>" + "[" * 1200 + "</tool_call>", [], "stop"),
     ("llama3_json", '{"name": "f", "parameters": ' + "[" * 1200, '{"name": "f", "parameters": ' + "[" * 1200, [],
      "stop"),
+    # pythonic: all or nothing, as vLLM 0.32 reads a whole reply (each case checked against its parser: the
+    # same but for 1e999, which it writes as Infinity)
+    ("pythonic", '[get_weather(city="Oslo"), add(a=1, b=2)]', None, [WEATHER, ADD], "tool_calls"),
+    ("pythonic", "[f(a=-2.5, b=[1, (2, 3)], c={'k': null, 1: true}, d=f'x', e={4}, g=+3, h=None, i='é )]\\'')]\n",
+     None, [("f", '{"a": -2.5, "b": [1, [2, 3]], "c": {"k": null, "1": true}, "d": "x", "e": [4], "g": 3, "h": null, '
+                  "\"i\": \"é )]'\"}")], "tool_calls"),
+    ("pythonic", "[get_weather(city='Oslo')]\n\nDone", None, [WEATHER], "tool_calls"),   # a module: Done is Python
+    ("pythonic", "[f()]", None, [("f", "{}")], "tool_calls"),
+    ("pythonic", 'Sure: [get_weather(city="Oslo")]', 'Sure: [get_weather(city="Oslo")]', [], "stop"),
+    ("pythonic", ' [add(a=1, b=2)]', ' [add(a=1, b=2)]', [], "stop"),
+    ("pythonic", '[get_weather(city="Oslo"), 42]', '[get_weather(city="Oslo"), 42]', [], "stop"),
+    ("pythonic", '[get_weather(city="Oslo")] and then text', '[get_weather(city="Oslo")] and then text', [], "stop"),
+    ("pythonic", "[get_weather(city=oslo)]", "[get_weather(city=oslo)]", [], "stop"),
+    ("pythonic", "[add(1, b=2)]", "[add(1, b=2)]", [], "stop"),
+    ("pythonic", "[maps.get(x=1)]", "[maps.get(x=1)]", [], "stop"),
+    ("pythonic", "[f(**k)]", "[f(**k)]", [], "stop"),
+    ("pythonic", "[f(a=b'x')]", "[f(a=b'x')]", [], "stop"),
+    ("pythonic", "[f(a=1e999)]", "[f(a=1e999)]", [], "stop"),
+    ("pythonic", '[get_weather(city="Oslo"', '[get_weather(city="Oslo"', [], "stop"),
+    ("pythonic", "[1] First, [2] second", "[1] First, [2] second", [], "stop"),
+    ("pythonic", "[]", "[]", [], "stop"),
+    ("pythonic", "", "", [], "stop"),
+    ("pythonic", "[f(a=" + "[" * 1200 + "]" * 1200 + ")]", "[f(a=" + "[" * 1200 + "]" * 1200 + ")]", [], "stop"),
+    ("llama4_pythonic", '<|python_start|>[get_weather(city="Oslo")]<|python_end|>', None, [WEATHER], "tool_calls"),
+    ("llama4_pythonic", '[add(a=1, b=2)]', None, [ADD], "tool_calls"),
+    ("llama4_pythonic", "<|python_start|>hello", "hello", [], "stop"),
+    ("llama4_pythonic", "<|python_start|>[add(a=1, b=2)", "[add(a=1, b=2)", [], "stop"),
+    ("llama4_pythonic", "<|python", "<|python", [], "stop"),
 ]
 
 
@@ -72,3 +100,14 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"] and reason == "tool_calls"
     assert streamed_reader(AutoToolText("hermes", parallel=False), text, [20, 90]) == ("Let me check.\n", [WEATHER],
                                                                                        "tool_calls")
+    assert tool_message(AutoToolText("pythonic", parallel=False), '[add(a=1, b=2), get_weather(city="Oslo")]',
+                        "stop")[0]["tool_calls"][0]["function"]["name"] == "add"
+
+
+def test_a_pythonic_reply_streams_as_content_once_it_cannot_be_a_list_of_calls():
+    """Only a reply that starts like a list of calls (`[name(`) is held to its end."""
+    reader = AutoToolText("pythonic")
+    assert reader.feed("[") == ("", []) and reader.feed("1") == ("[1", []) and reader.feed("] x") == ("] x", [])
+    reader = AutoToolText("pythonic")
+    assert reader.feed("[get_weather(") == ("", []) and reader.feed('city="Oslo")]') == ("", [])
+    assert [c["function"]["name"] for c in reader.close()[1]] == ["get_weather"]

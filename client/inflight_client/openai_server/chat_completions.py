@@ -20,7 +20,7 @@ from .sampling import chat_sampling
 from .schemas import ChatCompletionRequest
 from .sse import event, sse_response
 from .structured import Constraint, blame, request_constraints, single
-from .tool_parsers import AutoToolText, special_tokens_kept
+from .tool_parsers import PARSERS, AutoToolText, special_tokens_kept
 from .tools import ToolCallText, called_function, tool_constraint, tool_message
 from .triton import LLMResponse, Prompt
 
@@ -31,7 +31,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
         # vLLM answers the same without --enable-auto-tool-choice and a --tool-call-parser
         raise APIError(400, "'tool_choice' \"auto\" (the default when 'tools' are given) needs a tool-call "
                        "parser to find calls in free text: start this server with --enable-auto-tool-choice and "
-                       "--tool-call-parser (hermes or llama3_json, the model's format), or give 'tool_choice' "
+                       f"--tool-call-parser ({', '.join(PARSERS)}: the model's format), or give 'tool_choice' "
                        "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}} (the output "
                        "is then constrained to a call), or \"none\"", "tool_choice")
     constraint = single(_constraints(body), ctx.disable_any_whitespace)

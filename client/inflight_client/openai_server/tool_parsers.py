@@ -1,5 +1,5 @@
 """`tool_choice` "auto": tool calls found in free text, in the model's own tool-call format, with
-vLLM's `--enable-auto-tool-choice --tool-call-parser NAME` (the two formats below). The model
+vLLM's `--enable-auto-tool-choice --tool-call-parser NAME` (the formats below). The model
 decides whether to call; the text it writes is read as it arrives: content streams as content,
 and each call goes out whole once its JSON is complete (the arguments are not split into pieces).
 Content is the text before the first call (a reply that has calls, vLLM's parsers read the same
@@ -11,18 +11,31 @@ way); whitespace alone before a call is none.
 - `llama3_json` (Llama 3.1 to 3.3): a reply that starts with a JSON object (after whitespace or
   `<|python_tag|>`) is calls, `{"name": ..., "parameters": {...}}` (or "arguments"), separated by
   ';'; a reply that starts with anything else, or whose first object is not a call, is content.
+  A later object that is not a call ends the calls.
+- `pythonic` (Llama 3.2, ToolACE) and `llama4_pythonic` (Llama 4, which may wrap the list in
+  `<|python_start|>` ... `<|python_end|>`): a reply that is a Python list of calls,
+  `[get_weather(city="Oslo"), add(a=1, b=2)]`, each argument a keyword with a literal value (JSON's
+  null/true/false too; tuples and sets become lists), is calls; any other reply is content, whole,
+  as vLLM's reads a whole reply. So a reply that starts as a list of calls (`[name(`) is held until
+  it ends; any other streams as it comes.
 """
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 
 from .tools import arguments_json, decode_json, new_call
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "pythonic", "llama4_pythonic")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"      # llama4_pythonic: around its list
 _BETWEEN_CALLS = re.compile(r"[\s;]*")      # llama3_json: what separates calls
+_PYTHONIC_HEAD = re.compile(r"\[\s*[A-Za-z_]\w*\(")      # how a pythonic list of calls starts
+_PYTHONIC_START = re.compile(r"(?:\[\s*(?:[A-Za-z_]\w*)?)?")  # what could still become that
+_JSON_NAMES = {"null": None, "true": True, "false": False}
 
 
 def special_tokens_kept(parser: str) -> bool:
@@ -63,6 +76,49 @@ def _held_tag_prefix(text: str, tag: str) -> int:
     return 0
 
 
+def _literal(node: ast.expr):
+    """A Python literal's value as JSON holds it; ValueError for anything else (a name, a call, an
+    expression, bytes, a number JSON cannot write)."""
+    if isinstance(node, ast.Constant) and type(node.value) in (str, int, bool, type(None)):
+        return node.value
+    if isinstance(node, ast.Constant) and type(node.value) is float and math.isfinite(node.value):
+        return node.value
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.JoinedStr) and all(isinstance(part, ast.Constant) for part in node.values):
+        return "".join(part.value for part in node.values)      # an f-string without placeholders
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _literal(node.operand)
+        if type(value) in (int, float):
+            return -value if isinstance(node.op, ast.USub) else value
+    raise ValueError("not a literal")
+
+
+def _python_calls(text: str) -> list[tuple[str, str]] | None:
+    """(name, arguments JSON) of each call of a pythonic reply, `[name(key=literal, ...), ...]`; None
+    if it is not one. As vLLM's, the reply is read as a Python module whose first statement is the list
+    (so text after it that is Python too is ignored), and its pattern refuses positional arguments
+    and dotted names."""
+    try:
+        module = ast.parse(text)
+        calls = module.body[0].value if module.body and isinstance(module.body[0], ast.Expr) else None
+        if not isinstance(calls, ast.List) or not calls.elts:
+            return None
+        found = []
+        for call in calls.elts:
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args \
+                    or any(k.arg is None for k in call.keywords):
+                return None
+            found.append((call.func.id, arguments_json({k.arg: _literal(k.value) for k in call.keywords})))
+        return found
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
 class AutoToolText:
     """One choice's output text read for tool calls as it arrives: `feed` returns the content and
     the `tool_calls` delta entries the new text completes, `close` those of what is left at the end."""
@@ -77,16 +133,20 @@ class AutoToolText:
         self.position = 0             # what has been read: sent as content, or taken as calls
         self.num_calls = 0
         self.in_call = False          # hermes: inside <tool_call> ... </tool_call>
-        self.calling = None           # llama3_json: None until the reply's first characters tell
+        self.calling = None           # llama3_json, pythonic: None until the reply's first characters tell
         self.done = False             # llama3_json: its calls ended; what follows is not content
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.text += text
-        return self._hermes() if self.parser == "hermes" else self._llama3_json()
+        if self.parser == "hermes":
+            return self._hermes()
+        return self._llama3_json() if self.parser == "llama3_json" else self._pythonic()
 
     def close(self) -> tuple[str | None, list[dict]]:
         """At the end: the content not yet sent (held text, a call never completed) and an
         unfinished hermes block that still parses as a whole call (vLLM reads those too)."""
+        if self.parser in ("pythonic", "llama4_pythonic"):
+            return self._close_pythonic()
         rest, self.position = self.text[self.position:], len(self.text)
         calls = []
         if self.parser == "hermes" and self.in_call:
@@ -97,7 +157,7 @@ class AutoToolText:
                 rest = HERMES_OPEN + rest
         if self.num_calls:
             return None, calls         # after a call, text is not content
-        if self.parser == "llama3_json" and self.calling:
+        if self.calling:
             rest = self.text            # calls that never completed: the whole reply is content
         return rest or None, calls
 
@@ -177,3 +237,32 @@ class AutoToolText:
                 self.calling, self.position = False, 0
                 return self._llama3_json()[0], calls
         return "", calls
+
+    def _pythonic_body(self) -> str:
+        """The reply after llama4_pythonic's opening tag."""
+        if self.parser == "llama4_pythonic" and self.text.startswith(PYTHON_START):
+            return self.text[len(PYTHON_START):]
+        return self.text
+
+    def _pythonic(self) -> tuple[str, list[dict]]:
+        if self.calling is None:
+            body = self._pythonic_body()
+            if (self.parser == "llama4_pythonic" and PYTHON_START.startswith(body)) or _PYTHONIC_START.fullmatch(body):
+                return "", []              # what could still be the tag, or open a list of calls
+            self.calling = _PYTHONIC_HEAD.match(body) is not None
+            self.position = len(self.text) - len(body)
+        if self.calling:
+            return "", []                  # read whole at the end: calls only if all of it is calls
+        content, self.position = self.text[self.position:], len(self.text)
+        return content, []
+
+    def _close_pythonic(self) -> tuple[str | None, list[dict]]:
+        if self.calling is False:
+            return None, []                # its content went out as it came
+        body = self._pythonic_body()
+        if self.parser == "llama4_pythonic":
+            body = body.replace(PYTHON_END, "")
+        found = _python_calls(body) if self.calling else None
+        if found is None:
+            return body or None, []
+        return None, [call for name_and_arguments in found for call in self._take(name_and_arguments)]
