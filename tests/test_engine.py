@@ -412,6 +412,52 @@ def test_a_temp_dir_without_file_locks_leaves_the_load_unordered_not_failed(tiny
     assert LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=64)).runner.num_blocks == 64
 
 
+def test_a_full_queue_gives_up_a_lower_priority_request_for_a_higher_one(tiny_checkpoint):
+    """As SGLang's priority scheduling: at max_queue_size a request is refused, unless one of a
+    lower priority class waits never started; then the newest of the lowest class ends with the
+    error instead, and the new request takes its place."""
+    eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(max_num_seqs=1, max_queue_size=2, num_kv_blocks=64,
+                                                                  cpu_threads=1))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    eng.add_request("running", [5, 6], params)
+    eng.step()
+    eng.add_request("low-1", [5, 6], params, priority="low")
+    eng.add_request("low-2", [5, 6], params, priority="low")
+    eng.add_request("high", [5, 6], params, priority="high")        # low-2 gives up its place
+    with pytest.raises(QueueFullError, match="2 requests are already waiting"):
+        eng.add_request("low-3", [5, 6], params, priority="low")     # no class below low
+    eng.add_request("normal", [5, 6], params, priority=0)           # low-1 gives up its place
+    with pytest.raises(QueueFullError, match="2 requests are already waiting"):
+        eng.add_request("normal-2", [5, 6], params)                  # high and normal: none below normal
+    out = eng.step()
+    assert {k: out.finished.get(k) for k in ("low-1", "low-2")} == {"low-1": "error", "low-2": "error"}
+    assert out.errors["low-2"] == ("queue full: a request of a higher priority took this one's place in the queue "
+                                   "(max_queue_size 2)")
+    ends = []
+    while eng.has_unfinished():
+        ends += [k for k, reason in eng.step().finished.items() if reason == "length"]
+    assert ends == ["high", "running", "normal"]         # high preempts the running one
+    assert eng.stats()["kv_blocks_used"] == 0
+    eng.check_invariants()
+
+
+def test_a_waiting_output_of_a_started_request_keeps_its_place_in_a_full_queue(tiny_checkpoint):
+    """An n > 1 request has begun once one of its outputs has: the others waiting for a seat are
+    not given up for a request of a higher priority."""
+    eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(max_num_seqs=1, max_queue_size=1, num_kv_blocks=64,
+                                                                  cpu_threads=1))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    group = []
+    for i in range(2):
+        eng.add_request(f"n.{i}", [5, 6], params, priority="low", group=group)
+    eng.step()
+    with pytest.raises(QueueFullError, match="1 requests are already waiting"):
+        eng.add_request("high", [5, 6], params, priority="high")
+    while eng.has_unfinished():
+        assert not eng.step().errors
+    eng.check_invariants()
+
+
 def test_queue_limits_refuse_or_expire_requests(tiny_checkpoint):
     eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(max_num_seqs=1, max_queue_size=2,
                                                                   max_queue_wait_s=0.05, num_kv_blocks=64))

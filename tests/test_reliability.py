@@ -770,6 +770,40 @@ def test_a_high_priority_request_is_served_before_normal_ones_that_came_first(to
         loop.shutdown()
 
 
+def test_a_full_queue_gives_a_low_priority_client_the_error_for_a_high_priority_one(tokenizer):
+    """The serving loop sends a request a higher priority took the place of its error (Triton's
+    UNAVAILABLE: "queue full"), the other clients their outputs."""
+    from inflight import EngineConfig, LLMEngine, SamplingParams
+    from inflight.serving.loop import EngineLoop
+    from inflight.serving.protocol import GenerateRequest
+
+    from .helpers import RecordingSink
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=1, max_queue_size=2,
+                                                                   num_kv_blocks=256, cpu_threads=1))
+    loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05)
+    prompt = tokenizer("The assert statement")["input_ids"]
+    try:
+        order = (("first", "normal"), ("low-1", "low"), ("low-2", "low"), ("high", "high"), ("normal", "normal"),
+                 ("refused", "normal"))
+        sinks = {name: RecordingSink() for name, _ in order}
+        # all queued before the loop starts, so the engine thread adds them in one go, in this order
+        for name, priority in order:
+            loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=8, ignore_eos=True), priority=priority,
+                                        stream=True), sinks[name])
+        loop.start()
+        assert all(sink.finished.wait(60) for sink in sinks.values()), "a request was left waiting"
+        errors = {name: sink.sends[-1][3] for name, sink in sinks.items()}
+        took = "queue full: a request of a higher priority took this one's place in the queue (max_queue_size 2)"
+        assert errors == {"first": None, "low-1": took, "low-2": took, "high": None, "normal": None,
+                          "refused": "queue full: 2 requests are already waiting (max_queue_size)"}, errors
+        assert all(len(sinks[name].sends) == 1 for name in ("low-1", "low-2", "refused")), "no tokens before"
+        ends = {name: sinks[name].sends[-1][0] for name in ("first", "high", "normal")}
+        assert sorted(ends, key=ends.get) == ["high", "first", "normal"], ends
+        assert_drains(engine, 5)
+    finally:
+        loop.shutdown()
+
+
 def test_cache_salt_reaches_the_engine_so_tenants_share_no_prefix_cache(tokenizer):
     """cache_salt reaches the engine through the serving loop: a prompt sent again with the same
     salt is found in the prefix cache; the same prompt with another tenant's salt is not."""

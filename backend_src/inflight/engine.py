@@ -49,6 +49,7 @@ class LLMEngine:
         self.num_constrained = 0                     # unfinished requests with structured outputs
         self.requests: dict[str, Request] = {}       # unfinished requests by id
         self._arrivals = itertools.count()
+        self._displaced: dict[str, str] = {}         # requests a higher priority took the place of -> error
         self.num_steps = 0
         self.last_step_s = 0.0
         self.num_computed_tokens = 0                 # tokens run through the model (no padding)
@@ -104,9 +105,10 @@ class LLMEngine:
                              f"({self.max_model_len})")
         # a longer max_tokens is capped: the output ends with "length" at max_model_len, as in vLLM
         # (the pool holds a whole max_model_len sequence: the runner refuses a smaller one at load)
-        limit = self.config.max_queue_size
-        if limit is not None and self.scheduler.num_waiting_for_a_seat >= limit:
-            raise QueueFullError(f"queue full: {limit} requests are already waiting (max_queue_size)")
+        priority = parse_priority(priority)
+        if self.config.max_queue_size is not None and \
+                self.scheduler.num_waiting_for_a_seat >= self.config.max_queue_size:
+            self._make_room(priority)
         salt = self._salt_key(cache_salt)
         lora_slot, lora_key = self._lora_adapter(params.lora_name)
         matcher = None
@@ -118,7 +120,7 @@ class LLMEngine:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(params.seed)
         req = Request(request_id=request_id, token_ids=prompt, num_prompt_tokens=len(prompt), params=params,
-                      priority=parse_priority(priority), arrival_seq=next(self._arrivals),
+                      priority=priority, arrival_seq=next(self._arrivals),
                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                       generator=generator,
                       # fixed-length parts (the adapter's present or not): no salt can pose as an adapter
@@ -130,6 +132,18 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _make_room(self, priority: int) -> None:
+        """A full queue refuses a request, unless a request of a lower priority class waits there
+        never started: then that one gives up its place (the newest of the lowest class) and ends
+        with the error, reported by the next step."""
+        limit = self.config.max_queue_size
+        victim = self.scheduler.displaceable(priority)
+        if victim is None:
+            raise QueueFullError(f"queue full: {limit} requests are already waiting (max_queue_size)")
+        self.scheduler.abort(victim, "error")
+        victim.error = self._displaced[victim.request_id] = (
+            f"queue full: a request of a higher priority took this one's place in the queue (max_queue_size {limit})")
 
     @staticmethod
     def _salt_key(cache_salt: str | None) -> bytes:
@@ -204,6 +218,8 @@ class LLMEngine:
     def _step(self) -> StepOutput:
         started = time.perf_counter()
         errors = self._expire_waiting()
+        errors.update(self._displaced)
+        self._displaced.clear()
         scheduler, table = self.scheduler, self.scheduler.table
         out = scheduler.schedule()
         request_ids, token_ids, logprobs, prompt_entries = [], [], None, {}

@@ -429,6 +429,16 @@ class Scheduler:
             return
         self._finish(req, reason)
 
+    def displaceable(self, priority: int) -> Request | None:
+        """What a full queue gives up for a request of class `priority`: the newest request never
+        started of the lowest class below it (None if there is none), as SGLang's priority
+        scheduling chooses."""
+        for queue in reversed(self.waiting[priority + 1:]):
+            for req in reversed(queue):
+                if not req.started:
+                    return req
+        return None
+
     def expire_waiting(self, max_wait_s: float) -> list[Request]:
         """Requests not started that waited longer than max_wait_s (queue timeout). An output of
         an n > 1 request still waiting for a seat while another streams is part of a running
