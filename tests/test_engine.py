@@ -423,6 +423,11 @@ def test_a_full_queue_gives_up_a_lower_priority_request_for_a_higher_one(tiny_ch
     eng.step()
     eng.add_request("low-1", [5, 6], params, priority="low")
     eng.add_request("low-2", [5, 6], params, priority="low")
+    with pytest.raises(ValueError, match="max_model_len"):        # refused for itself: no place given up
+        eng.add_request("too-long", [5] * eng.max_model_len, params, priority="high")
+    with pytest.raises(QueueFullError):     # an n = 3 request needs 3 places, 2 can be given up: none is
+        eng.add_request("n.0", [5, 6], params, priority="high", group=[], room_for=3)
+    assert eng.scheduler.num_waiting == 2
     eng.add_request("high", [5, 6], params, priority="high")        # low-2 gives up its place
     with pytest.raises(QueueFullError, match="2 requests are already waiting"):
         eng.add_request("low-3", [5, 6], params, priority="low")     # no class below low

@@ -778,27 +778,29 @@ def test_a_full_queue_gives_a_low_priority_client_the_error_for_a_high_priority_
     from inflight.serving.protocol import GenerateRequest
 
     from .helpers import RecordingSink
-    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=1, max_queue_size=2,
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(dtype="float32", max_num_seqs=1, max_queue_size=3,
                                                                    num_kv_blocks=256, cpu_threads=1))
     loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05)
     prompt = tokenizer("The assert statement")["input_ids"]
     try:
-        order = (("first", "normal"), ("low-1", "low"), ("low-2", "low"), ("high", "high"), ("normal", "normal"),
-                 ("refused", "normal"))
+        # "n=3" needs three places where two could be given up: it is refused, and no one's is taken
+        order = (("first", "normal"), ("low-1", "low"), ("low-2", "low"), ("mid", "normal"), ("n=3", "normal"),
+                 ("high", "high"), ("refused", "low"))
         sinks = {name: RecordingSink() for name, _ in order}
         # all queued before the loop starts, so the engine thread adds them in one go, in this order
         for name, priority in order:
             loop.submit(GenerateRequest(None, prompt, SamplingParams(max_tokens=8, ignore_eos=True), priority=priority,
-                                        stream=True), sinks[name])
+                                        stream=True, n=3 if name == "n=3" else 1), sinks[name])
         loop.start()
         assert all(sink.finished.wait(60) for sink in sinks.values()), "a request was left waiting"
         errors = {name: sink.sends[-1][3] for name, sink in sinks.items()}
-        took = "queue full: a request of a higher priority took this one's place in the queue (max_queue_size 2)"
-        assert errors == {"first": None, "low-1": took, "low-2": took, "high": None, "normal": None,
-                          "refused": "queue full: 2 requests are already waiting (max_queue_size)"}, errors
-        assert all(len(sinks[name].sends) == 1 for name in ("low-1", "low-2", "refused")), "no tokens before"
-        ends = {name: sinks[name].sends[-1][0] for name in ("first", "high", "normal")}
-        assert sorted(ends, key=ends.get) == ["high", "first", "normal"], ends
+        took = "queue full: a request of a higher priority took this one's place in the queue (max_queue_size 3)"
+        full = "queue full: 3 requests are already waiting (max_queue_size)"
+        assert errors == {"first": None, "low-1": None, "low-2": took, "mid": None, "n=3": full, "high": None,
+                          "refused": full}, errors
+        assert all(len(sinks[name].sends) == 1 for name in ("low-2", "n=3", "refused")), "no tokens before"
+        ends = {name: sinks[name].sends[-1][0] for name in ("first", "low-1", "mid", "high")}
+        assert sorted(ends, key=ends.get) == ["high", "first", "mid", "low-1"], ends
         assert_drains(engine, 5)
     finally:
         loop.shutdown()

@@ -86,13 +86,15 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     priority: str | int = "normal", cache_salt: str | None = None,
-                    arrival_time: float | None = None, grammar=None, group: list[Request] | None = None) -> Request:
+                    arrival_time: float | None = None, grammar=None, group: list[Request] | None = None,
+                    room_for: int = 1) -> Request:
         """Queue a request; raises ValueError (naming the field) for anything that could never run,
         QueueFullError when the waiting queue is full. Returns the request's (read-only) state.
         With structured outputs, `grammar` is its grammar compiled ahead (self.structured.compile,
         on another thread); without it the grammar is compiled here. The outputs of one n > 1
         request pass the same `group` list, which each joins: the queue timeout treats them as one
-        request."""
+        request; the first passes `room_for` n, so that the queue makes room for all n at once or
+        refuses them before any is added."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError("'params' must be a SamplingParams")
@@ -106,15 +108,13 @@ class LLMEngine:
         # a longer max_tokens is capped: the output ends with "length" at max_model_len, as in vLLM
         # (the pool holds a whole max_model_len sequence: the runner refuses a smaller one at load)
         priority = parse_priority(priority)
-        if self.config.max_queue_size is not None and \
-                self.scheduler.num_waiting_for_a_seat >= self.config.max_queue_size:
-            self._make_room(priority)
         salt = self._salt_key(cache_salt)
         lora_slot, lora_key = self._lora_adapter(params.lora_name)
         matcher = None
         if params.structured_outputs is not None:
             compiled = grammar if grammar is not None else self.structured.compile(params.structured_outputs)
             matcher = self.structured.new_matcher(compiled)
+        self._make_room(priority, room_for)     # last: nothing below refuses it once another gave up its place
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.runner.device)
@@ -133,17 +133,23 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
-    def _make_room(self, priority: int) -> None:
-        """A full queue refuses a request, unless a request of a lower priority class waits there
-        never started: then that one gives up its place (the newest of the lowest class) and ends
-        with the error, reported by the next step."""
+    def _make_room(self, priority: int, count: int) -> None:
+        """Room in the queue for `count` requests of this priority class, or QueueFullError. A full
+        queue refuses them, unless requests of a lower class wait there never started: then as
+        many as are needed give up their places (the newest of the lowest class first), all or
+        none, and end with the error, reported by the next step."""
         limit = self.config.max_queue_size
-        victim = self.scheduler.displaceable(priority)
-        if victim is None:
+        excess = 0 if limit is None else self.scheduler.num_waiting_for_a_seat + count - limit
+        if excess <= 0:
+            return
+        victims = self.scheduler.displaceable(priority, excess)
+        if len(victims) < excess:
             raise QueueFullError(f"queue full: {limit} requests are already waiting (max_queue_size)")
-        self.scheduler.abort(victim, "error")
-        victim.error = self._displaced[victim.request_id] = (
-            f"queue full: a request of a higher priority took this one's place in the queue (max_queue_size {limit})")
+        for victim in victims:
+            self.scheduler.abort(victim, "error")
+            victim.error = self._displaced[victim.request_id] = (
+                f"queue full: a request of a higher priority took this one's place in the queue (max_queue_size "
+                f"{limit})")
 
     @staticmethod
     def _salt_key(cache_salt: str | None) -> bytes:

@@ -429,15 +429,12 @@ class Scheduler:
             return
         self._finish(req, reason)
 
-    def displaceable(self, priority: int) -> Request | None:
-        """What a full queue gives up for a request of class `priority`: the newest request never
-        started of the lowest class below it (None if there is none), as SGLang's priority
-        scheduling chooses."""
-        for queue in reversed(self.waiting[priority + 1:]):
-            for req in reversed(queue):
-                if not req.started:
-                    return req
-        return None
+    def displaceable(self, priority: int, count: int) -> list[Request]:
+        """What a full queue may give up for requests of class `priority`: up to `count` requests
+        never started of the classes below it, the newest of the lowest class first (as SGLang's
+        priority scheduling chooses)."""
+        below = itertools.chain.from_iterable(reversed(queue) for queue in reversed(self.waiting[priority + 1:]))
+        return list(itertools.islice((req for req in below if not req.started), count))
 
     def expire_waiting(self, max_wait_s: float) -> list[Request]:
         """Requests not started that waited longer than max_wait_s (queue timeout). An output of

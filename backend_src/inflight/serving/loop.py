@@ -296,7 +296,7 @@ class EngineLoop:
                 for sample in job.samples:
                     self.engine.add_request(sample.request_id, job.prompt_ids, sample.params, job.request.priority,
                                             job.request.cache_salt, arrival_time=job.enqueued,
-                                            grammar=job.grammar, group=group)
+                                            grammar=job.grammar, group=group, room_for=len(job.samples) - len(added))
                     added.append(sample)
             except (ValueError, QueueFullError) as exc:
                 for sample in added:
