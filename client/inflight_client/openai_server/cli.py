@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     parser.add_argument("--tool-call-parser", choices=PARSERS,
                         help="the model's tool-call format, for --enable-auto-tool-choice: hermes (<tool_call> tags: "
                              "Hermes 2 Pro, Qwen 2.5 and 3), llama3_json (a JSON object per call: Llama 3.1-3.3), "
-                             "pythonic (a Python list of calls: Llama 3.2) or llama4_pythonic (Llama 4)")
+                             "pythonic (a Python list of calls: ToolACE, Llama 3.2 with a pythonic chat template) "
+                             "or llama4_pythonic (Llama 4)")
     parser.add_argument("--max-model-len", type=int,
                         help="the context length `llm` runs with (default: the checkpoint's, from config.json; "
                              "needed with a --tokenizer directory without one)")
