@@ -15,9 +15,9 @@ way); whitespace alone before a call is none.
 - `pythonic` (ToolACE; Llama 3.2 with a chat template that asks for it) and `llama4_pythonic`
   (Llama 4, which may wrap the list in `<|python_start|>` ... `<|python_end|>`): a reply that is a
   Python list of calls, `[get_weather(city="Oslo"), add(a=1, b=2)]`, each argument a keyword with
-  a literal value (JSON's null/true/false too; tuples and sets become lists), is calls; any other reply is content, whole,
-  as vLLM's reads a whole reply. So a reply that starts as a list of calls (`[name(`) is held until
-  it ends; any other streams as it comes.
+  a literal value (JSON's null/true/false too; tuples and sets become lists), is calls; any other
+  reply is content, whole, as vLLM's reads a whole reply. So a reply that starts as a list of calls
+  (`[name(`) is held until it ends; any other streams as it comes.
 """
 from __future__ import annotations
 
