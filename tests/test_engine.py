@@ -446,6 +446,21 @@ def test_a_full_queue_gives_up_a_lower_priority_request_for_a_higher_one(tiny_ch
     eng.check_invariants()
 
 
+def test_outputs_that_free_seats_take_do_not_count_against_the_queue(tiny_checkpoint):
+    eng = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(max_num_seqs=2, max_queue_size=1, num_kv_blocks=64,
+                                                                  cpu_threads=1))
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    eng.add_request("low", [5, 6], params, priority="low")
+    group = []
+    for i in range(3):          # of 4 requests, 2 take the seats; the queue holds 1 once low gives up its place
+        eng.add_request(f"n.{i}", [5, 6], params, group=group, room_for=3 - i)
+    assert eng.step().errors == {"low": "queue full: a request of a higher priority took this one's place in the "
+                                        "queue (max_queue_size 1)"}
+    while eng.has_unfinished():
+        eng.step()
+    eng.check_invariants()
+
+
 def test_a_waiting_output_of_a_started_request_keeps_its_place_in_a_full_queue(tiny_checkpoint):
     """An n > 1 request has begun once one of its outputs has: the others waiting for a seat are
     not given up for a request of a higher priority."""

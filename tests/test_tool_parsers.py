@@ -61,6 +61,10 @@ CASES = [  # parser, the model's text -> content, calls, finish_reason
     ("llama4_pythonic", "<|python_start|>hello", "hello", [], "stop"),
     ("llama4_pythonic", "<|python_start|>[add(a=1, b=2)", "[add(a=1, b=2)", [], "stop"),
     ("llama4_pythonic", "<|python", "<|python", [], "stop"),
+    # the closing tag is dropped after an opening one only (special tokens kept: skip_special_tokens false)
+    ("llama4_pythonic", "<|python_start|>hello<|python_end|> and <|python_e", "hello and <|python_e", [], "stop"),
+    ("llama4_pythonic", '[f(a="<|python_end|>")]', None, [("f", '{"a": "<|python_end|>"}')], "tool_calls"),
+    ("llama4_pythonic", "[add(a=1, b=2)]<|python_end|>", "[add(a=1, b=2)]<|python_end|>", [], "stop"),
 ]
 
 

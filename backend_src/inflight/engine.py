@@ -139,7 +139,7 @@ class LLMEngine:
         many as are needed give up their places (the newest of the lowest class first), all or
         none, and end with the error, reported by the next step."""
         limit = self.config.max_queue_size
-        excess = 0 if limit is None else self.scheduler.num_waiting_for_a_seat + count - limit
+        excess = 0 if limit is None else self.scheduler.num_waiting_for_a_seat(count) - limit
         if excess <= 0:
             return
         victims = self.scheduler.displaceable(priority, excess)

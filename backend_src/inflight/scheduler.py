@@ -84,13 +84,12 @@ class Scheduler:
         return sum(len(q) - sum(1 for _ in itertools.takewhile(lambda r: r.first_scheduled_time is not None, q))
                    for q in self.waiting)
 
-    @property
-    def num_waiting_for_a_seat(self) -> int:
+    def num_waiting_for_a_seat(self, arriving: int = 0) -> int:
         """Queued requests beyond the seats free for them (preempted ones, at the head, take theirs
-        first): one the next step seats is not waiting for a seat, though a finished request's
-        seat is given only then."""
+        first), with `arriving` more queued: one the next step seats is not waiting for a seat,
+        though a finished request's seat is given only then."""
         free = max(self.table.num_free_rows - (self.num_waiting - self.num_queued), 0)
-        return max(self.num_queued - free, 0)
+        return max(self.num_queued + arriving - free, 0)
 
     @property
     def num_running(self) -> int:

@@ -238,11 +238,13 @@ class AutoToolText:
                 return self._llama3_json()[0], calls
         return "", calls
 
+    def _tagged(self) -> bool:
+        """A llama4_pythonic reply that opens with <|python_start|>: vLLM drops the tag and every
+        <|python_end|> after it."""
+        return self.parser == "llama4_pythonic" and self.text.startswith(PYTHON_START)
+
     def _pythonic_body(self) -> str:
-        """The reply after llama4_pythonic's opening tag."""
-        if self.parser == "llama4_pythonic" and self.text.startswith(PYTHON_START):
-            return self.text[len(PYTHON_START):]
-        return self.text
+        return self.text[len(PYTHON_START):] if self._tagged() else self.text
 
     def _pythonic(self) -> tuple[str, list[dict]]:
         if self.calling is None:
@@ -253,14 +255,22 @@ class AutoToolText:
             self.position = len(self.text) - len(body)
         if self.calling:
             return "", []                  # read whole at the end: calls only if all of it is calls
-        content, self.position = self.text[self.position:], len(self.text)
-        return content, []
+        return self._pythonic_content(final=False), []
+
+    def _pythonic_content(self, final: bool) -> str:
+        """The content not yet sent (a tagged reply's <|python_end|> dropped, and held while one
+        could be starting)."""
+        tagged, end = self._tagged(), len(self.text)
+        if tagged and not final:
+            end -= _held_tag_prefix(self.text[self.position:], PYTHON_END)
+        content, self.position = self.text[self.position:end], end
+        return content.replace(PYTHON_END, "") if tagged else content
 
     def _close_pythonic(self) -> tuple[str | None, list[dict]]:
         if self.calling is False:
-            return None, []                # its content went out as it came
+            return self._pythonic_content(final=True) or None, []
         body = self._pythonic_body()
-        if self.parser == "llama4_pythonic":
+        if self._tagged():
             body = body.replace(PYTHON_END, "")
         found = _python_calls(body) if self.calling else None
         if found is None:
