@@ -48,8 +48,8 @@
 namespace {
 
 constexpr int TILE = 64;           // keys per online-softmax step (their K/V rows stay in L1)
-constexpr int PREFETCH = 16;       // keys ahead to fetch K into L1
-constexpr int PREFETCH_L2 = 48;    // keys ahead to fetch K and V into L2 (see fetch_ahead)
+constexpr int PREFETCH = 8;        // keys ahead to fetch K into L1
+constexpr int PREFETCH_L2 = 32;    // keys ahead to fetch K and V into L2 (see fetch_ahead)
 constexpr int MAX_DIM = 256;       // head_dim limit (the loader checks it)
 constexpr int MAX_GROUP = 16;      // query heads per KV head limit
 constexpr int MAX_LINEAR_ROWS = 32;     // linear_small_rows: two tiles of rows
@@ -417,6 +417,12 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
 #endif
     const PagedRows<T> k_row(k_cache, k_strides, blocks, kv_head, block_size);
     const PagedRows<T> v_row(v_cache, v_strides, blocks, kv_head, block_size);
+    // fetch_ahead asks for the keys PREFETCH_L2 ahead of the one being read: the first PREFETCH_L2
+    // keys' rows were never asked for, and a sequence began with a run of misses one at a time
+    for (int pos = 0; pos < (seq_len < PREFETCH_L2 ? seq_len : PREFETCH_L2); ++pos) {
+        prefetch_row<2>(k_row(pos), dim);
+        prefetch_row<2>(v_row(pos), dim);
+    }
 #ifdef INFLIGHT_AVX2
     // the tile's K (then V) rows: float32 rows of whole 16-lane chunks where they are in the cache,
     // the others converted into `rows` (reading in place took a 64-sequence fp32 decode layer from
