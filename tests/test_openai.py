@@ -1078,6 +1078,30 @@ def test_response_format_json_schema_and_json_object(client):
     jsonschema.validate(json.loads(done.choices[0].text), COLOR)
 
 
+def test_response_format_structural_tag(client):
+    """vLLM's response_format of type structural_tag, in xgrammar's format or the older structures
+    and triggers; a malformed one is a 400 naming response_format."""
+    call = {"type": "tag", "begin": "<call>", "content": {"type": "regex", "pattern": '\\{"size":"(S|M|L)"\\}'},
+            "end": "</call>"}
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<call>"], "tags": [call],
+                                                "at_least_one": True, "stop_after_first": True}}
+    kwargs = dict(model=MODEL, messages=ASK, max_tokens=60, temperature=1.0, seed=3)
+    reply = client.chat.completions.create(**kwargs, response_format=tag)
+    assert re.fullmatch(r'<call>\{"size":"(S|M|L)"\}</call>', reply.choices[0].message.content)
+    older = {"type": "structural_tag", "triggers": ["<call>"],
+             "structures": [{"begin": "<call>", "schema": COLOR, "end": "</call>"}]}
+    free = client.chat.completions.create(**{**kwargs, "temperature": 0, "max_tokens": 12})
+    assert client.chat.completions.create(**{**kwargs, "temperature": 0, "max_tokens": 12}, response_format=older) \
+        .choices[0].message.content == free.choices[0].message.content, "no trigger: the text is free"
+    for bad, message in (({"type": "structural_tag"}, "needs 'format', or 'structures' and 'triggers'"),
+                         ({"type": "structural_tag", "format": {"type": "nonsense"}},
+                          "'response_format' is not a valid structural tag: Invalid structural tag error: Format "
+                          "type not recognized: nonsense")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(message)) as error:
+            client.chat.completions.create(**kwargs, response_format=bad)
+        assert error.value.body["param"] == "response_format"
+
+
 def test_vllm_extra_constraint_fields(client):
     kwargs = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=64, temperature=1.0, seed=2)
     choice = client.completions.create(**kwargs, extra_body={"guided_choice": ["yes", "no"]})

@@ -137,6 +137,33 @@ def test_regex_choice_json_object_ebnf_and_lark(reference_engine, tokenizer):
     assert len(choices) > 1, "sampling still applies within the allowed set"
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Lima"]}}, "required": ["city"],
+        "additionalProperties": False}
+# the call's JSON as a regex: a JSON schema there allows any whitespace, where a small model wanders
+CALL_TAG = {"type": "structural_tag", "format": {
+    "type": "triggered_tags", "triggers": ["<call>"], "at_least_one": True, "stop_after_first": True,
+    "tags": [{"type": "tag", "begin": "<call>", "content": {"type": "regex", "pattern": '\\{"city":"(Oslo|Lima)"\\}'},
+              "end": "</call>"}]}}
+
+
+def test_structural_tags_in_xgrammars_format_and_the_older_one(reference_engine, tokenizer):
+    """vLLM's structured_outputs.structural_tag: xgrammar's format (here one call that must come)
+    constrains what the tag holds; the older form leaves the text free until a trigger."""
+    params = [SamplingParams(max_tokens=200, temperature=1.0, seed=i,
+                             structured_outputs={"structural_tag": json.dumps(CALL_TAG), "backend": "xgrammar"})
+              for i in range(8)]
+    for out in reference_engine.generate([prompt_ids(tokenizer, i) for i in range(8)], params):
+        call = re.fullmatch(r"<call>(.*)</call>", text_of(tokenizer, out), re.S)
+        assert out.finish_reason == "stop" and call, text_of(tokenizer, out)
+        jsonschema.validate(json.loads(call.group(1)), CITY)
+    older = {"type": "structural_tag", "structures": [{"begin": "<call>", "schema": CITY, "end": "</call>"}],
+             "triggers": ["<call>"]}
+    free = reference_engine.generate([prompt_ids(tokenizer, 0)], SamplingParams(max_tokens=20, temperature=0))[0]
+    tagged = reference_engine.generate([prompt_ids(tokenizer, 0)], SamplingParams(
+        max_tokens=20, temperature=0, structured_outputs={"structural_tag": older}))[0]
+    assert "<call>" not in text_of(tokenizer, free) and tagged.token_ids == free.token_ids, "no trigger: text is free"
+
+
 def test_unconstrained_requests_are_unchanged_by_constrained_neighbours(reference_engine, tokenizer):
     engine = reference_engine
     plain = [SamplingParams(max_tokens=24, temperature=t, seed=100 + i, ignore_eos=True, top_k=k)
@@ -439,8 +466,8 @@ def test_refused_constraints_are_kept_apart_and_never_evict_a_compiled_grammar(m
 
 
 SHAPE_ERRORS = [
-    ({"json": {"type": "object"}, "regex": "a+"}, "'structured_outputs' must give exactly one of json, regex, choice, grammar, json_object; got json, regex"),
-    ({}, "'structured_outputs' must give exactly one of json, regex, choice, grammar, json_object; got none"),
+    ({"json": {"type": "object"}, "regex": "a+"}, "'structured_outputs' must give exactly one of json, regex, choice, grammar, json_object, structural_tag; got json, regex"),
+    ({}, "'structured_outputs' must give exactly one of json, regex, choice, grammar, json_object, structural_tag; got none"),
     ({"choice": []}, "'structured_outputs.choice' is empty"),
     ({"choice": ["a", 3]}, "'structured_outputs.choice' must be a list of strings"),
     ({"json": "{not json"}, "'structured_outputs.json' is not valid JSON"),
@@ -450,7 +477,12 @@ SHAPE_ERRORS = [
     ({"json_object": False}, "'structured_outputs.json_object' must be true"),
     ({"regex": "a", "backend": "outlines"}, "'structured_outputs.backend' must be 'xgrammar' or 'auto'"),
     ({"regex": "a", "disable_any_whitespace": "yes"}, "'structured_outputs.disable_any_whitespace' must be a boolean"),
-    ({"structural_tag": "{}"}, "'structured_outputs.structural_tag' is not supported"),
+    ({"structural_tag": "[1]"}, "'structured_outputs.structural_tag' must be an object, got list"),
+    ({"structural_tag": {"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<a>"]}},
+     "'structured_outputs.structural_tag.structures' must be a list of objects with 'begin' and 'end' strings and a "
+     "'schema' object"),
+    ({"structural_tag": {"structures": [], "triggers": "<a>"}},
+     "'structured_outputs.structural_tag.triggers' must be a list of non-empty strings"),
     ({"json": {}, "whitespace_pattern": " *"}, "'structured_outputs.whitespace_pattern' is not supported by xgrammar"),
     ({"jsn": {}}, "'structured_outputs' has unknown key(s) ['jsn']"),
     # what xgrammar would compile away (it accepts output that breaks these), refused as vLLM refuses them
@@ -705,6 +737,8 @@ COMPILE_ERRORS = [
     ({"regex": "(ab"}, "'structured_outputs.regex' is not a valid regex: Regex parsing error at position"),
     ({"grammar": "root ::= foo"}, "'structured_outputs.grammar' is not a valid grammar: EBNF parser error at line 1, column 10: Rule \"foo\" is not defined"),
     ({"grammar": "start: foo"}, "'structured_outputs.grammar' is not a valid grammar: Lark error at line 1"),
+    ({"structural_tag": "{}"}, "'structured_outputs.structural_tag' is not a valid structural tag: Invalid structural "
+                               "tag error: Structural tag must have a format field"),
 ]
 
 

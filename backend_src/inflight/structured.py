@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 BOOLEAN_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
 # vLLM's names for the library it enforces constraints with; anything else is refused
 BACKENDS = ("xgrammar", "xgrammar:no-fallback", "xgrammar:_auto", "auto")
@@ -36,14 +36,14 @@ BACKENDS = ("xgrammar", "xgrammar:no-fallback", "xgrammar:_auto", "auto")
 # sends that for a tool call: StructuredOutputsParams now, GuidedDecodingParams before vLLM 0.11)
 # and vLLM ignores when it reads them back
 PRIVATE_FIELDS = ("_backend", "_backend_was_auto", "backend_was_auto")
-UNSUPPORTED = {"structural_tag": "is not supported (give one of json, regex, choice, grammar, json_object)",
-               "whitespace_pattern": "is not supported by xgrammar (use 'disable_any_whitespace')"}
+UNSUPPORTED = {"whitespace_pattern": "is not supported by xgrammar (use 'disable_any_whitespace')"}
 CACHE_SIZE = 256                 # compiled grammars kept per engine
 # and at most this much of them (xgrammar's memory_size_bytes): a grammar of tens of thousands of
 # choices holds ~100 MB, and 256 of them pinned gigabytes (vLLM bounds its xgrammar cache at 512 MB)
 CACHE_BYTES = 512 * 2**20
 REFUSALS_SIZE = 64               # refused constraints kept apart, so that they never evict a grammar
-_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")     # "[15:12:11] /project/cpp/x.cc:94: "
+# "[15:12:11] /project/cpp/x.cc:94: ", and the assertion before a structural tag's error
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (?:Check failed: .*? is false: )?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +93,25 @@ def parse_spec(value, name: str = "structured_outputs") -> GrammarSpec:
     return GrammarSpec(kind, text, not value.get("disable_any_whitespace", False), name)
 
 
+def _structural_tag(value, name: str) -> dict:
+    """A structural tag as vLLM takes one: xgrammar's format, {"type": "structural_tag", "format":
+    {...}} (checked by compiling), or the older {"structures": [{"begin", "schema", "end"}, ...],
+    "triggers": [...]}, whose shape is checked here."""
+    if not isinstance(value, dict):
+        raise ValueError(f"'{name}' must be an object, got {type(value).__name__}")
+    if "structures" not in value:
+        return value
+    structures, triggers = value["structures"], value.get("triggers")
+    if not isinstance(structures, list) or not all(
+            isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+            and isinstance(s.get("schema"), dict) for s in structures):
+        raise ValueError(f"'{name}.structures' must be a list of objects with 'begin' and 'end' strings and a "
+                         "'schema' object")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError(f"'{name}.triggers' must be a list of non-empty strings")
+    return value
+
+
 def json_value(value, name: str):
     """`value` itself, or the value its JSON text holds (a string): either form is accepted. A text
     that is not JSON raises ValueError naming the field."""
@@ -123,6 +142,8 @@ def _canonical_text(kind: str, value, name: str) -> str:
         if value is not True:
             raise ValueError(f"'{name}' must be true, got {value!r}")
         return ""
+    if kind == "structural_tag":
+        return json.dumps(_structural_tag(json_value(value, name), name), separators=(",", ":"), ensure_ascii=False)
     if kind == "choice":
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
             raise ValueError(f"'{name}' must be a list of strings")
@@ -423,6 +444,16 @@ class Refusal:
         raise ValueError(f"'{spec.param}.{spec.kind}' {self.reason}")
 
 
+def _compile_structural_tag(compiler, text: str):
+    import xgrammar as xgr
+    tag = json.loads(text)
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(text)
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+             for s in tag["structures"]]
+    return compiler.compile_structural_tag(items, tag["triggers"])
+
+
 class StructuredOutputs:
     """Per engine: the compiler (built on first use from the model's tokenizer), the LRU of
     compiled grammars and one of refused constraints, and the step's bitmask buffer."""
@@ -533,8 +564,11 @@ class StructuredOutputs:
     def _compile(compiler, spec: GrammarSpec):
         """The compiled grammar, or the Refusal of a constraint xgrammar cannot compile."""
         what = {"json": "a valid JSON schema", "json_object": "valid", "regex": "a valid regex",
-                "grammar": "a valid grammar", "choice": "a valid choice list"}[spec.kind]
+                "grammar": "a valid grammar", "choice": "a valid choice list",
+                "structural_tag": "a valid structural tag"}[spec.kind]
         try:
+            if spec.kind == "structural_tag":
+                return _compile_structural_tag(compiler, spec.text)
             if spec.kind in ("json", "json_object"):
                 schema = spec.text if spec.kind == "json" else '{"type": "object"}'
                 return compiler.compile_grammar(json_schema_grammar(schema, spec.any_whitespace))

@@ -70,15 +70,25 @@ class JSONSchemaFormat(Body):
 
 
 class ResponseFormat(Body):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JSONSchemaFormat | None = None
+    format: Any = None                           # structural_tag: xgrammar's format (vLLM's)
+    structures: list[dict] | None = None         # structural_tag: the older form, with triggers
+    triggers: list[str] | None = None
 
     @model_validator(mode="after")
     def _check_schema(self):
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
             raise APIError(400, "'response_format' of type 'json_schema' needs 'json_schema.schema' (an object)",
                            "response_format")
+        if self.type == "structural_tag" and self.format is None and (self.structures is None or self.triggers is None):
+            raise APIError(400, "'response_format' of type 'structural_tag' needs 'format', or 'structures' and "
+                           "'triggers'", "response_format")
         return self
+
+    def structural_tag(self) -> dict:
+        """The structural tag as vLLM hands it to the engine: the response format itself."""
+        return self.model_dump(include={"type", "format", "structures", "triggers"}, exclude_none=True)
 
 
 class StreamOptions(Body):

@@ -1,7 +1,7 @@
 """A request's output constraint as the `llm` model's "structured_outputs" object (vLLM's names,
 enforced by the engine with xgrammar), and the request field it came from, for errors.
 
-The sources: `response_format` (json_object, json_schema), vLLM's extra fields
+The sources: `response_format` (json_object, json_schema, structural_tag), vLLM's extra fields
 `structured_outputs` and the older `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar`, and for chat a named or "required" `tool_choice` (tools.py). A request gives at
 most one; `llm` checks the constraint itself (a bad schema is its error, naming
@@ -32,6 +32,8 @@ def _from_response_format(body: SamplingFields) -> dict | None:
         return None
     if fmt.type == "json_object":
         return {"json_object": True}
+    if fmt.type == "structural_tag":
+        return {"structural_tag": fmt.structural_tag()}
     return {"json": fmt.json_schema.schema_}
 
 
@@ -40,7 +42,8 @@ def request_constraints(body: SamplingFields) -> list[Constraint]:
     found = []
     response_format = _from_response_format(body)
     if response_format is not None:
-        found.append(Constraint(response_format, "response_format", "response_format.json_schema.schema"))
+        written_at = "response_format" if "structural_tag" in response_format else "response_format.json_schema.schema"
+        found.append(Constraint(response_format, "response_format", written_at))
     if body.structured_outputs is not None:
         found.append(Constraint(body.structured_outputs, "structured_outputs"))
     for field, kind in GUIDED.items():
