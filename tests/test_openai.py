@@ -1220,6 +1220,18 @@ def test_auto_tool_choice_reads_the_calls_a_model_writes_in_its_format(server, t
         streamed = "".join(c.choices[0].delta.content or "" for c in auto_client.chat.completions.create(
             stream=True, **free))
         assert streamed == reply.choices[0].message.content
+        # a strict tool (or parallel_tool_calls false) puts the call envelope on the reply where vLLM
+        # 0.32 has one (hermes, llama3_json): text outside a call stays free, and the tag reaches llm
+        strict = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+        enveloped = auto_client.chat.completions.create(**{**free, "tools": strict, "parallel_tool_calls": False})
+        assert enveloped.choices[0].message.content == reply.choices[0].message.content
+        broken = [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}, "strict": True}}]
+        if parser == "pythonic":
+            auto_client.chat.completions.create(**{**free, "tools": broken})
+        else:
+            with pytest.raises(openai.BadRequestError, match="'tools' is not a valid structural tag") as error:
+                auto_client.chat.completions.create(**{**free, "tools": broken})
+            assert error.value.body["param"] == "tools"
 
 
 def test_auto_tool_choice_needs_the_models_format():

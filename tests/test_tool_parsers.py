@@ -1,10 +1,12 @@
 """tool_choice "auto"'s parsers (the OpenAI server's tool_parsers.py) on the text a model writes:
 the content and calls of a whole reply, and the same from a stream cut anywhere."""
+import json
 import random
 
 import pytest
 
-from inflight_client.openai_server.tool_parsers import AutoToolText
+from inflight_client.openai_server.schemas import ChatCompletionRequest
+from inflight_client.openai_server.tool_parsers import AutoToolText, call_envelope
 from inflight_client.openai_server.tools import tool_message
 
 WEATHER = ("get_weather", '{"city": "Oslo"}')
@@ -115,3 +117,34 @@ def test_a_pythonic_reply_streams_as_content_once_it_cannot_be_a_list_of_calls()
     reader = AutoToolText("pythonic")
     assert reader.feed("[get_weather(") == ("", []) and reader.feed('city="Oslo")]') == ("", [])
     assert [c["function"]["name"] for c in reader.close()[1]] == ["get_weather"]
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+HERMES_CALL = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'
+LLAMA_CALL = '{{"name": "{}", "parameters": {}}}'
+
+
+def tools(*strict: bool):
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "get_weather", "parameters": CITY, "strict": strict[0]}},
+        {"type": "function", "function": {"name": "add", "parameters": CITY, "strict": strict[1]}}]}).tools
+
+
+@pytest.mark.parametrize("parser, call", [("hermes", HERMES_CALL), ("llama3_json", LLAMA_CALL)])
+def test_the_call_envelope_vllm_puts_on_an_auto_reply(parser, call):
+    """vLLM 0.32's structural tag for tool_choice "auto" (its tags, compared field by field when
+    written): only with a strict tool or parallel_tool_calls false; then a call names a tool, a
+    strict tool's arguments follow its parameters and another's are any JSON, and the text
+    around the calls is free."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    assert call_envelope(parser, tools(False, False), parallel=True) is None
+    assert call_envelope("pythonic", tools(True, True), parallel=False) is None     # vLLM has none for it
+    grammar = Grammar.from_structural_tag(json.dumps(call_envelope(parser, tools(True, False), parallel=True)))
+    weather, loose = call.format("get_weather", '{"city": "Oslo"}'), call.format("add", '{"n": [1]}')
+    assert accepts(grammar, "Just text.") and accepts(grammar, weather) and accepts(grammar, loose)
+    assert accepts(grammar, weather + "\n" + loose), "parallel calls"
+    assert not accepts(grammar, call.format("get_weather", '{"town": "Oslo"}')), "a strict tool's parameters"
+    assert not accepts(grammar, call.format("unknown", "{}")), "a tool that is not given"
+    single = Grammar.from_structural_tag(json.dumps(call_envelope(parser, tools(False, False), parallel=False)))
+    assert accepts(single, loose) and not accepts(single, weather + "\n" + loose), "at most one call"

@@ -20,7 +20,7 @@ from .sampling import chat_sampling
 from .schemas import ChatCompletionRequest
 from .sse import event, sse_response
 from .structured import Constraint, blame, request_constraints, single
-from .tool_parsers import PARSERS, AutoToolText, special_tokens_kept
+from .tool_parsers import PARSERS, AutoToolText, call_envelope, special_tokens_kept
 from .tools import ToolCallText, called_function, tool_constraint, tool_message
 from .triton import LLMResponse, Prompt
 
@@ -34,7 +34,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
                        f"--tool-call-parser ({', '.join(PARSERS)}: the model's format), or give 'tool_choice' "
                        "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}} (the output "
                        "is then constrained to a call), or \"none\"", "tool_choice")
-    constraint = single(_constraints(body), ctx.disable_any_whitespace)
+    constraint = single(_constraints(body, ctx), ctx.disable_any_whitespace)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     prompt, prompt_ids = await ctx.offload(large, _prompt, body, tools, ctx)
     sampling = ctx.fit(chat_sampling(body, ctx.chat_max_tokens, constraint, lora_name, ctx.sampling_defaults),
@@ -83,13 +83,22 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
     return JSONResponse(reply)
 
 
-def _constraints(body: ChatCompletionRequest) -> list[Constraint]:
+def _constraints(body: ChatCompletionRequest, ctx: Context) -> list[Constraint]:
     """The request's output constraints. A forced tool call (named or "required") replaces
-    `response_format`, which shapes content, and a forced call has none (vLLM drops it too)."""
+    `response_format`, which shapes content, and a forced call has none (vLLM drops it too);
+    "auto" may put the model's call envelope on the reply where the request has no constraint of
+    its own (vLLM 0.32 would join the two)."""
     tool = tool_constraint(body)
-    if tool is None:
-        return request_constraints(body)
-    return [c for c in request_constraints(body) if c.source != "response_format"] + [tool]
+    if tool is not None:
+        return [c for c in request_constraints(body) if c.source != "response_format"] + [tool]
+    found = request_constraints(body)
+    # (not with min_tokens, which `llm` refuses beside a grammar: banning EOS could leave it no token)
+    if not found and body.tool_choice == "auto" and body.tools and ctx.tool_call_parser is not None \
+            and not body.min_tokens:
+        tag = call_envelope(ctx.tool_call_parser, body.tools, body.parallel_tool_calls is not False)
+        if tag is not None:
+            found = [Constraint({"structural_tag": tag}, "tools", "tools")]
+    return found
 
 
 def _as_sent(error: APIError, body: ChatCompletionRequest) -> APIError:

@@ -3,7 +3,8 @@ vLLM's `--enable-auto-tool-choice --tool-call-parser NAME` (the formats below). 
 decides whether to call; the text it writes is read as it arrives: content streams as content,
 and each call goes out whole once its JSON is complete (the arguments are not split into pieces).
 Content is the text before the first call (a reply that has calls, vLLM's parsers read the same
-way); whitespace alone before a call is none.
+way); whitespace alone before a call is none. Where vLLM 0.32 constrains the calls as the model
+writes them (a strict tool, or parallel_tool_calls false), `call_envelope` is its structural tag.
 
 - `hermes` (Hermes 2 Pro, Qwen 2.5 and 3): each call `<tool_call>{"name": ..., "arguments": {...}}
   </tool_call>`. A block before the first call that is not a JSON call stays in the content as
@@ -36,6 +37,41 @@ _BETWEEN_CALLS = re.compile(r"[\s;]*")      # llama3_json: what separates calls
 _PYTHONIC_HEAD = re.compile(r"\[\s*[A-Za-z_]\w*\(")      # how a pythonic list of calls starts
 _PYTHONIC_START = re.compile(r"(?:\[\s*(?:[A-Za-z_]\w*)?)?")  # what could still become that
 _JSON_NAMES = {"null": None, "true": True, "false": False}
+
+
+def call_envelope(parser: str, tools, parallel: bool) -> dict | None:
+    """The structural tag vLLM 0.32 puts on a tool_choice "auto" reply for the formats it has one
+    for (hermes, llama3_json), on its default terms: only where a tool is `strict` or
+    parallel_tool_calls is false; then each call must name a tool and a strict tool's arguments
+    follow its `parameters` (another's are any JSON), and with parallel_tool_calls false the reply
+    holds at most one call. Text stays free outside the calls. None: the reply is not constrained."""
+    strict = [tool.function.strict is True for tool in tools]
+    if parser not in ("hermes", "llama3_json") or (parallel and not any(strict)):
+        return None
+    tag = (_hermes_envelope if parser == "hermes" else _llama3_envelope)(tools, strict)
+    if not parallel:
+        tag["format"]["stop_after_first"] = True
+    return tag
+
+
+def _hermes_envelope(tools, strict: list[bool]) -> dict:
+    """vLLM's own tag for hermes: each tool's call, its JSON on lines of its own or not."""
+    schemas = [tool.function.parameters if s and tool.function.parameters is not None else True
+               for tool, s in zip(tools, strict)]
+    tags = [{"type": "tag", "begin": f'{HERMES_OPEN}{newline}{{"name": "{tool.function.name}", "arguments": ',
+             "content": {"type": "json_schema", "json_schema": schema}, "end": f"}}{newline}{HERMES_CLOSE}"}
+            for tool, schema in zip(tools, schemas) for newline in ("\n", "")]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [HERMES_OPEN], "tags": tags}}
+
+
+def _llama3_envelope(tools, strict: list[bool]) -> dict:
+    """xgrammar's own template for Llama 3's JSON calls, as vLLM takes it."""
+    import xgrammar as xgr
+    functions = [{"name": tool.function.name, "strict": s} |
+                 ({} if tool.function.parameters is None else {"parameters": tool.function.parameters})
+                 for tool, s in zip(tools, strict)]
+    return xgr.get_model_structural_tag(model="llama", tools=[{"type": "function", "function": f} for f in functions],
+                                        tool_choice="auto", reasoning=False).model_dump()
 
 
 def special_tokens_kept(parser: str) -> bool:
