@@ -1096,10 +1096,31 @@ def test_response_format_structural_tag(client):
     for bad, message in (({"type": "structural_tag"}, "needs 'format', or 'structures' and 'triggers'"),
                          ({"type": "structural_tag", "format": {"type": "nonsense"}},
                           "'response_format' is not a valid structural tag: Invalid structural tag error: Format "
-                          "type not recognized: nonsense")):
+                          "type not recognized: nonsense"),
+                         ({"type": "structural_tag", "structures": [{"begin": "<a>"}], "triggers": ["<a>"]},
+                          "'response_format.structures' must be a list of objects with 'begin' and 'end' strings")):
         with pytest.raises(openai.BadRequestError, match=re.escape(message)) as error:
             client.chat.completions.create(**kwargs, response_format=bad)
         assert error.value.body["param"] == "response_format"
+
+
+def test_structural_tags_go_as_the_json_text_vllms_structured_outputs_take():
+    """vLLM's StructuredOutputsParams.structural_tag is a string, so the vLLM backend refuses a tag
+    sent as an object (every such request failed behind it): a response_format's tag and the
+    auto call envelope go as JSON text (`llm` takes either)."""
+    from types import SimpleNamespace
+
+    from inflight_client.openai_server.chat_completions import _constraints
+    from inflight_client.openai_server.sampling import chat_sampling
+    from inflight_client.openai_server.schemas import ChatCompletionRequest
+    tag = {"type": "structural_tag", "triggers": ["<a>"], "structures": [{"begin": "<a>", "schema": COLOR, "end": "</a>"}]}
+    strict = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+    for extra in ({"response_format": tag}, {"tools": strict}):
+        body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": ASK, **extra})
+        constraint = _constraints(body, SimpleNamespace(tool_call_parser="hermes"))[0]
+        sent = json.loads(chat_sampling(body, 16, constraint)["structured_outputs"])["structural_tag"]
+        assert isinstance(sent, str) and json.loads(sent)["type"] == "structural_tag"
+    assert json.loads(sent)["format"]["triggers"] == ["<tool_call>"]
 
 
 def test_vllm_extra_constraint_fields(client):

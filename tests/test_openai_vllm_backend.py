@@ -155,3 +155,14 @@ def test_constraints_go_as_the_json_text_the_vllm_backend_parses(client):
     reply = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
                                       extra_body={"guided_choice": choices})
     assert reply.choices[0].text in choices
+
+
+def test_a_structural_tag_reaches_the_model_as_the_text_vllm_takes(client):
+    """vLLM's StructuredOutputsParams.structural_tag is a string: sent as an object, the vLLM
+    backend refused every request with one (a response_format's, or tool_choice "auto"'s call envelope)."""
+    digits = {"type": "tag", "begin": "<a>", "content": {"type": "regex", "pattern": "[0-9]{3}"}, "end": "</a>"}
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<a>"], "tags": [digits],
+                                                "at_least_one": True, "stop_after_first": True}}
+    reply = client.chat.completions.create(model=MODEL, max_tokens=20, response_format=tag,
+                                           messages=[{"role": "user", "content": PROMPTS[0]}])
+    assert reply.choices[0].message.content.startswith("<a>") and reply.choices[0].message.content[3:6].isdigit()

@@ -148,3 +148,22 @@ def test_the_call_envelope_vllm_puts_on_an_auto_reply(parser, call):
     assert not accepts(grammar, call.format("unknown", "{}")), "a tool that is not given"
     single = Grammar.from_structural_tag(json.dumps(call_envelope(parser, tools(False, False), parallel=False)))
     assert accepts(single, loose) and not accepts(single, weather + "\n" + loose), "at most one call"
+
+
+def test_the_llama3_json_envelope_is_xgrammars_llama_template():
+    """Written out in the OpenAI server (which carries no xgrammar), the tag is the one xgrammar's
+    get_model_structural_tag("llama") builds for vLLM, for any strictness and names."""
+    import xgrammar as xgr
+    requested = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "get_weather", "parameters": CITY, "strict": True}},
+        {"type": "function", "function": {"name": "add", "parameters": CITY}},
+        {"type": "function", "function": {"name": "wait", "strict": True}},
+        {"type": "function", "function": {"name": 'say "hi" ✓', "parameters": {}, "strict": False}}]}).tools
+    for parallel in (True, False):
+        ours = xgr.StructuralTag.model_validate(call_envelope("llama3_json", requested, parallel))
+        theirs = xgr.get_model_structural_tag(model="llama", reasoning=False, tool_choice="auto", tools=[
+            # with each tool's strict pinned, as vLLM passes them (absent is not strict)
+            {"type": "function", "function": {**tool.function.model_dump(exclude_none=True),
+                                              "strict": tool.function.strict is True}} for tool in requested])
+        theirs.format.stop_after_first = not parallel
+        assert ours.model_dump() == theirs.model_dump()

@@ -93,12 +93,28 @@ def parse_spec(value, name: str = "structured_outputs") -> GrammarSpec:
     return GrammarSpec(kind, text, not value.get("disable_any_whitespace", False), name)
 
 
+MAX_TAG_DEPTH = 80       # vLLM's bound on a structural tag's nesting (its compile time grows fast with depth)
+
+
+def _depth(value) -> int:
+    """How deeply JSON objects and arrays nest in value (iterative: any depth)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
 def _structural_tag(value, name: str) -> dict:
     """A structural tag as vLLM takes one: xgrammar's format, {"type": "structural_tag", "format":
     {...}} (checked by compiling), or the older {"structures": [{"begin", "schema", "end"}, ...],
     "triggers": [...]}, whose shape is checked here."""
     if not isinstance(value, dict):
         raise ValueError(f"'{name}' must be an object, got {type(value).__name__}")
+    if _depth(value) > MAX_TAG_DEPTH:
+        raise ValueError(f"'{name}' is nested more than {MAX_TAG_DEPTH} levels deep (vLLM's limit)")
     if "structures" not in value:
         return value
     structures, triggers = value["structures"], value.get("triggers")

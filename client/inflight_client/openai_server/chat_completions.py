@@ -7,6 +7,7 @@ the prompt's ids in the response (a stream: in each role chunk), each choice's g
 choice (a stream: per delta)."""
 from __future__ import annotations
 
+import json
 import time
 
 from starlette.responses import JSONResponse
@@ -97,7 +98,7 @@ def _constraints(body: ChatCompletionRequest, ctx: Context) -> list[Constraint]:
             and not body.min_tokens:
         tag = call_envelope(ctx.tool_call_parser, body.tools, body.parallel_tool_calls is not False)
         if tag is not None:
-            found = [Constraint({"structural_tag": tag}, "tools", "tools")]
+            found = [Constraint({"structural_tag": json.dumps(tag)}, "tools", "tools")]   # text, as vLLM's
     return found
 
 

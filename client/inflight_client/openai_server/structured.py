@@ -9,13 +9,14 @@ most one; `llm` checks the constraint itself (a bad schema is its error, naming
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
 from .errors import APIError
 from .schemas import SamplingFields
 
-_LLM_FIELD = re.compile(r"'structured_outputs\.[a-z_]+'")
+_LLM_FIELD = re.compile(r"'structured_outputs\.[a-z_]+((?:\.[a-z_]+)*)'")     # the kind's field, and below it
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -32,8 +33,8 @@ def _from_response_format(body: SamplingFields) -> dict | None:
         return None
     if fmt.type == "json_object":
         return {"json_object": True}
-    if fmt.type == "structural_tag":
-        return {"structural_tag": fmt.structural_tag()}
+    if fmt.type == "structural_tag":       # JSON text, as vLLM's StructuredOutputsParams takes it
+        return {"structural_tag": json.dumps(fmt.structural_tag())}
     return {"json": fmt.json_schema.schema_}
 
 
@@ -76,6 +77,6 @@ def blame(error: APIError, constraint: Constraint | None) -> APIError:
         if error.param == "structured_outputs" or not error.message.startswith(f"'{error.param}' "):
             error.param = constraint.source         # the constraint's own error, not another field's
         if constraint.written_at is not None:
-            error.message = _LLM_FIELD.sub(f"'{constraint.written_at}'", error.message)
+            error.message = _LLM_FIELD.sub(lambda m: f"'{constraint.written_at}{m.group(1)}'", error.message)
         error.message = error.message.replace("'structured_outputs'", f"'{constraint.source}'")
     return error

@@ -48,30 +48,30 @@ def call_envelope(parser: str, tools, parallel: bool) -> dict | None:
     strict = [tool.function.strict is True for tool in tools]
     if parser not in ("hermes", "llama3_json") or (parallel and not any(strict)):
         return None
-    tag = (_hermes_envelope if parser == "hermes" else _llama3_envelope)(tools, strict)
+    calls = [(tool.function.name, tool.function.parameters if s and tool.function.parameters is not None else True)
+             for tool, s in zip(tools, strict)]
+    tag = _hermes_envelope(calls) if parser == "hermes" else _llama3_envelope(calls)
     if not parallel:
         tag["format"]["stop_after_first"] = True
     return tag
 
 
-def _hermes_envelope(tools, strict: list[bool]) -> dict:
+def _hermes_envelope(calls: list[tuple[str, dict | bool]]) -> dict:
     """vLLM's own tag for hermes: each tool's call, its JSON on lines of its own or not."""
-    schemas = [tool.function.parameters if s and tool.function.parameters is not None else True
-               for tool, s in zip(tools, strict)]
-    tags = [{"type": "tag", "begin": f'{HERMES_OPEN}{newline}{{"name": "{tool.function.name}", "arguments": ',
+    tags = [{"type": "tag", "begin": f'{HERMES_OPEN}{newline}{{"name": "{name}", "arguments": ',
              "content": {"type": "json_schema", "json_schema": schema}, "end": f"}}{newline}{HERMES_CLOSE}"}
-            for tool, schema in zip(tools, schemas) for newline in ("\n", "")]
+            for name, schema in calls for newline in ("\n", "")]
     return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [HERMES_OPEN], "tags": tags}}
 
 
-def _llama3_envelope(tools, strict: list[bool]) -> dict:
-    """xgrammar's own template for Llama 3's JSON calls, as vLLM takes it."""
-    import xgrammar as xgr
-    functions = [{"name": tool.function.name, "strict": s} |
-                 ({} if tool.function.parameters is None else {"parameters": tool.function.parameters})
-                 for tool, s in zip(tools, strict)]
-    return xgr.get_model_structural_tag(model="llama", tools=[{"type": "function", "function": f} for f in functions],
-                                        tool_choice="auto", reasoning=False).model_dump()
+def _llama3_envelope(calls: list[tuple[str, dict | bool]]) -> dict:
+    """xgrammar's template for Llama 3's JSON calls, which vLLM takes (get_model_structural_tag
+    "llama"), written out here: the OpenAI server carries neither xgrammar nor the torch it needs
+    (tests/test_tool_parsers.py holds the two equal)."""
+    tags = [{"type": "tag", "begin": f'{{"name": "{name}", "parameters": ',
+             "content": {"type": "json_schema", "json_schema": schema}, "end": "}"} for name, schema in calls]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ['{"name": '], "tags": tags,
+                                                 "excludes": ["<think>", "</think>"]}}
 
 
 def special_tokens_kept(parser: str) -> bool:
