@@ -485,7 +485,9 @@ SHAPE_ERRORS = [
      "'structured_outputs.structural_tag.triggers' must be a list of non-empty strings"),
     ({"structural_tag": {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {
         "type": "array", "items": json.loads("[" * 90 + "]" * 90)}}}},
-     "'structured_outputs.structural_tag' is nested more than 80 levels deep (vLLM's limit)"),
+     "'structured_outputs.structural_tag' is nested too deeply: objects and arrays may nest at most 80 levels"),
+    ({"json": {"type": "array", "items": json.loads("[" * 70 + "]" * 70)}},
+     "'structured_outputs.json' is nested too deeply: objects and arrays may nest at most 64 levels (vLLM's limit)"),
     ({"json": {}, "whitespace_pattern": " *"}, "'structured_outputs.whitespace_pattern' is not supported by xgrammar"),
     ({"jsn": {}}, "'structured_outputs' has unknown key(s) ['jsn']"),
     # what xgrammar would compile away (it accepts output that breaks these), refused as vLLM refuses them

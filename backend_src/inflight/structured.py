@@ -93,18 +93,22 @@ def parse_spec(value, name: str = "structured_outputs") -> GrammarSpec:
     return GrammarSpec(kind, text, not value.get("disable_any_whitespace", False), name)
 
 
-MAX_TAG_DEPTH = 80       # vLLM's bound on a structural tag's nesting (its compile time grows fast with depth)
+# vLLM's bounds on how deeply a schema's (and a structural tag's) objects and arrays nest: xgrammar's
+# compile time grows fast with depth (a 900-level tag took 35 s in the pool every grammar shares)
+MAX_SCHEMA_DEPTH, MAX_TAG_DEPTH = 64, 64 + 16
 
 
-def _depth(value) -> int:
-    """How deeply JSON objects and arrays nest in value (iterative: any depth)."""
-    deepest, stack = 0, [(value, 1)]
+def _check_depth(value, name: str, limit: int) -> None:
+    """ValueError naming the field where JSON objects and arrays nest more than `limit` levels deep
+    (iterative: any depth)."""
+    stack = [(value, 1)]
     while stack:
         node, depth = stack.pop()
         if isinstance(node, (dict, list)):
-            deepest = max(deepest, depth)
+            if depth > limit:
+                raise ValueError(f"'{name}' is nested too deeply: objects and arrays may nest at most {limit} "
+                                 "levels (vLLM's limit)")
             stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
-    return deepest
 
 
 def _structural_tag(value, name: str) -> dict:
@@ -113,8 +117,7 @@ def _structural_tag(value, name: str) -> dict:
     "triggers": [...]}, whose shape is checked here."""
     if not isinstance(value, dict):
         raise ValueError(f"'{name}' must be an object, got {type(value).__name__}")
-    if _depth(value) > MAX_TAG_DEPTH:
-        raise ValueError(f"'{name}' is nested more than {MAX_TAG_DEPTH} levels deep (vLLM's limit)")
+    _check_depth(value, name, MAX_TAG_DEPTH)
     if "structures" not in value:
         return value
     structures, triggers = value["structures"], value.get("triggers")
@@ -146,9 +149,10 @@ def _canonical_text(kind: str, value, name: str) -> str:
         value = json_value(value, name)
         if not isinstance(value, dict):
             raise ValueError(f"'{name}' must be a JSON schema object, got {type(value).__name__}")
+        _check_depth(value, name, MAX_SCHEMA_DEPTH)
         try:
             problem = unenforced(value)
-        except RecursionError:
+        except RecursionError:          # $ref chains: depth the nesting does not show
             raise ValueError(f"'{name}' is nested too deeply") from None
         if problem is not None:      # vLLM refuses these for xgrammar too (it falls back to another library)
             raise ValueError(f"'{name}' {problem}, which xgrammar would not enforce: the output could break "
