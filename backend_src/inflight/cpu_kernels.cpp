@@ -247,6 +247,16 @@ __attribute__((always_inline)) inline void fetch_ahead(KRow k_row, VRow v_row, i
     prefetch_row(v_row(pos), dim);
 }
 
+// fetch_ahead asks for the keys PREFETCH_L2 ahead of the one being read, so a sequence's first
+// PREFETCH_L2 keys are never asked for: without this, decoding began with a run of misses one at a time
+template <typename KRow, typename VRow>
+__attribute__((always_inline)) inline void fetch_start(KRow k_row, VRow v_row, int seq_len, int dim) {
+    for (int pos = 0; pos < (seq_len < PREFETCH_L2 ? seq_len : PREFETCH_L2); ++pos) {
+        prefetch_row<2>(k_row(pos), dim);
+        prefetch_row<2>(v_row(pos), dim);
+    }
+}
+
 // lanes 0, 4, 8, 12 = the sums of a, b, c, d
 inline v16f hsum4(v16f a, v16f b, v16f c, v16f d) {
     const v16u low = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
@@ -417,12 +427,7 @@ void decode_one(const T *q, int64_t q_head_stride, const T *k_cache, const T *v_
 #endif
     const PagedRows<T> k_row(k_cache, k_strides, blocks, kv_head, block_size);
     const PagedRows<T> v_row(v_cache, v_strides, blocks, kv_head, block_size);
-    // fetch_ahead asks for the keys PREFETCH_L2 ahead of the one being read: the first PREFETCH_L2
-    // keys' rows were never asked for, and a sequence began with a run of misses one at a time
-    for (int pos = 0; pos < (seq_len < PREFETCH_L2 ? seq_len : PREFETCH_L2); ++pos) {
-        prefetch_row<2>(k_row(pos), dim);
-        prefetch_row<2>(v_row(pos), dim);
-    }
+    fetch_start(k_row, v_row, seq_len, dim);
 #ifdef INFLIGHT_AVX2
     // the tile's K (then V) rows: float32 rows of whole 16-lane chunks where they are in the cache,
     // the others converted into `rows` (reading in place took a 64-sequence fp32 decode layer from
