@@ -164,6 +164,29 @@ def test_structural_tags_in_xgrammars_format_and_the_older_one(reference_engine,
     assert "<call>" not in text_of(tokenizer, free) and tagged.token_ids == free.token_ids, "no trigger: text is free"
 
 
+def test_disable_any_whitespace_bounds_the_whitespace_of_a_tags_json(reference_engine, tokenizer):
+    """xgrammar has no compact form for the JSON inside a structural tag: with disable_any_whitespace
+    each whitespace run there is one character at most, so the tiny model, which otherwise spends
+    max_tokens on it, ends its call (both forms of a tag)."""
+    call = {"type": "tag", "begin": "<call>", "content": {"type": "json_schema", "json_schema": CITY}, "end": "</call>"}
+    tag = {"type": "structural_tag", "format": {**CALL_TAG["format"], "tags": [call]}}
+    older = {"type": "structural_tag", "structures": [{"begin": "<call>", "schema": CITY, "end": "</call>"}],
+             "triggers": ["<call>"]}
+    prompts = [prompt_ids(tokenizer, i) for i in range(8)]
+    wandering = reference_engine.generate(prompts[:4], [SamplingParams(
+        max_tokens=60, temperature=1.0, seed=i, structured_outputs={"structural_tag": tag}) for i in range(4)])
+    assert any(re.search(r"\s{2}", text_of(tokenizer, out)) for out in wandering), "the tiny model wanders"
+    for structural_tag in (tag, older):
+        params = [SamplingParams(max_tokens=200, temperature=1.0, seed=i, structured_outputs={
+            "structural_tag": structural_tag, "disable_any_whitespace": True}) for i in range(8)]
+        for out in reference_engine.generate(prompts, params):
+            text = text_of(tokenizer, out)
+            assert not re.search(r"\s{2}", text[text.find("<call>"):]), text
+            if structural_tag is tag:
+                assert out.finish_reason == "stop", text
+                jsonschema.validate(json.loads(re.fullmatch(r"<call>(.*)</call>", text, re.S).group(1)), CITY)
+
+
 def test_unconstrained_requests_are_unchanged_by_constrained_neighbours(reference_engine, tokenizer):
     engine = reference_engine
     plain = [SamplingParams(max_tokens=24, temperature=t, seed=100 + i, ignore_eos=True, top_k=k)

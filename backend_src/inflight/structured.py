@@ -464,14 +464,23 @@ class Refusal:
         raise ValueError(f"'{spec.param}.{spec.kind}' {self.reason}")
 
 
-def _compile_structural_tag(compiler, text: str):
-    import xgrammar as xgr
+def _compile_structural_tag(compiler, text: str, any_whitespace: bool):
+    """The older form ({"structures", "triggers"}) as the triggered tags it stands for (vLLM reads
+    it so). Without any_whitespace, a JSON inside the tag may put at most one whitespace character
+    between its tokens where the tag does not say (xgrammar has no compact form for a tag's JSON;
+    vLLM leaves tags alone): a small model can otherwise spend max_tokens on whitespace."""
     tag = json.loads(text)
-    if "structures" not in tag:
-        return compiler.compile_structural_tag(text)
-    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-             for s in tag["structures"]]
-    return compiler.compile_structural_tag(items, tag["triggers"])
+    if "structures" in tag:
+        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": tag["triggers"], "tags": [
+            {"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]},
+             "end": s["end"]} for s in tag["structures"]]}}
+    stack = [] if any_whitespace else [tag]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict) and node.get("type") == "json_schema" and node.get("max_whitespace_cnt") is None:
+            node["max_whitespace_cnt"] = 1
+        stack.extend(node.values() if isinstance(node, dict) else node if isinstance(node, list) else ())
+    return compiler.compile_structural_tag(json.dumps(tag))
 
 
 class StructuredOutputs:
@@ -588,7 +597,7 @@ class StructuredOutputs:
                 "structural_tag": "a valid structural tag"}[spec.kind]
         try:
             if spec.kind == "structural_tag":
-                return _compile_structural_tag(compiler, spec.text)
+                return _compile_structural_tag(compiler, spec.text, spec.any_whitespace)
             if spec.kind in ("json", "json_object"):
                 schema = spec.text if spec.kind == "json" else '{"type": "object"}'
                 return compiler.compile_grammar(json_schema_grammar(schema, spec.any_whitespace))
