@@ -1255,6 +1255,46 @@ def test_auto_tool_choice_reads_the_calls_a_model_writes_in_its_format(server, t
             assert error.value.body["param"] == "tools"
 
 
+@pytest.mark.parametrize("parser, opening", [("hermes", "<tool_call>"), ("llama3_json", '{"name": "')])
+def test_with_a_tag_for_its_format_a_model_writes_forced_calls_in_it(server, tmp_path, parser, opening):
+    """vLLM 0.32 with a parser that has a structural tag (hermes, llama3_json): "required" and
+    named calls are written in the model's own format under the tag, and read back by the parser,
+    streamed or not; "auto" with a response_format of its own and a strict tool is calls or that
+    format's content."""
+    strict = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+    with openai_server(server.http_url, tmp_path, "--enable-auto-tool-choice", "--tool-call-parser", parser,
+                       "--disable-any-whitespace") as auto:
+        auto_client = openai.OpenAI(base_url=auto.base_url, api_key="-", max_retries=0)
+        for choice, reason in (("required", "tool_calls"), ({"type": "function", "function": {"name": "add"}}, "stop")):
+            kwargs = dict(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=strict, tool_choice=choice,
+                          parallel_tool_calls=False, logprobs=True)
+            whole = auto_client.chat.completions.create(**kwargs)
+            written = "".join(token.token for token in whole.choices[0].logprobs.content)
+            assert written.startswith(opening), written
+            calls = calls_of(whole)
+            assert whole.choices[0].finish_reason == reason and len(calls) == 1
+            assert isinstance(choice, str) or calls[0][0] == "add"
+            jsonschema.validate(json.loads(calls[0][1]), PARAMETERS[calls[0][0]])
+            streamed = streamed_completion(auto_client, **kwargs)
+            assert calls_of(streamed) == calls and streamed.choices[0].finish_reason == reason
+        fmt = {"type": "json_schema", "json_schema": {"name": "shirt", "schema": COLOR}}
+        for seed in range(4):
+            reply = auto_client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=200, temperature=1.0,
+                                                        seed=seed, tools=strict, response_format=fmt)
+            message = reply.choices[0].message
+            for name, arguments in calls_of(reply) if message.tool_calls else ():
+                jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+            if not message.tool_calls:
+                jsonschema.validate(json.loads(message.content), COLOR)
+        broken = [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}, "strict": True}}]
+        with pytest.raises(openai.BadRequestError, match="'tool_choice' is not a valid structural tag") as error:
+            auto_client.chat.completions.create(model=MODEL, messages=ASK, tools=broken, tool_choice="required")
+        assert error.value.body["param"] == "tool_choice"
+        with pytest.raises(openai.BadRequestError, match="'response_format' or 'tools' is not a valid") as error:
+            auto_client.chat.completions.create(model=MODEL, messages=ASK, tools=broken, response_format=fmt)
+        assert error.value.body["param"] == "response_format"
+
+
 def test_auto_tool_choice_needs_the_models_format():
     from inflight_client.openai_server.cli import parse_args
     with pytest.raises(SystemExit):

@@ -124,10 +124,20 @@ HERMES_CALL = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'
 LLAMA_CALL = '{{"name": "{}", "parameters": {}}}'
 
 
-def tools(*strict: bool):
+def request(*strict: bool, **fields) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
         {"type": "function", "function": {"name": "get_weather", "parameters": CITY, "strict": strict[0]}},
-        {"type": "function", "function": {"name": "add", "parameters": CITY, "strict": strict[1]}}]}).tools
+        {"type": "function", "function": {"name": "add", "parameters": CITY, "strict": strict[1]}}], **fields})
+
+
+def grammar_of(parser: str, body: ChatCompletionRequest, own: dict | None = None):
+    from xgrammar import Grammar
+    return Grammar.from_structural_tag(json.dumps(call_envelope(parser, body, own)))
+
+
+def accepts(grammar, text: str) -> bool:
+    from xgrammar.testing import _is_grammar_accept_string
+    return _is_grammar_accept_string(grammar, text)
 
 
 @pytest.mark.parametrize("parser, call", [("hermes", HERMES_CALL), ("llama3_json", LLAMA_CALL)])
@@ -136,34 +146,72 @@ def test_the_call_envelope_vllm_puts_on_an_auto_reply(parser, call):
     written): only with a strict tool or parallel_tool_calls false; then a call names a tool, a
     strict tool's arguments follow its parameters and another's are any JSON, and the text
     around the calls is free."""
-    from xgrammar import Grammar
-    from xgrammar.testing import _is_grammar_accept_string as accepts
-    assert call_envelope(parser, tools(False, False), parallel=True) is None
-    assert call_envelope("pythonic", tools(True, True), parallel=False) is None     # vLLM has none for it
-    grammar = Grammar.from_structural_tag(json.dumps(call_envelope(parser, tools(True, False), parallel=True)))
+    assert call_envelope(parser, request(False, False)) is None
+    assert call_envelope("pythonic", request(True, True, parallel_tool_calls=False)) is None   # vLLM has none
+    grammar = grammar_of(parser, request(True, False))
     weather, loose = call.format("get_weather", '{"city": "Oslo"}'), call.format("add", '{"n": [1]}')
     assert accepts(grammar, "Just text.") and accepts(grammar, weather) and accepts(grammar, loose)
     assert accepts(grammar, weather + "\n" + loose), "parallel calls"
     assert not accepts(grammar, call.format("get_weather", '{"town": "Oslo"}')), "a strict tool's parameters"
     assert not accepts(grammar, call.format("unknown", "{}")), "a tool that is not given"
-    single = Grammar.from_structural_tag(json.dumps(call_envelope(parser, tools(False, False), parallel=False)))
+    single = grammar_of(parser, request(False, False, parallel_tool_calls=False))
     assert accepts(single, loose) and not accepts(single, weather + "\n" + loose), "at most one call"
+
+
+@pytest.mark.parametrize("parser, call", [("hermes", HERMES_CALL), ("llama3_json", LLAMA_CALL)])
+def test_a_forced_call_is_written_in_the_models_format_under_vllms_tag(parser, call):
+    """vLLM 0.32 has a model with a structural tag write "required" and named calls in its own
+    format: "required" one call or more and no text (at most one with parallel_tool_calls false), a
+    named tool_choice that tool's one call; a strict tool's arguments follow its parameters."""
+    weather, loose = call.format("get_weather", '{"city": "Oslo"}'), call.format("add", '{"n": [1]}')
+    required = grammar_of(parser, request(True, False, tool_choice="required"))
+    assert accepts(required, weather) and accepts(required, loose) and accepts(required, weather + loose)
+    assert not accepts(required, "Just text.") and not accepts(required, ""), "a call must come"
+    assert not accepts(required, call.format("get_weather", '{"town": "Oslo"}'))
+    single = grammar_of(parser, request(False, False, tool_choice="required", parallel_tool_calls=False))
+    assert accepts(single, loose) and not accepts(single, loose + loose)
+    named = grammar_of(parser, request(True, False, tool_choice={"type": "function", "function": {"name": "add"}}))
+    assert accepts(named, loose) and not accepts(named, weather) and not accepts(named, loose + loose)
+    assert call_envelope("pythonic", request(True, True, tool_choice="required")) is None     # tools.py's JSON forms
+
+
+@pytest.mark.parametrize("parser, call", [("hermes", HERMES_CALL), ("llama3_json", LLAMA_CALL)])
+def test_auto_with_a_constraint_of_its_own_is_calls_or_that(parser, call):
+    """vLLM 0.32 joins "auto"'s envelope with the request's own constraint where a tool is strict:
+    the reply is calls (as "required" has them) or what the constraint allows, nothing else;
+    without a strict tool the request's constraint stays alone."""
+    weather = call.format("get_weather", '{"city": "Oslo"}')
+    for own, fits, breaks in (({"json": CITY}, '{"city": "Rome"}', '{"town": "Rome"}'),
+                              ({"json_object": True}, '{"any": 1}', "[1]"),
+                              ({"regex": "[a-z]+"}, "hello", "Hello"),
+                              ({"choice": ["yes", "no"]}, "no", "maybe"),
+                              ({"grammar": 'root ::= "a" | "b"'}, "b", "c"),
+                              ({"structural_tag": json.dumps({"type": "structural_tag", "format": {
+                                  "type": "const_string", "value": "done"}})}, "done", "do")):
+        grammar = grammar_of(parser, request(True, False), own)
+        assert accepts(grammar, weather) and accepts(grammar, fits), own
+        assert not accepts(grammar, breaks) and not accepts(grammar, fits + weather), own
+        assert call_envelope(parser, request(False, False, parallel_tool_calls=False), own) is None
+    assert call_envelope(parser, request(True, False), {"json": "{not json"}) is None     # llm names the field
 
 
 def test_the_llama3_json_envelope_is_xgrammars_llama_template():
     """Written out in the OpenAI server (which carries no xgrammar), the tag is the one xgrammar's
-    get_model_structural_tag("llama") builds for vLLM, for any strictness and names."""
+    get_model_structural_tag("llama") builds for vLLM, for any strictness, names and tool_choice."""
     import xgrammar as xgr
-    requested = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
-        {"type": "function", "function": {"name": "get_weather", "parameters": CITY, "strict": True}},
-        {"type": "function", "function": {"name": "add", "parameters": CITY}},
-        {"type": "function", "function": {"name": "wait", "strict": True}},
-        {"type": "function", "function": {"name": 'say "hi" ✓', "parameters": {}, "strict": False}}]}).tools
-    for parallel in (True, False):
-        ours = xgr.StructuralTag.model_validate(call_envelope("llama3_json", requested, parallel))
-        theirs = xgr.get_model_structural_tag(model="llama", reasoning=False, tool_choice="auto", tools=[
-            # with each tool's strict pinned, as vLLM passes them (absent is not strict)
-            {"type": "function", "function": {**tool.function.model_dump(exclude_none=True),
-                                              "strict": tool.function.strict is True}} for tool in requested])
-        theirs.format.stop_after_first = not parallel
-        assert ours.model_dump() == theirs.model_dump()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY, "strict": True}},
+             {"type": "function", "function": {"name": "add", "parameters": CITY}},
+             {"type": "function", "function": {"name": "wait", "strict": True}},
+             {"type": "function", "function": {"name": 'say "hi" ✓', "parameters": {}, "strict": False}}]
+    for choice in ("auto", "required", *({"type": "function", "function": {"name": t["function"]["name"]}}
+                                         for t in tools)):
+        for parallel in (True, False):
+            body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                         "tool_choice": choice, "parallel_tool_calls": parallel})
+            ours = xgr.StructuralTag.model_validate(call_envelope("llama3_json", body))
+            theirs = xgr.get_model_structural_tag(model="llama", reasoning=False, tool_choice=choice, tools=[
+                # with each tool's strict pinned, as vLLM passes them (absent is not strict)
+                {"type": "function", "function": {**tool.function.model_dump(exclude_none=True),
+                                                  "strict": tool.function.strict is True}} for tool in body.tools],
+                parallel_tool_calls=parallel)
+            assert ours.model_dump() == theirs.model_dump(), (choice, parallel)

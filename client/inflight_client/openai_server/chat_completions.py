@@ -21,7 +21,7 @@ from .sampling import chat_sampling
 from .schemas import ChatCompletionRequest
 from .sse import event, sse_response
 from .structured import Constraint, blame, request_constraints, single
-from .tool_parsers import PARSERS, AutoToolText, call_envelope, special_tokens_kept
+from .tool_parsers import ENVELOPED, PARSERS, AutoToolText, call_envelope, special_tokens_kept
 from .tools import ToolCallText, called_function, tool_constraint, tool_message
 from .triton import LLMResponse, Prompt
 
@@ -40,7 +40,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
     prompt, prompt_ids = await ctx.offload(large, _prompt, body, tools, ctx)
     sampling = ctx.fit(chat_sampling(body, ctx.chat_max_tokens, constraint, lora_name, ctx.sampling_defaults),
                        prompt_ids, "messages")
-    if body.tool_choice == "auto" and special_tokens_kept(ctx.tool_call_parser):
+    if _calls_tools(body) and special_tokens_kept(ctx.tool_call_parser):
         sampling["skip_special_tokens"] = False         # the parser reads the model's tags (as vLLM)
     text = None if body.truncate_prompt_tokens is not None else ctx.text_input(prompt, bool(body.add_special_tokens))
     calls = [ctx.triton.generate(Prompt(prompt_ids, text, "truncate_prompt_tokens"), sampling)]
@@ -86,20 +86,31 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
 
 def _constraints(body: ChatCompletionRequest, ctx: Context) -> list[Constraint]:
     """The request's output constraints. A forced tool call (named or "required") replaces
-    `response_format`, which shapes content, and a forced call has none (vLLM drops it too);
-    "auto" may put the model's call envelope on the reply where the request has no constraint of
-    its own (vLLM 0.32 would join the two)."""
-    tool = tool_constraint(body)
-    if tool is not None:
-        return [c for c in request_constraints(body) if c.source != "response_format"] + [tool]
+    `response_format`, which shapes content, and a forced call has none (vLLM drops it too): in the
+    model's own format where the parser has a structural tag (call_envelope), else in tools.py's
+    JSON forms. "auto" may put the call envelope on the reply, joined with the request's own
+    constraint where it has one."""
     found = request_constraints(body)
+    if _calls_tools(body) and body.tool_choice != "auto":
+        found = [c for c in found if c.source != "response_format"]
+        tag = call_envelope(ctx.tool_call_parser, body)
+        return found + [_tagged(tag, "tool_choice") if tag is not None else tool_constraint(body)]
     # (not with min_tokens, which `llm` refuses beside a grammar: banning EOS could leave it no token)
-    if not found and body.tool_choice == "auto" and body.tools and ctx.tool_call_parser is not None \
-            and not body.min_tokens:
-        tag = call_envelope(ctx.tool_call_parser, body.tools, body.parallel_tool_calls is not False)
-        if tag is not None:
-            found = [Constraint({"structural_tag": json.dumps(tag)}, "tools", "tools")]   # text, as vLLM's
+    if body.tool_choice == "auto" and body.tools and ctx.tool_call_parser is not None and not body.min_tokens \
+            and len(found) < 2:
+        own = found[0] if found else None
+        tag = call_envelope(ctx.tool_call_parser, body, own.structured_outputs if own else None)
+        if tag is not None:         # an error in the joined tag may be either's: it names both
+            return [_tagged(tag, own.source, f"{own.source}' or 'tools", own.structured_outputs) if own
+                    else _tagged(tag, "tools")]
     return found
+
+
+def _tagged(tag: dict, source: str, written_at: str | None = None, options: dict | None = None) -> Constraint:
+    """The tag as `llm`'s constraint (JSON text, as vLLM's), with the options of the constraint it
+    joins (disable_any_whitespace, backend)."""
+    kept = {k: v for k, v in (options or {}).items() if k in ("disable_any_whitespace", "backend")}
+    return Constraint({**kept, "structural_tag": json.dumps(tag)}, source, written_at or source)
 
 
 def _as_sent(error: APIError, body: ChatCompletionRequest) -> APIError:
@@ -143,9 +154,11 @@ def _calls_tools(body: ChatCompletionRequest) -> bool:
 
 
 def _tool_reader(body: ChatCompletionRequest, ctx: Context) -> ToolCallText | AutoToolText:
-    """What reads a choice's text as tool calls: the model's own format for "auto"."""
-    if body.tool_choice == "auto":
-        return AutoToolText(ctx.tool_call_parser, parallel=body.parallel_tool_calls is not False)
+    """What reads a choice's text as tool calls: the model's own format for "auto", and for a forced
+    call where the parser has a tag for it (call_envelope)."""
+    if body.tool_choice == "auto" or ctx.tool_call_parser in ENVELOPED:
+        return AutoToolText(ctx.tool_call_parser, parallel=body.parallel_tool_calls is not False,
+                            named=called_function(body) is not None)
     return ToolCallText(called_function(body))
 
 

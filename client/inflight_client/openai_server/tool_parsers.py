@@ -4,7 +4,8 @@ decides whether to call; the text it writes is read as it arrives: content strea
 and each call goes out whole once its JSON is complete (the arguments are not split into pieces).
 Content is the text before the first call (a reply that has calls, vLLM's parsers read the same
 way); whitespace alone before a call is none. Where vLLM 0.32 constrains the calls as the model
-writes them (a strict tool, or parallel_tool_calls false), `call_envelope` is its structural tag.
+writes them (a strict tool, or parallel_tool_calls false; and a "required" or named tool_choice,
+then read here too), `call_envelope` is its structural tag.
 
 - `hermes` (Hermes 2 Pro, Qwen 2.5 and 3): each call `<tool_call>{"name": ..., "arguments": {...}}
   </tool_call>`. A block before the first call that is not a JSON call stays in the content as
@@ -27,9 +28,10 @@ import json
 import math
 import re
 
-from .tools import arguments_json, decode_json, new_call
+from .tools import arguments_json, called_function, decode_json, new_call
 
 PARSERS = ("hermes", "llama3_json", "pythonic", "llama4_pythonic")
+ENVELOPED = ("hermes", "llama3_json")       # the formats vLLM 0.32 has a structural tag for
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"      # llama4_pythonic: around its list
@@ -39,39 +41,94 @@ _PYTHONIC_START = re.compile(r"(?:\[\s*(?:[A-Za-z_]\w*)?)?")  # what could still
 _JSON_NAMES = {"null": None, "true": True, "false": False}
 
 
-def call_envelope(parser: str, tools, parallel: bool) -> dict | None:
-    """The structural tag vLLM 0.32 puts on a tool_choice "auto" reply for the formats it has one
-    for (hermes, llama3_json), on its default terms: only where a tool is `strict` or
-    parallel_tool_calls is false; then each call must name a tool and a strict tool's arguments
-    follow its `parameters` (another's are any JSON), and with parallel_tool_calls false the reply
-    holds at most one call. Text stays free outside the calls. None: the reply is not constrained."""
-    strict = [tool.function.strict is True for tool in tools]
-    if parser not in ("hermes", "llama3_json") or (parallel and not any(strict)):
+def call_envelope(parser: str, body, own: dict | None = None) -> dict | None:
+    """The structural tag vLLM 0.32 puts on a reply with tools for the formats it has one for
+    (hermes, llama3_json; its default VLLM_ENFORCE_STRICT_TOOL_CALLING), so that the model writes
+    its calls in its own format:
+    - "required": one call or more, and nothing else; a named tool_choice: that function's call.
+    - "auto": only where a tool is `strict`, or parallel_tool_calls is false; calls are optional
+      and text around them free. With a constraint of the request's own (`own`, its
+      structured_outputs; needs a strict tool) the reply is either calls, as for "required", or
+      what that constraint allows.
+    A call names a given tool; a strict tool's arguments follow its `parameters` (another's are any
+    JSON); with parallel_tool_calls false the reply holds at most one call. None: no tag (the
+    JSON forms of tools.py, or the request's own constraint alone)."""
+    if parser not in ENVELOPED:
         return None
+    parallel, named = body.parallel_tool_calls is not False, called_function(body)
+    tools = [tool for tool in body.tools if named in (None, tool.function.name)]
+    strict = [tool.function.strict is True for tool in tools]
+    choice = "forced" if named else body.tool_choice
+    other = None if own is None else _format_of(own)
+    if choice == "auto":
+        if own is not None and (other is None or not any(strict)):
+            return None                 # the request's own constraint alone
+        if own is None and parallel and not any(strict):
+            return None
+        choice = "auto" if own is None else "required"
     calls = [(tool.function.name, tool.function.parameters if s and tool.function.parameters is not None else True)
              for tool, s in zip(tools, strict)]
-    tag = _hermes_envelope(calls) if parser == "hermes" else _llama3_envelope(calls)
-    if not parallel:
-        tag["format"]["stop_after_first"] = True
-    return tag
+    fmt = _hermes_envelope(calls, choice) if parser == "hermes" else _llama3_envelope(calls, choice)
+    if not parallel and fmt["type"] != "tag":
+        fmt["stop_after_first"] = True
+    if other is not None:
+        fmt = {"type": "or", "elements": [fmt, other]}
+    return {"type": "structural_tag", "format": fmt}
 
 
-def _hermes_envelope(calls: list[tuple[str, dict | bool]]) -> dict:
+def _hermes_envelope(calls: list[tuple[str, dict | bool]], choice: str) -> dict:
     """vLLM's own tag for hermes: each tool's call, its JSON on lines of its own or not."""
     tags = [{"type": "tag", "begin": f'{HERMES_OPEN}{newline}{{"name": "{name}", "arguments": ',
              "content": {"type": "json_schema", "json_schema": schema}, "end": f"}}{newline}{HERMES_CLOSE}"}
             for name, schema in calls for newline in ("\n", "")]
-    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [HERMES_OPEN], "tags": tags}}
+    if choice == "auto":
+        return {"type": "triggered_tags", "triggers": [HERMES_OPEN], "tags": tags}
+    return {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
+            "stop_after_first": choice == "forced"}
 
 
-def _llama3_envelope(calls: list[tuple[str, dict | bool]]) -> dict:
+def _llama3_envelope(calls: list[tuple[str, dict | bool]], choice: str) -> dict:
     """xgrammar's template for Llama 3's JSON calls, which vLLM takes (get_model_structural_tag
     "llama"), written out here: the OpenAI server carries neither xgrammar nor the torch it needs
     (tests/test_tool_parsers.py holds the two equal)."""
     tags = [{"type": "tag", "begin": f'{{"name": "{name}", "parameters": ',
              "content": {"type": "json_schema", "json_schema": schema}, "end": "}"} for name, schema in calls]
-    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ['{"name": '], "tags": tags,
-                                                 "excludes": ["<think>", "</think>"]}}
+    if choice == "forced":
+        return tags[0]
+    return {"type": "triggered_tags", "triggers": ['{"name": '], "tags": tags, "excludes": ["<think>", "</think>"],
+            "at_least_one": choice == "required"}
+
+
+def _format_of(constraint: dict) -> dict | None:
+    """The structural-tag format that allows what a request's structured_outputs allows (vLLM's
+    structured_outputs_to_format); None where its shape is not one (`llm` then gives the error), and
+    for a Lark grammar, which a tag cannot hold."""
+    kind = next((k for k in ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+                 if constraint.get(k) is not None), None)
+    value = constraint.get(kind)
+    if kind in ("json", "structural_tag") and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            return None
+    if kind == "json" and isinstance(value, dict):
+        return {"type": "json_schema", "json_schema": value}
+    if kind == "json_object" and value is True:
+        return {"type": "json_schema", "json_schema": {"type": "object"}}
+    if kind == "regex" and isinstance(value, str):
+        return {"type": "regex", "pattern": value}
+    if kind == "grammar" and isinstance(value, str) and "::=" in value:     # EBNF (vLLM turns Lark into it)
+        return {"type": "grammar", "grammar": value}
+    if kind == "choice" and isinstance(value, list) and all(isinstance(c, str) for c in value):
+        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in value]}
+    if kind == "structural_tag" and isinstance(value, dict) and isinstance(value.get("format"), dict):
+        return value["format"]
+    if kind == "structural_tag" and isinstance(value, dict) and isinstance(value.get("structures"), list) \
+            and all(isinstance(s, dict) for s in value["structures"]):
+        return {"type": "triggered_tags", "triggers": value.get("triggers"), "tags": [
+            {"type": "tag", "begin": s.get("begin"), "content": {"type": "json_schema", "json_schema": s.get("schema")},
+             "end": s.get("end")} for s in value["structures"]]}
+    return None
 
 
 def special_tokens_kept(parser: str) -> bool:
@@ -161,10 +218,11 @@ class AutoToolText:
 
     empty_content = ""                # a reply without a call, and without text (as vLLM's)
 
-    def __init__(self, parser: str, parallel: bool = True):
+    def __init__(self, parser: str, parallel: bool = True, named: bool = False):
         assert parser in PARSERS
         self.parser = parser
         self.parallel = parallel      # False (parallel_tool_calls false): calls after the first are dropped
+        self.named = named            # the call a named tool_choice forced (under call_envelope's tag)
         self.text = ""
         self.position = 0             # what has been read: sent as content, or taken as calls
         self.num_calls = 0
@@ -199,8 +257,9 @@ class AutoToolText:
 
     def finish_reason(self, reason: str) -> str:
         """'tool_calls' when the reply held a call and ended as the model chose (vLLM's streams;
-        a reply cut by max_tokens keeps "length")."""
-        return "tool_calls" if self.num_calls and reason == "stop" else reason
+        a reply cut by max_tokens keeps "length"); a named tool_choice's call keeps 'stop', as
+        OpenAI and vLLM report a call the request forced."""
+        return "tool_calls" if self.num_calls and reason == "stop" and not self.named else reason
 
     def _take(self, name_and_arguments: tuple[str, str]) -> list[dict]:
         call = new_call(self.num_calls, *name_and_arguments)

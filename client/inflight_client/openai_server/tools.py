@@ -3,7 +3,8 @@ tool_parsers.py's): a named `tool_choice` constrains the output to that function
 schema (the text is its arguments); "required" constrains it to a JSON array of {"name",
 "parameters"} calls, one of the tools each. The text then becomes `tool_calls`, whole or as
 stream deltas (OpenAI's shape: the first delta of a call has its id, type and name, later ones add
-to `function.arguments`).
+to `function.arguments`). With a tool-call parser whose format vLLM 0.32 has a structural tag for,
+the call is written in that format instead (tool_parsers.call_envelope).
 """
 from __future__ import annotations
 
