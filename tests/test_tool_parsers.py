@@ -25,6 +25,8 @@ CASES = [  # parser, the model's text -> content, calls, finish_reason
     ("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}', None, [ADD], "tool_calls"),
     ("llama3_json", 'The answer: {"name": "add"}', 'The answer: {"name": "add"}', [], "stop"),
     ("llama3_json", '{"name": "add", "parameters": {"a": 1, "b": 2}} {"other": 1} and text', None, [ADD], "tool_calls"),
+    ("llama3_json", '{"name": "add", "parameters": {"a": 1, "b": 2}}, then {"name": "get_weather", "parameters": '
+                    '{"city": "Oslo"}} and {} {"name": "x"', None, [ADD, WEATHER], "tool_calls"),
     ("llama3_json", '{"name": "add", "parameters": {', '{"name": "add", "parameters": {', [], "stop"),
     ("llama3_json", '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "get', None, [ADD], "tool_calls"),
     ("llama3_json", '  {"answer": 42} is my reply', '  {"answer": 42} is my reply', [], "stop"),

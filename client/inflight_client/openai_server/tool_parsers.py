@@ -12,8 +12,8 @@ then read here too), `call_envelope` is its structural tag.
   written.
 - `llama3_json` (Llama 3.1 to 3.3): a reply that starts with a JSON object (after whitespace or
   `<|python_tag|>`) is calls, `{"name": ..., "parameters": {...}}` (or "arguments"), separated by
-  ';'; a reply that starts with anything else, or whose first object is not a call, is content.
-  A later object that is not a call ends the calls.
+  ';' (or anything else: text between calls is skipped); a reply that starts with anything else, or
+  whose first object is not a call, is content. A later object that is not a call ends the calls.
 - `pythonic` (ToolACE; Llama 3.2 with a chat template that asks for it) and `llama4_pythonic`
   (Llama 4, which may wrap the list in `<|python_start|>` ... `<|python_end|>`): a reply that is a
   Python list of calls, `[get_weather(city="Oslo"), add(a=1, b=2)]`, each argument a keyword with
@@ -35,7 +35,6 @@ ENVELOPED = ("hermes", "llama3_json")       # the formats vLLM 0.32 has a struct
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"      # llama4_pythonic: around its list
-_BETWEEN_CALLS = re.compile(r"[\s;]*")      # llama3_json: what separates calls
 _PYTHONIC_HEAD = re.compile(r"\[\s*[A-Za-z_]\w*\(")      # how a pythonic list of calls starts
 _PYTHONIC_START = re.compile(r"(?:\[\s*(?:[A-Za-z_]\w*)?)?")  # what could still become that
 _JSON_NAMES = {"null": None, "true": True, "false": False}
@@ -317,8 +316,10 @@ class AutoToolText:
             return content, []
         calls = []
         while True:
-            start = _BETWEEN_CALLS.match(self.text, self.position).end()
-            decoded = _decoded(self.text, start) if start < len(self.text) else None
+            # the first call opens the reply; after it, anything up to the next object is skipped (';'
+            # as Llama writes, ',' or text: vLLM's whole-reply reading takes every call wherever it is)
+            start = self.text.find("{", self.position) if self.num_calls else self.position
+            decoded = _decoded(self.text, start) if 0 <= start < len(self.text) else None
             if decoded is None:
                 break                      # not complete yet (close() gives what never completes)
             call = _call(decoded[0], ("parameters", "arguments"))
