@@ -132,3 +132,25 @@ def child_processes(pid: int) -> dict[int, str]:
         if parent == pid:
             children[int(entry)] = command
     return children
+
+
+def reasoning_checkpoint(directory: str) -> str:
+    """A copy of the test model whose tokenizer has DeepSeek-R1's reasoning markers, <think> and
+    </think>, as tokens of their own (not special, as R1's), in place of its two last-learned tokens."""
+    import json
+    import shutil
+    shutil.copytree(DEFAULT_MODEL, directory)
+    path = os.path.join(directory, "tokenizer.json")
+    with open(path) as f:
+        tokenizer = json.load(f)
+    vocab = tokenizer["model"]["vocab"]
+    for marker, token_id in zip(("<think>", "</think>"), sorted(vocab.values())[-2:]):
+        replaced = next(text for text, i in vocab.items() if i == token_id)
+        del vocab[replaced]
+        vocab[marker] = token_id
+        tokenizer["model"]["merges"] = [m for m in tokenizer["model"]["merges"] if "".join(m) != replaced]
+        tokenizer["added_tokens"].append({"id": token_id, "content": marker, "single_word": False, "lstrip": False,
+                                          "rstrip": False, "normalized": False, "special": False})
+    with open(path, "w") as f:
+        json.dump(tokenizer, f)
+    return directory

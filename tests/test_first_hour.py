@@ -506,7 +506,8 @@ def test_the_cpu_kv_pool_holds_what_max_num_seqs_full_sequences_use_within_the_b
     ('{"model": "x", "engine": {}', "is not valid JSON"),
     ('["x"]', "must hold a JSON object, got list"),
     ('{"engine": {}}', "'model' must name the checkpoint directory, got None"),
-    ('{"model": "x", "lora": {}}', "unknown key(s) ['lora']; known: ['enable_lora', 'engine', 'max_lora_rank', 'max_loras', 'model']"),
+    ('{"model": "x", "lora": {}}', "unknown key(s) ['lora']; known: ['enable_lora', 'engine', 'max_lora_rank', 'max_loras', 'model', 'reasoning_parser']"),
+    ('{"model": "x", "reasoning_parser": "r1"}', "'reasoning_parser' must be one of ('deepseek_r1',) or None, got 'r1'"),
     ('{"model": "x", "engine": {"max_num_seqs": 0}}', "'engine': 'max_num_seqs' must be a positive integer"),
 ])
 def test_model_json_errors_name_the_file_and_the_key(tmp_path, text, message):
@@ -526,6 +527,9 @@ def test_enable_lora_may_be_a_string_as_the_vllm_backend_reads_it(tmp_path, flag
     assert Settings.load(str(tmp_path)).engine.enable_lora is True
     (tmp_path / "model.json").write_text('{"model": "x", "enable_lora": "false"}')
     assert Settings.load(str(tmp_path)).engine.enable_lora is False
+    # and, as there, the reasoning parser at the top level (or in "engine")
+    (tmp_path / "model.json").write_text('{"model": "x", "reasoning_parser": "deepseek_r1"}')
+    assert Settings.load(str(tmp_path)).engine.reasoning_parser == "deepseek_r1"
 
 
 def test_a_kind_gpu_instance_runs_on_the_gpu_triton_gives_it(tmp_path):

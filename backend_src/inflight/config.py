@@ -6,12 +6,14 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 
+from .reasoning import MARKERS as REASONING_MARKERS
 from .structured import GrammarSpec, parse_spec
 
 POLICIES = ("continuous", "dynamic", "static")
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
+REASONING_PARSERS = tuple(REASONING_MARKERS)
 MAX_LOGPROBS = 20       # most top log-probabilities per token (vLLM's default max_logprobs)
 SAMPLING_EPS = 1e-5     # vLLM's: a temperature below it is greedy (dividing by less overflows float32)
 MIN_TEMPERATURE = 0.01  # vLLM 0.32's: a temperature above 0 and below it is raised to it (nan or inf otherwise)
@@ -106,6 +108,7 @@ class EngineConfig:
     enable_lora: bool = False                 # serve PEFT LoRA adapters next to the base model
     max_loras: int = 4                        # adapters held at once (all of them stay resident)
     max_lora_rank: int = 16                   # the largest adapter rank accepted
+    reasoning_parser: str | None = None       # vLLM's: structured outputs wait for the end of reasoning (reasoning.py)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "dynamic_length_window", "stream_interval",
@@ -138,6 +141,8 @@ class EngineConfig:
         # "False" from a command line or a JSON string would otherwise count as true
         for name in ("enable_lora", "enforce_eager", "enable_prefix_caching", "enable_chunked_prefill"):
             _check(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {getattr(self, name)!r}")
+        _check(self.reasoning_parser in (None, *REASONING_PARSERS), "reasoning_parser",
+               f"must be one of {REASONING_PARSERS} or None, got {self.reasoning_parser!r}")
         for name in ("max_loras", "max_lora_rank"):
             _check(_is_int(getattr(self, name)) and getattr(self, name) > 0, name,
                    f"must be a positive integer, got {getattr(self, name)!r}")

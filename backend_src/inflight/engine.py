@@ -17,6 +17,7 @@ import torch
 from .config import EngineConfig, SamplingParams, parse_priority
 from .kv_cache import KVCacheManager
 from .logprobs import PromptPositions, TokenLogprobs, prompt_logprobs
+from .reasoning import Reasoning
 from .request import Request, RequestOutput, Status, StepOutput
 from .runner import ModelRunner
 from .sampler import Sampler
@@ -44,8 +45,9 @@ class LLMEngine:
         self.kv = KVCacheManager(runner.num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(config, self.max_model_len, self.kv, eos_token_ids)
         self.sampler = Sampler(runner.device, config.seed)
+        reasoning = None if config.reasoning_parser is None else Reasoning.load(config.reasoning_parser, tokenizer)
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, eos_token_ids, config.max_num_seqs,
-                                            runner.device)
+                                            runner.device, reasoning)
         self.num_constrained = 0                     # unfinished requests with structured outputs
         self.requests: dict[str, Request] = {}       # unfinished requests by id
         self._arrivals = itertools.count()
@@ -125,7 +127,8 @@ class LLMEngine:
                       generator=generator,
                       # fixed-length parts (the adapter's present or not): no salt can pose as an adapter
                       cache_key=hashlib.blake2b(self.model_key + salt + lora_key, digest_size=16).digest(),
-                      matcher=matcher, lora_slot=lora_slot, group=group)
+                      matcher=matcher, reasoning=self.structured.waits(matcher, prompt), lora_slot=lora_slot,
+                      group=group)
         if group is not None:
             group.append(req)
         self.num_constrained += matcher is not None

@@ -488,8 +488,9 @@ class StructuredOutputs:
     compiled grammars and one of refused constraints, and the step's bitmask buffer."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], max_num_seqs: int,
-                 device=None):
+                 device=None, reasoning=None):
         self._tokenizer = tokenizer          # a transformers tokenizer, or None for a checkpoint without one
+        self.reasoning = reasoning           # reasoning.Reasoning: grammars wait for its end marker; None: never
         self.vocab_size = vocab_size         # the model's (logits) vocabulary, maybe padded past the tokenizer's
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_num_seqs = max_num_seqs
@@ -615,22 +616,30 @@ class StructuredOutputs:
         import xgrammar as xgr
         return xgr.GrammarMatcher(compiled, terminate_without_stop_token=self._terminate_without_stop)
 
+    def waits(self, matcher, prompt: list[int]) -> bool:
+        """Whether a request's grammar waits for the end of the model's reasoning to start."""
+        return matcher is not None and self.reasoning is not None and self.reasoning.open_after(prompt)
+
     # ---- the step (engine thread) ------------------------------------------------------------------
     def step_mask(self, table, sample_rows: np.ndarray) -> "StepMask | None":
-        """The bitmask of this step's constrained sampling rows, or None if it has none."""
-        positions = np.flatnonzero(table.constrained[sample_rows])
-        if not positions.size:
+        """The bitmask of this step's constrained sampling rows, or None if it has none. The rows
+        whose grammar waits for the end of reasoning are unmasked, and watched for it."""
+        rows = np.flatnonzero(table.constrained[sample_rows])
+        if not rows.size:
             return None
         started = time.perf_counter()
         if self._bitmask is None:
             self._allocate()
-        positions = positions.tolist()
-        matchers = [table.requests[int(sample_rows[i])].matcher for i in positions]
-        self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, positions)
+        requests = [table.requests[int(sample_rows[i])] for i in rows.tolist()]
+        positions = [i for i, req in zip(rows.tolist(), requests) if not req.reasoning]
+        matchers = [req.matcher for req in requests if not req.reasoning]
+        reasoning = [(i, req) for i, req in zip(rows.tolist(), requests) if req.reasoning]
+        if positions:
+            self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, positions)
         bitmask = self._bitmask[:len(sample_rows)]
-        if self.device is not None and self.device.type != "cpu":
+        if self.device is not None and self.device.type != "cpu" and positions:
             bitmask = bitmask.to(self.device, non_blocking=True)
-        mask = StepMask(positions, matchers, bitmask, self)
+        mask = StepMask(positions, matchers, bitmask, self, reasoning)
         self.mask_seconds += time.perf_counter() - started
         self.mask_steps += 1
         return mask
@@ -652,12 +661,15 @@ class StepMask:
     matchers: list
     bitmask: object                  # torch int32 [num sampling rows, ceil(vocab / 32)]
     owner: StructuredOutputs
+    reasoning: list[tuple[int, object]] = field(default_factory=list)   # (position, request): unmasked, reasoning
     rejected: list[int] = field(default_factory=list)   # positions whose token the grammar refused
 
     def __call__(self, logits) -> None:
         """Set every token outside each constrained row's grammar to -inf, in place."""
         import torch
         import xgrammar as xgr
+        if not self.positions:
+            return
         started = time.perf_counter()
         if logits.dtype in (torch.float32, torch.float16, torch.bfloat16):     # what xgrammar's kernels take
             xgr.apply_token_bitmask_inplace(logits, self.bitmask, indices=self.positions)
@@ -673,6 +685,8 @@ class StepMask:
         (or that produced a token the grammar refused: see `rejected`), in sampling-row order."""
         started = time.perf_counter()
         done = np.zeros(len(tokens), dtype=bool)
+        for i, req in self.reasoning:      # the end marker ends the wait; the grammar starts after it
+            req.reasoning = int(tokens[i]) != self.owner.reasoning.end_id
         for i, matcher in zip(self.positions, self.matchers):
             if not matcher.accept_token(int(tokens[i])):
                 self.rejected.append(i)

@@ -40,7 +40,7 @@ LLM_INPUTS = ("text_input", "input_ids", "sampling_parameters", "priority", "cac
 
 
 # model.json keys that may also sit at the top level, where the Triton vLLM backend puts them
-LORA_KEYS = ("enable_lora", "max_loras", "max_lora_rank")
+ENGINE_KEYS_AT_TOP = ("enable_lora", "max_loras", "max_lora_rank", "reasoning_parser")
 
 
 @dataclass(slots=True)
@@ -55,7 +55,7 @@ class Settings:
     labels: dict[str, str] = field(default_factory=dict)   # this instance's metrics labels, where there are several
     instances: int = 1          # how many Triton starts of this model (placed())
 
-    KEYS = ("model", "engine", *LORA_KEYS)      # model.json's keys
+    KEYS = ("model", "engine", *ENGINE_KEYS_AT_TOP)      # model.json's keys
 
     @classmethod
     def load(cls, version_dir: str) -> "Settings":
@@ -63,7 +63,7 @@ class Settings:
         raw = read_settings(path, cls.KEYS)
         model_dir = os.path.normpath(os.path.join(version_dir, os.path.expanduser(raw["model"])))
         engine = dict(raw.get("engine", {}))
-        for key in LORA_KEYS:
+        for key in ENGINE_KEYS_AT_TOP:
             if key in raw:
                 if key in engine:
                     raise StartupError(f"{path}: '{key}' is given both at the top level and in 'engine'")

@@ -1,0 +1,42 @@
+"""Reasoning models (vLLM's `reasoning_parser`): a model that thinks between two markers before it
+answers, as DeepSeek-R1 and its Llama and Qwen distills do in <think> ... </think>. With a reasoning
+parser set, a request's structured outputs constrain the answer alone, as vLLM's engine does: the
+grammar waits while the model reasons and starts after the end marker (from the first token where
+the prompt ended the reasoning already). Splitting the text into reasoning and content is the
+OpenAI server's (client/inflight_client/openai_server/reasoning.py)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MARKERS = {"deepseek_r1": ("<think>", "</think>")}     # vLLM's parser name -> its start and end markers
+
+
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    start_id: int
+    end_id: int
+
+    @classmethod
+    def load(cls, parser: str, tokenizer) -> "Reasoning":
+        """The markers' token ids in the checkpoint's tokenizer; ValueError naming the setting where
+        it has none or lacks one (vLLM refuses such a parser too)."""
+        assert parser in MARKERS
+        if tokenizer is None:
+            raise ValueError(f"'reasoning_parser' {parser!r} needs the model's tokenizer, and this checkpoint has none")
+        vocab = tokenizer.get_vocab()
+        missing = [marker for marker in MARKERS[parser] if marker not in vocab]
+        if missing:
+            raise ValueError(f"'reasoning_parser' {parser!r}: the tokenizer has no {missing[0]!r} token (its "
+                             "markers must be tokens of their own)")
+        return cls(*(vocab[marker] for marker in MARKERS[parser]))
+
+    def open_after(self, token_ids: Sequence[int]) -> bool:
+        """Whether the model is still reasoning after these tokens: unless the last marker among them
+        is the end (no marker at all counts as reasoning, as vLLM's is_reasoning_end says)."""
+        for token in reversed(token_ids):
+            if token == self.end_id:
+                return False
+            if token == self.start_id:
+                return True
+        return True
