@@ -1,6 +1,7 @@
 """Reasoning models (vLLM's reasoning_parser): the engine's structured outputs wait for the end of
 the model's reasoning, and the OpenAI server's --reasoning-parser splits a reply into reasoning and
 content, streamed or not. The model: the test model with DeepSeek-R1's markers in its tokenizer."""
+import json
 import re
 
 import pytest
@@ -73,3 +74,67 @@ def test_the_reasoning_parser_is_checked_at_start():
         EngineConfig(reasoning_parser="deepseek")
     with pytest.raises(ValueError, match="'reasoning_parser' 'deepseek_r1': the tokenizer has no '<think>' token"):
         LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(**TEST_ENGINE, reasoning_parser="deepseek_r1"))
+
+
+@pytest.fixture(scope="module")
+def think_client(think_model, tmp_path_factory):
+    """tritonserver serving the reasoning model with the engine's reasoning_parser, and the OpenAI
+    server as `make serve` starts it next to it (which passes the same --reasoning-parser)."""
+    import openai
+    from inflight.serving import launch
+    root = tmp_path_factory.mktemp("reasoning-serve")
+    repo = launch.make_repository(str(root / "repository"), think_model,
+                                  {**TEST_ENGINE, "reasoning_parser": "deepseek_r1"})
+    children = launch.Children()
+    with launch.ServerProcess(repo) as server:
+        endpoints = launch.Endpoints(server.http_port, server.grpc_port, server.metrics_port,
+                                     openai_port=launch.free_ports(1)[0], openai_args=("--disable-any-whitespace",))
+        assert launch.start_openai_server(children, repo, endpoints)
+        try:
+            yield openai.OpenAI(base_url=f"http://localhost:{endpoints.openai_port}/v1", api_key="-", max_retries=0)
+        finally:
+            for process in children.processes:
+                process.terminate()
+                process.wait(30)
+
+
+SHIRT = {"type": "object", "properties": {"size": {"enum": ["S", "M", "L"]}}, "required": ["size"]}
+
+
+def test_a_reply_comes_as_its_reasoning_and_its_content_streamed_or_not(think_client, think_tokenizer):
+    """vLLM's `reasoning` beside `content`: the reasoning is free, the content after </think> holds
+    the response_format; a stream's reasoning and content deltas add up to the whole reply, and
+    include_reasoning false leaves the reasoning out."""
+    import jsonschema
+    end = think_tokenizer.convert_tokens_to_ids("</think>")
+    split = 0
+    for seed in range(8):
+        kwargs = dict(model="think-tiny", messages=[{"role": "user", "content": "Which size?"}], max_tokens=40,
+                      temperature=1.0, seed=seed, logit_bias={str(end): 8},
+                      response_format={"type": "json_schema", "json_schema": {"name": "shirt", "schema": SHIRT}})
+        message = think_client.chat.completions.create(**kwargs).choices[0].message
+        reasoning = message.model_extra["reasoning"]
+        if message.content is not None:           # the model ended its reasoning: the answer is constrained
+            jsonschema.validate(json.loads(message.content), SHIRT)
+            split += bool(reasoning)
+        assert reasoning is None or "</think>" not in reasoning
+        chunks = list(think_client.chat.completions.create(stream=True, **kwargs))
+        streamed = ["".join((c.choices[0].delta.model_extra or {}).get(field) or "" for c in chunks if c.choices)
+                    for field in ("reasoning",)] + ["".join(c.choices[0].delta.content or "" for c in chunks)]
+        assert streamed == [reasoning or "", message.content or ""]
+        hidden = think_client.chat.completions.create(**kwargs, extra_body={"include_reasoning": False})
+        assert hidden.choices[0].message.model_extra["reasoning"] is None
+        assert hidden.choices[0].message.content == message.content
+    assert split, "some replies reason, then answer"
+
+
+def test_the_openai_server_needs_the_markers_in_the_tokenizer(tmp_path):
+    import subprocess
+    import sys
+
+    from .helpers import SOURCE_PATH_ENV
+    run = subprocess.run([sys.executable, "-m", "inflight_client.openai_server", "--model-dir", DEFAULT_MODEL,
+                          "--reasoning-parser", "deepseek_r1", "--port", "1"], capture_output=True, text=True,
+                         env={**__import__("os").environ, **SOURCE_PATH_ENV}, timeout=120)
+    assert run.returncode != 0
+    assert "--reasoning-parser: 'reasoning_parser' 'deepseek_r1': the tokenizer has no '<think>' token" in run.stderr

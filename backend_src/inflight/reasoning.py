@@ -14,8 +14,13 @@ MARKERS = {"deepseek_r1": ("<think>", "</think>")}     # vLLM's parser name -> i
 
 @dataclass(frozen=True, slots=True)
 class Reasoning:
+    parser: str
     start_id: int
     end_id: int
+
+    @property
+    def markers(self) -> tuple[str, str]:
+        return MARKERS[self.parser]
 
     @classmethod
     def load(cls, parser: str, tokenizer) -> "Reasoning":
@@ -29,7 +34,7 @@ class Reasoning:
         if missing:
             raise ValueError(f"'reasoning_parser' {parser!r}: the tokenizer has no {missing[0]!r} token (its "
                              "markers must be tokens of their own)")
-        return cls(*(vocab[marker] for marker in MARKERS[parser]))
+        return cls(parser, *(vocab[marker] for marker in MARKERS[parser]))
 
     def open_after(self, token_ids: Sequence[int]) -> bool:
         """Whether the model is still reasoning after these tokens: unless the last marker among them

@@ -32,6 +32,7 @@ from .context import LARGE_BODY_BYTES, Context
 from .errors import APIError
 from .generation_config import sampling_defaults
 from .models import ServedModels
+from .reasoning import markers
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .tokenization import detokenize, tokenize
 from .triton import TritonLLM
@@ -56,6 +57,7 @@ class Settings:
     api_keys: tuple[str, ...] = ()          # any of them opens every route but the probes (auth.py); none: open
     request_priority: bool = True           # False: a request's priority other than normal is a 400 (vLLM's FCFS)
     tool_call_parser: str | None = None     # set: tool_choice "auto" reads calls in this format (tool_parsers.py)
+    reasoning_parser: str | None = None     # set: chat replies split into reasoning and content (reasoning.py)
 
 
 def _members(annotation) -> list:
@@ -175,7 +177,8 @@ def create_app(settings: Settings) -> FastAPI:
                   ChatTemplate(tokenizer, settings.chat_template, settings.trust_request_chat_template),
                   ServedModels(settings.served_model_name, settings.max_model_len, settings.lora_names),
                   settings.default_max_tokens, settings.disable_any_whitespace, settings.tool_call_parser,
-                  sampling_defaults(settings.tokenizer_dir, settings.generation_config))
+                  sampling_defaults(settings.tokenizer_dir, settings.generation_config),
+                  reasoning=None if settings.reasoning_parser is None else markers(settings.reasoning_parser, tokenizer))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -17,6 +17,7 @@ from .context import Context
 from .errors import APIError
 from .chat_template import message_text
 from .logprobs import chat_logprobs, sampled_ids
+from .reasoning import ReasoningText
 from .sampling import chat_sampling
 from .schemas import ChatCompletionRequest
 from .sse import event, sse_response
@@ -61,13 +62,20 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
     choices = []
     echo = _echo(body)
     for index, out in enumerate(outputs):
-        message = {"role": _role(body), "content": "".join(out.text)}
+        text, reasoning = "".join(out.text), None
+        if ctx.reasoning is not None:
+            thinker = _reasoning_reader(ctx, prompt_ids)
+            reasoning, text = thinker.feed(text)
+            reasoning = (reasoning + thinker.close()) or None
+        message = {"role": _role(body), "content": text if text or ctx.reasoning is None else None}
         reason = out.finish_reason
         if _calls_tools(body):
-            message, reason = tool_message(_tool_reader(body, ctx), message["content"], reason)
+            message, reason = tool_message(_tool_reader(body, ctx), text, reason)
         if echo:
             message["content"] = echo + (message["content"] or "")
         message["refusal"] = None       # a field of every message in OpenAI's schema (and vLLM's replies)
+        if ctx.reasoning is not None:   # vLLM's field; include_reasoning false leaves it out
+            message["reasoning"] = reasoning if body.include_reasoning else None
         choice = {"index": index, "message": message,
                   "logprobs": chat_logprobs(body.shown(out.logprobs), top_n) if body.logprobs else None,
                   "finish_reason": reason, "stop_reason": out.stop_reason}
@@ -153,6 +161,11 @@ def _calls_tools(body: ChatCompletionRequest) -> bool:
     return body.tools is not None and body.tool_choice != "none"
 
 
+def _reasoning_reader(ctx: Context, prompt_ids: list[int]) -> ReasoningText:
+    """A choice's reasoning, where the prompt left the model reasoning (its last marker not the end)."""
+    return ReasoningText(ctx.reasoning, ctx.reasoning.open_after(prompt_ids))
+
+
 def _tool_reader(body: ChatCompletionRequest, ctx: Context) -> ToolCallText | AutoToolText:
     """What reads a choice's text as tool calls: the model's own format for "auto", and for a forced
     call where the parser has a tag for it (call_envelope)."""
@@ -166,6 +179,7 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
                   prompt_text: str | None, ctx: Context):
     include_usage, continuous = body.stream_usage()
     readers = [_tool_reader(body, ctx) for _ in range(body.n)] if _calls_tools(body) else None
+    thinkers = [_reasoning_reader(ctx, prompt_ids) for _ in range(body.n)] if ctx.reasoning is not None else None
     usage = generation.Usage()
     counts = [0] * body.n                   # each choice's tokens so far
     ended = set()                           # choices whose finish_reason went out (`llm` repeats it)
@@ -210,15 +224,23 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
                 logprobs = None
                 if body.logprobs and positions is not None:
                     logprobs = chat_logprobs(body.shown(positions), top_n)
-                if readers is None:
+                if readers is None and thinkers is None:
                     yield chunk(response, index, {"content": text}, logprobs, reason, positions)
                     continue
-                content, calls = readers[index].feed(text)
-                if reason is not None:
+                delta = {}
+                if thinkers is not None:
+                    reasoning, text = thinkers[index].feed(text)
+                    if reason is not None:
+                        reasoning += thinkers[index].close()
+                    if reasoning and body.include_reasoning:
+                        delta["reasoning"] = reasoning
+                content, calls = readers[index].feed(text) if readers is not None else (text, [])
+                if reason is not None and readers is not None:
                     rest, more = readers[index].close()
                     content, calls = content + (rest or ""), calls + more
                     reason = readers[index].finish_reason(reason)
-                delta = {"content": content} if content else {}
+                if content:
+                    delta["content"] = content
                 if calls:
                     delta["tool_calls"] = calls
                 if delta or reason is not None or logprobs is not None or body.return_token_ids:

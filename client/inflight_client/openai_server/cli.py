@@ -17,6 +17,7 @@ from inflight.serving.parent import when_parent_exits
 from .app import Settings, create_app
 from .auth import API_KEY_ENV
 from .process import PARENT_ENV
+from .reasoning import PARSERS as REASONING_PARSERS
 from .tool_parsers import PARSERS
 
 
@@ -58,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                              "Hermes 2 Pro, Qwen 2.5 and 3), llama3_json (a JSON object per call: Llama 3.1-3.3), "
                              "pythonic (a Python list of calls: ToolACE, Llama 3.2 with a pythonic chat template) "
                              "or llama4_pythonic (Llama 4)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                        help="split a chat reply into `reasoning` and `content` (vLLM's flag): deepseek_r1 (<think> "
+                             "... </think>: DeepSeek-R1 and its Llama and Qwen distills, QwQ). Give `llm` the same "
+                             "engine setting, so that a constraint waits for the end of the reasoning (`make serve` "
+                             "passes this flag where `llm` has it)")
     parser.add_argument("--max-model-len", type=int,
                         help="the context length `llm` runs with (default: the checkpoint's, from config.json; "
                              "needed with a --tokenizer directory without one)")
@@ -107,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                         args.default_max_tokens, tuple(args.lora_modules), args.disable_any_whitespace,
                         args.trust_request_chat_template, args.max_triton_requests, args.generation_config,
                         tuple(args.api_key) or tuple(filter(None, [os.environ.get(API_KEY_ENV)])),
-                        args.request_priority, args.tool_call_parser if args.enable_auto_tool_choice else None)
+                        args.request_priority, args.tool_call_parser if args.enable_auto_tool_choice else None,
+                        args.reasoning_parser)
     return settings, args
 
 

@@ -7,6 +7,7 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from inflight.reasoning import Reasoning
 from inflight.serving.protocol import RequestError, bytes_per_token, check_text_size
 
 from .chat_template import ChatTemplate
@@ -35,6 +36,7 @@ class Context:
     tool_call_parser: str | None = None          # with --enable-auto-tool-choice: tool_choice "auto" (tool_parsers.py)
     # the checkpoint's generation_config.json sampling defaults (generation_config.py; {}: none or ignored)
     sampling_defaults: dict = field(default_factory=dict)
+    reasoning: Reasoning | None = None           # --reasoning-parser's markers: chat replies split (reasoning.py)
     large_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(thread_name_prefix="large"))
     bytes_per_token: int = field(init=False)     # protocol.bytes_per_token of the tokenizer
     added_bos: str | None = field(init=False)    # added_bos() of the tokenizer

@@ -160,8 +160,9 @@ def _whole_call(text: str, arguments_keys: tuple[str, ...]) -> tuple[str, str] |
     return _call(decoded[0], arguments_keys) if decoded is not None and decoded[1] == len(text) else None
 
 
-def _held_tag_prefix(text: str, tag: str) -> int:
-    """How many characters at the end of text could start `tag` (held back until they cannot)."""
+def held_prefix(text: str, tag: str) -> int:
+    """How many characters at the end of text could start `tag` (held back until they cannot):
+    also reasoning.py's, for its markers."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):
             return size
@@ -274,7 +275,7 @@ class AutoToolText:
                     # all but what could be the start of a tag (or, before anything was sent,
                     # whitespace that a call may follow) is read: content before the first call,
                     # and after one nothing
-                    end = len(self.text) - _held_tag_prefix(self.text[self.position:], HERMES_OPEN)
+                    end = len(self.text) - held_prefix(self.text[self.position:], HERMES_OPEN)
                     if not self.num_calls:
                         if self.position == 0 and not self.text[:end].strip():
                             break
@@ -358,7 +359,7 @@ class AutoToolText:
         could be starting)."""
         tagged, end = self._tagged(), len(self.text)
         if tagged and not final:
-            end -= _held_tag_prefix(self.text[self.position:], PYTHON_END)
+            end -= held_prefix(self.text[self.position:], PYTHON_END)
         content, self.position = self.text[self.position:end], end
         return content.replace(PYTHON_END, "") if tagged else content
 
