@@ -1184,13 +1184,13 @@ def test_required_tool_choice_gives_calls_of_known_tools(client):
 
 
 def test_a_forced_tool_call_replaces_response_format(client):
-    """A forced call has no content for response_format to shape: the call is made (vLLM drops
-    response_format too), where two constraints would otherwise be a 400."""
+    """A forced call has no content for response_format (or guided_*) to shape: the call is made
+    (vLLM drops them too), where two constraints would otherwise be a 400."""
     kwargs = dict(model=MODEL, messages=ASK, max_tokens=200, temperature=0, tools=TOOLS,
                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     plain = client.chat.completions.create(**kwargs)
     formatted = client.chat.completions.create(**kwargs, response_format={"type": "json_schema", "json_schema": {
-        "name": "color", "schema": COLOR}})
+        "name": "color", "schema": COLOR}}, extra_body={"guided_regex": "[a-z]+"})
     assert calls_of(formatted)[0][1] == calls_of(plain)[0][1]
     jsonschema.validate(json.loads(calls_of(formatted)[0][1]), PARAMETERS["get_weather"])
 
@@ -1287,9 +1287,12 @@ def test_with_a_tag_for_its_format_a_model_writes_forced_calls_in_it(server, tmp
             if not message.tool_calls:
                 jsonschema.validate(json.loads(message.content), COLOR)
         broken = [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}, "strict": True}}]
-        with pytest.raises(openai.BadRequestError, match="'tool_choice' is not a valid structural tag") as error:
-            auto_client.chat.completions.create(model=MODEL, messages=ASK, tools=broken, tool_choice="required")
-        assert error.value.body["param"] == "tool_choice"
+        for choice, where in (("required", "tools"), ({"type": "function", "function": {"name": "f"}},
+                                                        "tools[1].function.parameters")):
+            with pytest.raises(openai.BadRequestError, match=re.escape(f"'{where}' is not a valid")) as error:
+                auto_client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS[:1] + broken,
+                                                    tool_choice=choice)
+            assert error.value.body["param"] == "tool_choice"
         with pytest.raises(openai.BadRequestError, match="'response_format' or 'tools' is not a valid") as error:
             auto_client.chat.completions.create(model=MODEL, messages=ASK, tools=broken, response_format=fmt)
         assert error.value.body["param"] == "response_format"
@@ -1438,9 +1441,6 @@ BAD = [
      f"'tools[{len(TOOLS)}].function.parameters' is not a valid JSON schema", "tool_choice"),
     ("completions", {"model": MODEL, "prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, 400,
      "at most one output constraint; got 'guided_regex', 'guided_choice'", "guided_choice"),
-    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "guided_regex": "a+",
-                          "tools": TOOLS, "tool_choice": "required"}, 400,
-     "got 'guided_regex', 'tool_choice'", "tool_choice"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": TOOLS}, 400,
      "'tool_choice' \"auto\" (the default when 'tools' are given) needs a tool-call parser", "tool_choice"),
     ("chat/completions", {"model": MODEL, "messages": ONE_USER, "tools": TOOLS, "tool_choice": "auto"}, 400,

@@ -204,7 +204,7 @@ def test_the_llama3_json_envelope_is_xgrammars_llama_template():
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY, "strict": True}},
              {"type": "function", "function": {"name": "add", "parameters": CITY}},
              {"type": "function", "function": {"name": "wait", "strict": True}},
-             {"type": "function", "function": {"name": 'say "hi" ✓', "parameters": {}, "strict": False}}]
+             {"type": "function", "function": {"name": "sag_hallo_✓", "parameters": {}, "strict": False}}]
     for choice in ("auto", "required", *({"type": "function", "function": {"name": t["function"]["name"]}}
                                          for t in tools)):
         for parallel in (True, False):
@@ -217,3 +217,31 @@ def test_the_llama3_json_envelope_is_xgrammars_llama_template():
                                                   "strict": tool.function.strict is True}} for tool in body.tools],
                 parallel_tool_calls=parallel)
             assert ours.model_dump() == theirs.model_dump(), (choice, parallel)
+
+
+@pytest.mark.parametrize("parser, call", [("hermes", HERMES_CALL), ("llama3_json", LLAMA_CALL)])
+def test_a_tool_name_a_json_string_must_escape_reads_back_as_itself(parser, call):
+    """The tags write a name with '"' or '\\' as a JSON string holds it (vLLM's put it in raw, and
+    the call the model then wrote read back as text): the call the tag allows is that tool's."""
+    for name in ('say "hi"', "back\\slash"):
+        body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": name, "parameters": CITY}}],
+            "tool_choice": {"type": "function", "function": {"name": name}}})
+        text = call.format(json.dumps(name)[1:-1], '{"city": "Oslo"}')
+        assert accepts(grammar_of(parser, body), text)
+        message, _ = tool_message(AutoToolText(parser, named=True), text, "stop")
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == \
+            [(name, '{"city": "Oslo"}')]
+
+
+def test_disable_any_whitespace_bounds_a_tags_json_at_the_server_too():
+    """So that a Triton vLLM backend, which leaves a tag's whitespace free, gets it as `llm` does;
+    a request's own disable_any_whitespace false keeps the tag as it is."""
+    from inflight_client.openai_server.structured import Constraint, single
+    tag = call_envelope("hermes", request(True, False, tool_choice="required"))
+    sent = single([Constraint({"structural_tag": json.dumps(tag)}, "tool_choice")], disable_any_whitespace=True)
+    contents = [t["content"] for t in json.loads(sent.structured_outputs["structural_tag"])["format"]["tags"]]
+    assert contents and all(c["max_whitespace_cnt"] == 1 for c in contents)
+    kept = single([Constraint({"structural_tag": json.dumps(tag), "disable_any_whitespace": False}, "tool_choice")],
+                  disable_any_whitespace=True)
+    assert json.loads(kept.structured_outputs["structural_tag"]) == tag

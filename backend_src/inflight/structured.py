@@ -474,13 +474,23 @@ def _compile_structural_tag(compiler, text: str, any_whitespace: bool):
         tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": tag["triggers"], "tags": [
             {"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]},
              "end": s["end"]} for s in tag["structures"]]}}
-    stack = [] if any_whitespace else [tag]
+    if not any_whitespace:
+        bound_whitespace(tag)
+    return compiler.compile_structural_tag(json.dumps(tag))
+
+
+def bound_whitespace(tag: dict) -> dict:
+    """The tag with each JSON inside it allowed one whitespace character at most between tokens
+    (max_whitespace_cnt 1) where it does not say: disable_any_whitespace for a structural tag, in
+    place. Also the OpenAI server's, for the tags it sends (vLLM's engine leaves a tag's whitespace
+    free)."""
+    stack = [tag]
     while stack:
         node = stack.pop()
         if isinstance(node, dict) and node.get("type") == "json_schema" and node.get("max_whitespace_cnt") is None:
             node["max_whitespace_cnt"] = 1
         stack.extend(node.values() if isinstance(node, dict) else node if isinstance(node, list) else ())
-    return compiler.compile_structural_tag(json.dumps(tag))
+    return tag
 
 
 class StructuredOutputs:

@@ -23,7 +23,7 @@ from .schemas import ChatCompletionRequest
 from .sse import event, sse_response
 from .structured import Constraint, blame, request_constraints, single
 from .tool_parsers import ENVELOPED, PARSERS, AutoToolText, call_envelope, special_tokens_kept
-from .tools import ToolCallText, called_function, tool_constraint, tool_message
+from .tools import ToolCallText, called_function, tool_constraint, tool_message, tool_schemas
 from .triton import LLMResponse, Prompt
 
 
@@ -93,16 +93,15 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
 
 
 def _constraints(body: ChatCompletionRequest, ctx: Context) -> list[Constraint]:
-    """The request's output constraints. A forced tool call (named or "required") replaces
-    `response_format`, which shapes content, and a forced call has none (vLLM drops it too): in the
-    model's own format where the parser has a structural tag (call_envelope), else in tools.py's
-    JSON forms. "auto" may put the call envelope on the reply, joined with the request's own
+    """The request's output constraints. A forced tool call (named or "required") replaces the
+    request's own (`response_format`, `structured_outputs`, `guided_*`), which shape content, and a
+    forced call has none (vLLM drops them too): in the model's own format where the parser has a
+    structural tag (call_envelope), else in tools.py's JSON forms. "auto" may put the call envelope on the reply, joined with the request's own
     constraint where it has one."""
     found = request_constraints(body)
     if _calls_tools(body) and body.tool_choice != "auto":
-        found = [c for c in found if c.source != "response_format"]
         tag = call_envelope(ctx.tool_call_parser, body)
-        return found + [_tagged(tag, "tool_choice") if tag is not None else tool_constraint(body)]
+        return [tool_constraint(body) if tag is None else _tagged(tag, "tool_choice", tool_schemas(body))]
     # (not with min_tokens, which `llm` refuses beside a grammar: banning EOS could leave it no token)
     if body.tool_choice == "auto" and body.tools and ctx.tool_call_parser is not None and not body.min_tokens \
             and len(found) < 2:

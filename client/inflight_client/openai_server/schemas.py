@@ -106,7 +106,7 @@ class SamplingFields(Body):
                 "ec_transfer_params": " (no disaggregated serving)",
                 "vllm_xargs": " (no custom extensions)",
                 "repetition_detection": "",
-                "thinking_token_budget": " (no reasoning parser: the output is not split into reasoning and content)"}
+                "thinking_token_budget": " (the reasoning is not cut short here)"}
     model: str | None = None                     # none: the served base model (vLLM's default)
     temperature: Float | None = Field(None, ge=0)
     top_p: Float | None = None
@@ -323,7 +323,7 @@ class ChatCompletionRequest(SamplingFields, TemplateFields):
     prompt_cache_retention: str | None = None
     # vLLM's
     return_prompt_text: bool = False             # the rendered prompt in the response (a stream: its role chunks)
-    include_reasoning: bool = True               # no reasoning parser here: there is never reasoning to leave out
+    include_reasoning: bool = True               # false: no `reasoning` in the reply (--reasoning-parser)
     # OpenAI's and vLLM's fields for what a text model served here cannot do (UNSERVED)
     audio: Any = None
     prediction: Any = None

@@ -9,9 +9,12 @@ most one; `llm` checks the constraint itself (a bad schema is its error, naming
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
+
+from inflight.structured import bound_whitespace
 
 from .errors import APIError
 from .schemas import SamplingFields
@@ -56,7 +59,8 @@ def request_constraints(body: SamplingFields) -> list[Constraint]:
 
 def single(constraints: list[Constraint], disable_any_whitespace: bool = False) -> Constraint | None:
     """The one constraint, or a 400 naming every field that gave one. The server's
-    --disable-any-whitespace applies unless the request's structured_outputs says otherwise."""
+    --disable-any-whitespace applies unless the request's structured_outputs says otherwise (to a
+    structural tag's JSON as a bound on its whitespace, structured.bound_whitespace in `llm`)."""
     if len(constraints) > 1:
         names = ", ".join(f"'{c.source}'" for c in constraints)
         raise APIError(400, f"give at most one output constraint; got {names}", constraints[1].source)
@@ -65,8 +69,14 @@ def single(constraints: list[Constraint], disable_any_whitespace: bool = False) 
     constraint = constraints[0]
     if not disable_any_whitespace:
         return constraint
-    return Constraint({"disable_any_whitespace": True, **constraint.structured_outputs}, constraint.source,
-                      constraint.written_at)
+    value = {"disable_any_whitespace": True, **constraint.structured_outputs}
+    if value["disable_any_whitespace"] is True and isinstance(value.get("structural_tag"), str):
+        # bounded here too, so that a Triton vLLM backend (which leaves a tag's whitespace free) gets it
+        with contextlib.suppress(ValueError, RecursionError):       # not JSON: `llm` names the field
+            tag = json.loads(value["structural_tag"])
+            if isinstance(tag, dict):
+                value["structural_tag"] = json.dumps(bound_whitespace(tag))
+    return Constraint(value, constraint.source, constraint.written_at)
 
 
 def blame(error: APIError, constraint: Constraint | None) -> APIError:

@@ -77,7 +77,7 @@ def call_envelope(parser: str, body, own: dict | None = None) -> dict | None:
 
 def _hermes_envelope(calls: list[tuple[str, dict | bool]], choice: str) -> dict:
     """vLLM's own tag for hermes: each tool's call, its JSON on lines of its own or not."""
-    tags = [{"type": "tag", "begin": f'{HERMES_OPEN}{newline}{{"name": "{name}", "arguments": ',
+    tags = [{"type": "tag", "begin": f'{HERMES_OPEN}{newline}{{"name": "{_in_json(name)}", "arguments": ',
              "content": {"type": "json_schema", "json_schema": schema}, "end": f"}}{newline}{HERMES_CLOSE}"}
             for name, schema in calls for newline in ("\n", "")]
     if choice == "auto":
@@ -90,12 +90,18 @@ def _llama3_envelope(calls: list[tuple[str, dict | bool]], choice: str) -> dict:
     """xgrammar's template for Llama 3's JSON calls, which vLLM takes (get_model_structural_tag
     "llama"), written out here: the OpenAI server carries neither xgrammar nor the torch it needs
     (tests/test_tool_parsers.py holds the two equal)."""
-    tags = [{"type": "tag", "begin": f'{{"name": "{name}", "parameters": ',
+    tags = [{"type": "tag", "begin": f'{{"name": "{_in_json(name)}", "parameters": ',
              "content": {"type": "json_schema", "json_schema": schema}, "end": "}"} for name, schema in calls]
     if choice == "forced":
         return tags[0]
     return {"type": "triggered_tags", "triggers": ['{"name": '], "tags": tags, "excludes": ["<think>", "</think>"],
             "at_least_one": choice == "required"}
+
+
+def _in_json(name: str) -> str:
+    """A tool's name as a JSON string holds it, so that the call the tag makes the model write reads
+    back as that name (vLLM's tags put it in raw: a name with '"' or '\\' came back as text)."""
+    return json.dumps(name, ensure_ascii=False)[1:-1]
 
 
 def _format_of(constraint: dict) -> dict | None:

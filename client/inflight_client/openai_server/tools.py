@@ -83,12 +83,21 @@ def _required_schema(tools, parallel: bool) -> dict:
 def tool_constraint(body: ChatCompletionRequest) -> Constraint | None:
     """The constraint a named or "required" tool_choice puts on the output ("none": none)."""
     if isinstance(body.tool_choice, NamedToolChoice):
-        i, tool = next((i, t) for i, t in enumerate(body.tools) if t.function.name == body.tool_choice.function.name)
-        return Constraint({"json": _parameters(tool)}, "tool_choice", f"tools[{i}].function.parameters")
+        tool = next(t for t in body.tools if t.function.name == body.tool_choice.function.name)
+        return Constraint({"json": _parameters(tool)}, "tool_choice", tool_schemas(body))
     if body.tool_choice == "required":
         return Constraint({"json": _required_schema(body.tools, body.parallel_tool_calls is not False)},
-                          "tool_choice", "tools")
+                          "tool_choice", tool_schemas(body))
     return None
+
+
+def tool_schemas(body: ChatCompletionRequest) -> str:
+    """Where a forced call's schemas are written, for `llm`'s errors: the named tool's parameters,
+    or all the tools for "required"."""
+    if isinstance(body.tool_choice, NamedToolChoice):
+        i = next(i for i, t in enumerate(body.tools) if t.function.name == body.tool_choice.function.name)
+        return f"tools[{i}].function.parameters"
+    return "tools"
 
 
 def called_function(body: ChatCompletionRequest) -> str | None:
@@ -120,7 +129,7 @@ class ToolCallText:
     (none) and the `tool_calls` delta entries the new text completes, `close` what is left at the
     end (AutoToolText's shape)."""
 
-    empty_content = None              # a forced call's reply has no content (as OpenAI's and vLLM's)
+    empty_content = None              # a forced call's reply has no content (OpenAI's null; vLLM 0.32 writes "")
 
     def __init__(self, function: str | None):
         self.function = function          # named tool_choice; None: "required"'s array
