@@ -58,4 +58,3 @@ class ReasoningText:
             return ""
         rest, self.position = self.text[self.position:], len(self.text)
         return rest
-
