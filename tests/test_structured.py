@@ -346,6 +346,35 @@ def test_requests_waiting_for_their_grammar_count_against_max_queue_size(tokeniz
         loop.shutdown()
 
 
+def test_a_full_grammar_queue_gives_a_lower_priority_request_up_for_a_higher_one(tokenizer):
+    """As the engine's full queue does: with every seat of max_queue_size held by requests waiting
+    for their grammar, a higher-priority request takes the place of the newest of the lowest class
+    whose compile has not begun (which ends with the error, its grammar never compiled); with none
+    below it, the newcomer is refused as before."""
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(max_num_seqs=8, num_kv_blocks=256, cpu_threads=1,
+                                                                   max_queue_size=2))
+    engine.structured.compile(parse_spec({"json_object": True}))
+    loop = EngineLoop(engine, tokenizer).start()
+    requests = {name: new_schema_request(tokenizer, i, 300 + i) for i, name in enumerate(("normal", "low", "high",
+                                                                                            "late-low"))}
+    try:
+        sinks = {name: RecordingSink() for name in requests}
+        for name, request in requests.items():
+            request.priority = name.removeprefix("late-")
+            loop.submit(request, sinks[name])
+        assert all(sink.finished.wait(60) for sink in sinks.values())
+        errors = {name: sink.sends[-1][3] for name, sink in sinks.items()}
+        assert errors == {"normal": None, "high": None,
+                          "low": "queue full: a request of a higher priority took this one's place in the queue "
+                                 "(max_queue_size 2)",
+                          "late-low": "queue full: 2 requests are already waiting for their grammar to compile "
+                                      "(max_queue_size)"}, errors
+    finally:
+        loop.shutdown()
+    assert engine.structured.cached(requests["low"].params.structured_outputs) is None, "never compiled"
+    assert engine.kv.num_used_blocks == 0
+
+
 def test_a_refused_constraint_sent_again_is_refused_at_once_under_its_own_field(tokenizer):
     """xgrammar takes as long to refuse a deep schema as to compile one (~2.7 s at 300 levels
     here): a constraint refused once is kept as refused, so sent again, by any field, it is

@@ -21,6 +21,7 @@ from ..config import SamplingParams, usable_cpus
 from ..detokenizer import (REPLACEMENT, DecodeOptions, IncrementalDetokenizer, StopStrings, completed_token_text,
                            decode, token_text)
 from ..engine import LLMEngine, QueueFullError
+from .grammar_seats import GrammarSeats, SeatsTaken
 from .job import Job, ResponseSink, Sample
 from .outputs import response_outputs
 from .protocol import GenerateRequest, RequestError, bytes_per_token, check_text_size
@@ -71,8 +72,7 @@ class EngineLoop:
         self._closing = False                    # shutdown() has begun: no grammar starts compiling
         # requests waiting for their grammar count against max_queue_size too: the pool's queue is
         # the server's only other one
-        limit = engine.config.max_queue_size
-        self._compile_seats = None if limit is None else threading.BoundedSemaphore(limit)
+        self._compile_seats = GrammarSeats(engine.config.max_queue_size)
         self._engine_thread = threading.Thread(target=self._run_engine, name="inflight-engine", daemon=True)
         self._response_thread = threading.Thread(target=self._run_responses, name="inflight-responses", daemon=True)
 
@@ -109,10 +109,17 @@ class EngineLoop:
         if new_grammar and self._closing:
             self.refuse(sink, "the server is shutting down")
             return
-        if new_grammar and self._compile_seats is not None and not self._compile_seats.acquire(blocking=False):
-            self.refuse(sink, f"queue full: {self.engine.config.max_queue_size} requests are already waiting for "
-                              "their grammar to compile (max_queue_size)")
-            return
+        if new_grammar:
+            limit = self.engine.config.max_queue_size
+            try:
+                given_up = self._compile_seats.take(job)
+            except SeatsTaken:
+                self.refuse(sink, f"queue full: {limit} requests are already waiting for their grammar to compile "
+                                  "(max_queue_size)")
+                return
+            if given_up is not None:
+                self.outbox.put(("error", (given_up, "queue full: a request of a higher priority took this one's "
+                                                     f"place in the queue (max_queue_size {limit})")))
         # before the engine can produce its first token; and while a grammar compiles, so that the
         # response thread sees its client leave (and sends its queue heartbeats)
         self.outbox.put(("register", job))
@@ -122,8 +129,7 @@ class EngineLoop:
         try:
             compiling = self._compiles.submit(self._compile_and_enqueue, job)
         except RuntimeError:          # the loop began to shut down meanwhile
-            if self._compile_seats is not None:
-                self._compile_seats.release()
+            self._compile_seats.leave(job)
             self.outbox.put(("error", (job, "the server is shutting down")))
             return
         compiling.add_done_callback(lambda done: self._compiled(done, job))
@@ -131,8 +137,7 @@ class EngineLoop:
     def _compiled(self, compiling, job: Job) -> None:
         """A compile's end (its request now in the engine's queue, or answered): its seat goes
         back; one cancelled at shutdown is refused; an error is logged (it has nowhere else to go)."""
-        if self._compile_seats is not None:
-            self._compile_seats.release()
+        self._compile_seats.leave(job)
         if compiling.cancelled():
             self.outbox.put(("error", (job, "the server is shutting down")))
         elif compiling.exception() is not None:
@@ -147,7 +152,7 @@ class EngineLoop:
         thread steps on meanwhile), then the request to the engine; a bad constraint is refused.
         Not compiled: a request that ended while it waited here (its client left), and at a stop,
         one not begun (Triton waits for every request before it unloads the model)."""
-        if job.done:
+        if job.done or not self._compile_seats.start(job):      # its client left, or it gave up its seat
             return
         if self._closing or self._stop_flagged():
             self.outbox.put(("error", (job, "the server is shutting down")))
