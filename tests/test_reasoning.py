@@ -72,6 +72,7 @@ def test_a_prompt_that_ended_the_reasoning_is_constrained_from_the_first_token(t
 def test_the_reasoning_parser_is_checked_at_start():
     with pytest.raises(ValueError, match="'reasoning_parser' must be one of"):
         EngineConfig(reasoning_parser="deepseek")
+    assert EngineConfig(reasoning_parser="").reasoning_parser is None       # vLLM's default, written out
     with pytest.raises(ValueError, match="'reasoning_parser' 'deepseek_r1': the tokenizer has no '<think>' token"):
         LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(**TEST_ENGINE, reasoning_parser="deepseek_r1"))
 
@@ -88,7 +89,8 @@ def think_client(think_model, tmp_path_factory):
     children = launch.Children()
     with launch.ServerProcess(repo) as server:
         endpoints = launch.Endpoints(server.http_port, server.grpc_port, server.metrics_port,
-                                     openai_port=launch.free_ports(1)[0], openai_args=("--disable-any-whitespace",))
+                                     openai_port=launch.free_ports(1)[0], openai_args=("--disable-any-whitespace", "--enable-auto-tool-choice",
+                                                                  "--tool-call-parser=hermes"))
         assert launch.start_openai_server(children, repo, endpoints)
         try:
             yield openai.OpenAI(base_url=f"http://localhost:{endpoints.openai_port}/v1", api_key="-", max_retries=0)
@@ -126,6 +128,39 @@ def test_a_reply_comes_as_its_reasoning_and_its_content_streamed_or_not(think_cl
         assert hidden.choices[0].message.model_extra["reasoning"] is None
         assert hidden.choices[0].message.content == message.content
     assert split, "some replies reason, then answer"
+
+
+def test_include_reasoning_false_leaks_no_reasoning_tokens(think_client, think_tokenizer):
+    """As vLLM: the hidden reasoning's tokens are not in logprobs nor in token_ids either, whole or
+    streamed (a stream sends no chunk for them)."""
+    end = think_tokenizer.convert_tokens_to_ids("</think>")
+    kwargs = dict(model="think-tiny", messages=[{"role": "user", "content": "Which size?"}], max_tokens=30,
+                  temperature=0, logit_bias={str(end): 6}, logprobs=True, top_logprobs=1)
+    shown = think_client.chat.completions.create(**kwargs, extra_body={"return_token_ids": True}).choices[0]
+    assert shown.message.model_extra["reasoning"] and shown.logprobs.content and shown.model_extra["token_ids"]
+    hidden = think_client.chat.completions.create(**kwargs, extra_body={"return_token_ids": True,
+                                                                       "include_reasoning": False}).choices[0]
+    assert hidden.message.model_extra["reasoning"] is None and hidden.logprobs is None
+    assert hidden.model_extra["token_ids"] is None
+    chunks = list(think_client.chat.completions.create(stream=True, **kwargs, extra_body={
+        "return_token_ids": True, "include_reasoning": False}))
+    assert all(c.choices[0].logprobs is None and not (c.choices[0].model_extra or {}).get("token_ids")
+               for c in chunks if c.choices)
+    assert len(chunks) == 2 + bool(hidden.message.content), "the role, any content, the end"
+
+
+def test_reasoning_and_content_as_vllm_writes_them_at_the_edges(think_client, think_tokenizer):
+    """A reply that ends its reasoning at once has reasoning "" (vLLM's); one that never ends it has
+    content null, with tools given too."""
+    end = think_tokenizer.convert_tokens_to_ids("</think>")
+    kwargs = dict(model="think-tiny", messages=[{"role": "user", "content": "Which size?"}], max_tokens=6,
+                  temperature=0)
+    at_once = think_client.chat.completions.create(**kwargs, logit_bias={str(end): 100}).choices[0].message
+    assert at_once.model_extra["reasoning"] == "" and at_once.content.startswith("</think>")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for extra in ({}, {"tools": [tool]}):         # tool_choice "auto": the parser reads the (empty) content
+        never = think_client.chat.completions.create(**kwargs, **extra).choices[0].message
+        assert never.model_extra["reasoning"] and never.content is None, extra
 
 
 def test_the_openai_server_needs_the_markers_in_the_tokenizer(tmp_path):

@@ -141,6 +141,8 @@ class EngineConfig:
         # "False" from a command line or a JSON string would otherwise count as true
         for name in ("enable_lora", "enforce_eager", "enable_prefix_caching", "enable_chunked_prefill"):
             _check(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {getattr(self, name)!r}")
+        if self.reasoning_parser == "":       # vLLM's default, written out in a vLLM-backend model.json: none
+            self.reasoning_parser = None
         _check(self.reasoning_parser in (None, *REASONING_PARSERS), "reasoning_parser",
                f"must be one of {REASONING_PARSERS} or None, got {self.reasoning_parser!r}")
         for name in ("max_loras", "max_lora_rank"):

@@ -61,26 +61,29 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
         raise as_sent(exc) from None
     choices = []
     echo = _echo(body)
+    hidden = _hides_reasoning(body, ctx)
     for index, out in enumerate(outputs):
         text, reasoning = "".join(out.text), None
         if ctx.reasoning is not None:
             thinker = _reasoning_reader(ctx, prompt_ids)
-            reasoning, text = thinker.feed(text)
-            reasoning = (reasoning + thinker.close()) or None
-        message = {"role": _role(body), "content": text if text or ctx.reasoning is None else None}
+            if thinker.reasoning:           # "" where the reply ended its reasoning at once (as vLLM's)
+                reasoning, text = thinker.feed(text)
+                reasoning += thinker.close()
+        message = {"role": _role(body), "content": text}
         reason = out.finish_reason
         if _calls_tools(body):
             message, reason = tool_message(_tool_reader(body, ctx), text, reason)
         if echo:
             message["content"] = echo + (message["content"] or "")
         message["refusal"] = None       # a field of every message in OpenAI's schema (and vLLM's replies)
-        if ctx.reasoning is not None:   # vLLM's field; include_reasoning false leaves it out
-            message["reasoning"] = reasoning if body.include_reasoning else None
+        if ctx.reasoning is not None:   # vLLM's field, and no content is null there
+            message["reasoning"] = None if hidden else reasoning
+            message["content"] = message["content"] or None
         choice = {"index": index, "message": message,
-                  "logprobs": chat_logprobs(body.shown(out.logprobs), top_n) if body.logprobs else None,
+                  "logprobs": chat_logprobs(body.shown(out.logprobs), top_n) if body.logprobs and not hidden else None,
                   "finish_reason": reason, "stop_reason": out.stop_reason}
         if body.return_token_ids:
-            choice["token_ids"] = sampled_ids(out.logprobs)
+            choice["token_ids"] = None if hidden else sampled_ids(out.logprobs)
         choices.append(choice)
     reply = {**head, "choices": choices, "usage": usage.body()}
     if body.prompt_logprobs is not None:         # vLLM's: once, for the one prompt of every choice
@@ -160,6 +163,12 @@ def _calls_tools(body: ChatCompletionRequest) -> bool:
     return body.tools is not None and body.tool_choice != "none"
 
 
+def _hides_reasoning(body: ChatCompletionRequest, ctx: Context) -> bool:
+    """include_reasoning false with a reasoning parser: no reasoning in the reply, nor its tokens in
+    logprobs or token_ids, where it would leak (vLLM's suppress_metadata)."""
+    return ctx.reasoning is not None and not body.include_reasoning
+
+
 def _reasoning_reader(ctx: Context, prompt_ids: list[int]) -> ReasoningText:
     """A choice's reasoning, where the prompt left the model reasoning (its last marker not the end)."""
     return ReasoningText(ctx.reasoning, ctx.reasoning.open_after(prompt_ids))
@@ -177,6 +186,8 @@ def _tool_reader(body: ChatCompletionRequest, ctx: Context) -> ToolCallText | Au
 async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int, prompt_ids: list[int], echo: str,
                   prompt_text: str | None, ctx: Context):
     include_usage, continuous = body.stream_usage()
+    hidden = _hides_reasoning(body, ctx)
+    shows_ids = body.return_token_ids and not hidden
     readers = [_tool_reader(body, ctx) for _ in range(body.n)] if _calls_tools(body) else None
     thinkers = [_reasoning_reader(ctx, prompt_ids) for _ in range(body.n)] if ctx.reasoning is not None else None
     usage = generation.Usage()
@@ -194,7 +205,7 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
                 out["prompt_token_ids"] = prompt_ids
             if prompt_text is not None:
                 out["prompt_text"] = prompt_text
-        elif body.return_token_ids:
+        elif shows_ids:
             choice["token_ids"] = sampled_ids(positions)
         if continuous:
             out["usage"] = generation.usage_body(response.num_input_tokens, counts[index])
@@ -221,7 +232,7 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
                 if not (response.num_output_tokens[index] or text or reason or positions):
                     continue        # nothing new for this output in this step
                 logprobs = None
-                if body.logprobs and positions is not None:
+                if body.logprobs and positions is not None and not hidden:
                     logprobs = chat_logprobs(body.shown(positions), top_n)
                 if readers is None and thinkers is None:
                     yield chunk(response, index, {"content": text}, logprobs, reason, positions)
@@ -231,7 +242,7 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
                     reasoning, text = thinkers[index].feed(text)
                     if reason is not None:
                         reasoning += thinkers[index].close()
-                    if reasoning and body.include_reasoning:
+                    if reasoning and not hidden:
                         delta["reasoning"] = reasoning
                 content, calls = readers[index].feed(text) if readers is not None else (text, [])
                 if reason is not None and readers is not None:
@@ -242,7 +253,7 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
                     delta["content"] = content
                 if calls:
                     delta["tool_calls"] = calls
-                if delta or reason is not None or logprobs is not None or body.return_token_ids:
+                if delta or reason is not None or logprobs is not None or shows_ids:
                     yield chunk(response, index, delta, logprobs, reason, positions)
     finally:
         await responses.aclose()
