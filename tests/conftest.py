@@ -26,6 +26,9 @@ ARCH_CONFIGS = {
     "mistral-gqa4-tied": ("mistral", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
                                           sliding_window=None)),
     "qwen2-bias-gqa2": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    # Qwen3: q/k norms, and a head_dim apart from hidden_size / heads (as Qwen3-0.6B's 128 of 1024 / 16)
+    "qwen3-qknorm-gqa2-headdim24": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                                  tie_word_embeddings=True)),
 }
 
 

@@ -1,5 +1,5 @@
 """The context length the OpenAI server reports (/v1/models, /tokenize) is the engine's own for every
-architecture switch that bounds it: a sliding window, and Qwen2's use_sliding_window."""
+architecture switch that bounds it: a sliding window, and Qwen2's and Qwen3's use_sliding_window."""
 import json
 import os
 
@@ -17,6 +17,9 @@ CASES = {
     "qwen2, window 64 switched on": ("qwen2", dict(sliding_window=64, use_sliding_window=True, max_window_layers=0),
                                      64),
     "qwen2, window 64 switched off": ("qwen2", dict(use_sliding_window=False), 256),
+    "qwen3, window 64 switched on": ("qwen3", dict(sliding_window=64, use_sliding_window=True, max_window_layers=0,
+                                                   head_dim=8), 64),
+    "qwen3, window 64 switched off": ("qwen3", dict(use_sliding_window=False, head_dim=8), 256),
     "llama, a stray window in config.json": ("llama", {}, 256),       # Llama attends in full (transformers, vLLM)
     "qwen2, window 64 on, no layer past max_window_layers": (
         "qwen2", dict(sliding_window=64, use_sliding_window=True, max_window_layers=1), 256),

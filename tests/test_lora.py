@@ -109,6 +109,19 @@ def test_mixed_adapter_batches_match_transformers_and_peft(tiny_checkpoint, adap
         assert not mismatches, f"budget {budget}, {blocks} blocks: requests (i, adapter) {mismatches} differ from peft"
 
 
+def test_a_qwen3_adapter_on_q_and_k_matches_peft(arch_checkpoints, tmp_path):
+    """Qwen3 norms each query and key head: an adapter's q/k terms go in before the norms, as PEFT's."""
+    base = arch_checkpoints["qwen3-qknorm-gqa2-headdim24"]
+    adapter = {"qk": make_random_adapter(base, str(tmp_path / "qk"), seed=3, r=8,
+                                         target_modules=["q_proj", "k_proj", "v_proj"])}
+    prompts, lengths, names = make_workload(seed=5, num_prompts=8)
+    names = [None if name is None else "qk" for name in names]
+    expected, changed = peft_greedy(base, adapter, prompts, lengths, names)
+    assert changed["qk"] >= names.count("qk") // 2, "the adapter changes most first tokens"
+    got, _ = engine_greedy(base, adapter, prompts, lengths, names, num_kv_blocks=1024)
+    assert got == expected
+
+
 def test_adapters_never_share_prefix_cache_blocks(tiny_checkpoint, adapters):
     engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(enable_lora=True, num_kv_blocks=256),
                                        lora_modules=adapters)

@@ -12,7 +12,7 @@ _EXTENDED_ALREADY = ("llama3", "longrope", "su", "yarn")
 # config.json's model_type -> its architecture, for a config that names none (transformers picks the
 # class by model_type the same way)
 ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                              "qwen2": "Qwen2ForCausalLM"}
+                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def architecture(config) -> str:
@@ -40,7 +40,7 @@ def context_length(config) -> int:
     """The default max_model_len: max_position_embeddings, times a rope scaling factor where the
     rope type does not already count it (linear does; llama3 and YaRN do not), as vLLM 0.32 derives
     it; within the sliding window where the checkpoint's attention has one (attention here is full
-    attention: exact only while no sequence passes the window): a Mistral's, and a Qwen2's only with
+    attention: exact only while no sequence passes the window): a Mistral's, and a Qwen2's or Qwen3's only with
     use_sliding_window and layers at or past max_window_layers, transformers' rule for which layers
     slide; a Llama's sliding_window key is ignored, as there. `config` is a transformers config or
     any object with config.json's keys as attributes (rope_parameters, or the older rope_scaling)."""
@@ -69,7 +69,7 @@ def _within_window(config, positions: int) -> int:
         named = architecture(config)
     except ValueError:          # the engine refuses it; a length alone reads it as a Llama
         named = "LlamaForCausalLM"
-    if named == "Qwen2ForCausalLM":
+    if named in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         sliding = getattr(config, "use_sliding_window", False) and \
             getattr(config, "max_window_layers", 0) < config.num_hidden_layers
         window = window if sliding else None

@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MARKERS = {"deepseek_r1": ("<think>", "</think>")}     # vLLM's parser name -> its start and end markers
+# vLLM's parser name -> its start and end markers. qwen3: Qwen3 writes <think> itself in thinking mode
+# and its template closes the reasoning in the prompt without it, both read as deepseek_r1's are
+MARKERS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>")}
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,12 +10,13 @@ _CONFIGS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
 
 def make_random_checkpoint(path: str, arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32,
                            **overrides) -> str:
-    """Save a randomly initialised `arch` model ('llama' | 'mistral' | 'qwen2') to `path`."""
+    """Save a randomly initialised `arch` model ('llama' | 'mistral' | 'qwen2' | 'qwen3') to `path`."""
     import transformers
 
     config_cls, model_cls = (getattr(transformers, name) for name in _CONFIGS[arch])

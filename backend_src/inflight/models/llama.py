@@ -1,4 +1,5 @@
-"""Llama-family decoder (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM) over packed tokens.
+"""Llama-family decoder (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM) over
+packed tokens.
 
 The numerics follow `transformers` op for op (RMSNorm in float32, RoPE tables computed in float32
 by transformers' own rope functions, SwiGLU), so greedy outputs match it exactly. Differences from
@@ -19,7 +20,7 @@ from ..context_length import architecture, context_length, longest_context, rope
 from ..attention import AttentionBackend, AttentionMetadata
 
 log = logging.getLogger("inflight")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -40,6 +41,7 @@ class ModelSpec:
     tie_word_embeddings: bool
     context_length: int          # the default max_model_len (context_length.py)
     longest_context: int         # the longest max_model_len it supports
+    qk_norm: bool = False        # Qwen3: each query and key head RMS-normed before RoPE
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelSpec":
@@ -68,6 +70,7 @@ class ModelSpec:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             context_length=context_length(config),
             longest_context=longest_context(config),
+            qk_norm=arch == "Qwen3ForCausalLM",
         )
 
 
@@ -137,11 +140,17 @@ class Attention(nn.Module):
         self.scale = spec.head_dim ** -0.5
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache, backend: AttentionBackend, lora=None):
         qkv = self.qkv_proj(x)
         if lora is not None:        # adapters' q/k/v terms, each into its columns of the fused output
             lora.add("qkv", x, qkv)
+        if self.qk_norm:
+            self.norm_qk(qkv)
         real = meta.num_real_tokens     # padding rows (static/dynamic policies) skip attention
         if backend.rotary_write_kv is not None:
             q = backend.rotary_write_kv(qkv, self.num_heads, self.num_kv_heads, cos, sin, k_cache, v_cache,
@@ -161,6 +170,15 @@ class Attention(nn.Module):
         if lora is not None:
             lora.add("o", out, o)
         return o
+
+    def norm_qk(self, qkv: torch.Tensor) -> None:
+        """Qwen3's: each query and key head RMS-normed, with weights of their own, in place in qkv
+        (where every attention backend then reads them, as from any other model)."""
+        tokens, q_end, k_end = qkv.shape[0], self.q_size, self.q_size + self.kv_size
+        q = qkv[:, :q_end].view(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_end:k_end].view(tokens, self.num_kv_heads, self.head_dim)
+        qkv[:, :q_end] = self.q_norm(q).view(tokens, self.q_size)
+        qkv[:, q_end:k_end] = self.k_norm(k).view(tokens, self.kv_size)
 
     def rotate_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated. On CPU one compiled call for both (they sit side by side in qkv);
