@@ -375,6 +375,38 @@ def test_a_full_grammar_queue_gives_a_lower_priority_request_up_for_a_higher_one
     assert engine.kv.num_used_blocks == 0
 
 
+def test_a_request_whose_client_left_gives_its_grammar_seat_back_at_once(tokenizer):
+    """Answered when its client leaves, a request still waiting for its compile frees its seat then
+    (not when its turn in the pool comes): a live request is neither displaced nor refused for it."""
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(max_num_seqs=8, num_kv_blocks=256, cpu_threads=1,
+                                                                   max_queue_size=3))
+    engine.structured.compile(parse_spec({"json_object": True}))
+    loop = EngineLoop(engine, tokenizer, cancel_poll_s=0.05).start()
+    sinks = {}
+
+    def submit(name: str, priority: str, fields: int) -> None:
+        request = new_schema_request(tokenizer, len(sinks) + 11, fields)
+        request.priority = priority
+        sinks[name] = RecordingSink()
+        loop.submit(request, sinks[name])
+    try:
+        submit("compiling", "normal", 600)           # holds the one compile thread for seconds
+        time.sleep(0.1)
+        submit("left", "low", 301)
+        sinks["left"].left = True
+        submit("low", "low", 302)
+        assert sinks["left"].finished.wait(5) and not sinks["compiling"].finished.is_set()
+        submit("high", "high", 303)
+        submit("another-low", "low", 304)
+        assert all(sink.finished.wait(120) for sink in sinks.values())
+        errors = {name: sink.sends[-1][3] for name, sink in sinks.items() if name != "left"}
+        assert errors == {"compiling": None, "low": None, "high": None,
+                          "another-low": "queue full: 3 requests are already waiting for their grammar to compile "
+                                         "(max_queue_size)"}, errors
+    finally:
+        loop.shutdown()
+
+
 def test_a_refused_constraint_sent_again_is_refused_at_once_under_its_own_field(tokenizer):
     """xgrammar takes as long to refuse a deep schema as to compile one (~2.7 s at 300 levels
     here): a constraint refused once is kept as refused, so sent again, by any field, it is

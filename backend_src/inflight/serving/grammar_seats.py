@@ -26,6 +26,8 @@ class GrammarSeats:
         with self._lock:
             given_up = None
             if self.limit is not None and len(self._held) >= self.limit:
+                self._free_answered()
+            if self.limit is not None and len(self._held) >= self.limit:
                 given_up = self._lowest_waiting_below(parse_priority(job.request.priority))
                 if given_up is None:
                     raise SeatsTaken
@@ -46,6 +48,12 @@ class GrammarSeats:
         with self._lock:
             self._held.pop(job.job_id, None)
             self._compiling.discard(job.job_id)
+
+    def _free_answered(self) -> None:
+        """The seats of jobs answered before their compile began (their client left): it never will,
+        as a request the engine aborts frees its place in the queue at once."""
+        for job in [job for job in self._held.values() if job.done and job.job_id not in self._compiling]:
+            del self._held[job.job_id]
 
     def _lowest_waiting_below(self, priority: int) -> Job | None:
         """The newest job of the lowest class below `priority` whose compile has not begun."""
