@@ -88,9 +88,9 @@ def think_client(think_model, tmp_path_factory):
                                   {**TEST_ENGINE, "reasoning_parser": "deepseek_r1"})
     children = launch.Children()
     with launch.ServerProcess(repo) as server:
+        flags = ("--disable-any-whitespace", "--enable-auto-tool-choice", "--tool-call-parser=hermes")
         endpoints = launch.Endpoints(server.http_port, server.grpc_port, server.metrics_port,
-                                     openai_port=launch.free_ports(1)[0], openai_args=("--disable-any-whitespace", "--enable-auto-tool-choice",
-                                                                  "--tool-call-parser=hermes"))
+                                     openai_port=launch.free_ports(1)[0], openai_args=flags)
         assert launch.start_openai_server(children, repo, endpoints)
         try:
             yield openai.OpenAI(base_url=f"http://localhost:{endpoints.openai_port}/v1", api_key="-", max_retries=0)

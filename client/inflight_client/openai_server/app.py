@@ -173,12 +173,13 @@ def create_app(settings: Settings) -> FastAPI:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
+    reasoning = None if settings.reasoning_parser is None else markers(settings.reasoning_parser, tokenizer)
     ctx = Context(TritonLLM(settings.triton_url, settings.triton_model, settings.max_triton_requests), tokenizer,
                   ChatTemplate(tokenizer, settings.chat_template, settings.trust_request_chat_template),
                   ServedModels(settings.served_model_name, settings.max_model_len, settings.lora_names),
                   settings.default_max_tokens, settings.disable_any_whitespace, settings.tool_call_parser,
                   sampling_defaults(settings.tokenizer_dir, settings.generation_config),
-                  reasoning=None if settings.reasoning_parser is None else markers(settings.reasoning_parser, tokenizer))
+                  reasoning=reasoning)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -62,13 +62,12 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
     choices = []
     echo = _echo(body)
     hidden = _hides_reasoning(body, ctx)
+    thinkers = _reasoning_readers(ctx, prompt_ids, len(outputs))
     for index, out in enumerate(outputs):
         text, reasoning = "".join(out.text), None
-        if ctx.reasoning is not None:
-            thinker = _reasoning_reader(ctx, prompt_ids)
-            if thinker.reasoning:           # "" where the reply ended its reasoning at once (as vLLM's)
-                reasoning, text = thinker.feed(text)
-                reasoning += thinker.close()
+        if thinkers is not None and thinkers[index].reasoning:     # "" where it ended at once (as vLLM's)
+            reasoning, text = thinkers[index].feed(text)
+            reasoning += thinkers[index].close()
         message = {"role": _role(body), "content": text}
         reason = out.finish_reason
         if _calls_tools(body):
@@ -99,8 +98,8 @@ def _constraints(body: ChatCompletionRequest, ctx: Context) -> list[Constraint]:
     """The request's output constraints. A forced tool call (named or "required") replaces the
     request's own (`response_format`, `structured_outputs`, `guided_*`), which shape content, and a
     forced call has none (vLLM drops them too): in the model's own format where the parser has a
-    structural tag (call_envelope), else in tools.py's JSON forms. "auto" may put the call envelope on the reply, joined with the request's own
-    constraint where it has one."""
+    structural tag (call_envelope), else in tools.py's JSON forms. "auto" may put the call envelope
+    on the reply, joined with the request's own constraint where it has one."""
     found = request_constraints(body)
     if _calls_tools(body) and body.tool_choice != "auto":
         tag = call_envelope(ctx.tool_call_parser, body)
@@ -169,9 +168,13 @@ def _hides_reasoning(body: ChatCompletionRequest, ctx: Context) -> bool:
     return ctx.reasoning is not None and not body.include_reasoning
 
 
-def _reasoning_reader(ctx: Context, prompt_ids: list[int]) -> ReasoningText:
-    """A choice's reasoning, where the prompt left the model reasoning (its last marker not the end)."""
-    return ReasoningText(ctx.reasoning, ctx.reasoning.open_after(prompt_ids))
+def _reasoning_readers(ctx: Context, prompt_ids: list[int], n: int) -> list[ReasoningText] | None:
+    """Each choice's reasoning reader (--reasoning-parser), reasoning at the start where the prompt
+    left the model reasoning (its last marker not the end); None without a parser."""
+    if ctx.reasoning is None:
+        return None
+    reasoning = ctx.reasoning.open_after(prompt_ids)
+    return [ReasoningText(ctx.reasoning, reasoning) for _ in range(n)]
 
 
 def _tool_reader(body: ChatCompletionRequest, ctx: Context) -> ToolCallText | AutoToolText:
@@ -189,7 +192,7 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
     hidden = _hides_reasoning(body, ctx)
     shows_ids = body.return_token_ids and not hidden
     readers = [_tool_reader(body, ctx) for _ in range(body.n)] if _calls_tools(body) else None
-    thinkers = [_reasoning_reader(ctx, prompt_ids) for _ in range(body.n)] if ctx.reasoning is not None else None
+    thinkers = _reasoning_readers(ctx, prompt_ids, body.n)
     usage = generation.Usage()
     counts = [0] * body.n                   # each choice's tokens so far
     ended = set()                           # choices whose finish_reason went out (`llm` repeats it)
