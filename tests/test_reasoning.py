@@ -69,6 +69,37 @@ def test_a_prompt_that_ended_the_reasoning_is_constrained_from_the_first_token(t
         assert re.fullmatch(AB, think_tokenizer.decode(out.token_ids, skip_special_tokens=True))
 
 
+def test_a_thinking_token_budget_forces_the_end_marker(thinking_engine, think_tokenizer, think_model):
+    """vLLM's thinking_token_budget: once the model has written that many tokens after <think> (the
+    prompt's count), </think> is the only token it may take; then it goes on as it likes, and a
+    constraint starts after it. Counting begins at a start marker: a prompt without one bounds nothing."""
+    end = think_tokenizer.convert_tokens_to_ids("</think>")
+    opened = think_tokenizer.encode("What is 2+2? <think>\n")
+    after_start = len(opened) - 1 - opened.index(think_tokenizer.convert_tokens_to_ids("<think>"))
+    for budget in (0, 3, 6):
+        out = thinking_engine.generate([opened], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                               thinking_token_budget=budget))[0]
+        assert out.token_ids.index(end) == max(budget - after_start, 0), (budget, out.token_ids)
+        assert out.token_ids.count(end) == 1 and len(out.token_ids) == 12, "the model goes on after it"
+    free = thinking_engine.generate([opened], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert end not in free.token_ids, "no budget: the tiny model never ends its reasoning"
+    unopened = think_tokenizer.encode("What is 2+2?")
+    out = thinking_engine.generate([unopened], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                              thinking_token_budget=0))[0]
+    assert end not in out.token_ids
+    constrained = thinking_engine.generate([opened], SamplingParams(
+        max_tokens=40, temperature=0, ignore_eos=True, thinking_token_budget=4, structured_outputs={"regex": AB}))[0]
+    at = constrained.token_ids.index(end)
+    assert at == 4 - after_start and re.fullmatch(AB, think_tokenizer.decode(constrained.token_ids[at + 1:],
+                                                                             skip_special_tokens=True))
+    assert thinking_engine.num_budgeted == 0 and thinking_engine.kv.num_free_blocks == thinking_engine.kv.num_blocks
+    with pytest.raises(ValueError, match="'thinking_token_budget' needs the engine's reasoning_parser"):
+        LLMEngine.from_pretrained(think_model, EngineConfig(**TEST_ENGINE)).add_request(
+            "r", opened, SamplingParams(thinking_token_budget=3))
+    with pytest.raises(ValueError, match="'thinking_token_budget' must be an integer >= 0, or -1 for none"):
+        SamplingParams(thinking_token_budget=-2)
+
+
 def test_the_reasoning_parser_is_checked_at_start():
     with pytest.raises(ValueError, match="'reasoning_parser' must be one of"):
         EngineConfig(reasoning_parser="deepseek")
@@ -147,6 +178,18 @@ def test_include_reasoning_false_leaks_no_reasoning_tokens(think_client, think_t
     assert all(c.choices[0].logprobs is None and not (c.choices[0].model_extra or {}).get("token_ids")
                for c in chunks if c.choices)
     assert len(chunks) == 2 + bool(hidden.message.content), "the role, any content, the end"
+
+
+def test_thinking_token_budget_reaches_llm_from_the_openai_server(think_client, think_tokenizer):
+    end = think_tokenizer.convert_tokens_to_ids("</think>")
+    reply = think_client.completions.create(model="think-tiny", prompt="What is 2+2? <think>\n", max_tokens=8,
+                                            temperature=0, extra_body={"thinking_token_budget": 3, "ignore_eos": True,
+                                                                       "return_token_ids": True})
+    assert reply.choices[0].model_extra["token_ids"][2] == end and "</think>" in reply.choices[0].text
+    import openai
+    with pytest.raises(openai.BadRequestError) as error:
+        think_client.completions.create(model="think-tiny", prompt="x", extra_body={"thinking_token_budget": -2})
+    assert error.value.body["param"] == "thinking_token_budget"
 
 
 def test_reasoning_and_content_as_vllm_writes_them_at_the_edges(think_client, think_tokenizer):

@@ -183,6 +183,8 @@ class SamplingParams:
     # vLLM's {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ebnf} | {"json_object": True}
     structured_outputs: GrammarSpec | dict | str | None = None
     lora_name: str | None = None              # the adapter to run with (None: the base model)
+    # vLLM's: the most tokens the model may reason before its end marker is forced (reasoning.py); -1/None: no bound
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
@@ -249,3 +251,8 @@ class SamplingParams:
             _check(self.min_tokens == 0, "min_tokens", "cannot be combined with 'structured_outputs'")
         _check(self.lora_name is None or (isinstance(self.lora_name, str) and self.lora_name != ""), "lora_name",
                f"must be a non-empty string or None, got {self.lora_name!r}")
+        _check(self.thinking_token_budget is None or (_is_int(self.thinking_token_budget)
+                                                      and self.thinking_token_budget >= -1),
+               "thinking_token_budget", f"must be an integer >= 0, or -1 for none, got {self.thinking_token_budget!r}")
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None

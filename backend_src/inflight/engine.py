@@ -45,10 +45,12 @@ class LLMEngine:
         self.kv = KVCacheManager(runner.num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(config, self.max_model_len, self.kv, eos_token_ids)
         self.sampler = Sampler(runner.device, config.seed)
-        reasoning = None if config.reasoning_parser is None else Reasoning.load(config.reasoning_parser, tokenizer)
+        self.reasoning = None if config.reasoning_parser is None else Reasoning.load(config.reasoning_parser,
+                                                                                      tokenizer)
         self.structured = StructuredOutputs(tokenizer, self.vocab_size, eos_token_ids, config.max_num_seqs,
-                                            runner.device, reasoning)
+                                            runner.device, self.reasoning)
         self.num_constrained = 0                     # unfinished requests with structured outputs
+        self.num_budgeted = 0                        # unfinished requests with a thinking_token_budget
         self.requests: dict[str, Request] = {}       # unfinished requests by id
         self._arrivals = itertools.count()
         self._displaced: dict[str, str] = {}         # requests a higher priority took the place of -> error
@@ -112,6 +114,9 @@ class LLMEngine:
         priority = parse_priority(priority)
         salt = self._salt_key(cache_salt)
         lora_slot, lora_key = self._lora_adapter(params.lora_name)
+        if params.thinking_token_budget is not None and self.reasoning is None:
+            raise ValueError("'thinking_token_budget' needs the engine's reasoning_parser (the model's reasoning "
+                             "markers), which is not set")
         matcher = None
         if params.structured_outputs is not None:
             compiled = grammar if grammar is not None else self.structured.compile(params.structured_outputs)
@@ -129,6 +134,9 @@ class LLMEngine:
                       cache_key=hashlib.blake2b(self.model_key + salt + lora_key, digest_size=16).digest(),
                       matcher=matcher, reasoning=self.structured.waits(matcher, prompt), lora_slot=lora_slot,
                       group=group)
+        if params.thinking_token_budget is not None:
+            req.thinking_left = self.reasoning.budget_left(prompt, params.thinking_token_budget)
+            self.num_budgeted += 1
         if group is not None:
             group.append(req)
         self.num_constrained += matcher is not None
@@ -237,8 +245,11 @@ class LLMEngine:
             scored = self._score_prompt(prompt, table) if prompt is not None else []
             sample_rows = out.sample_rows
             mask = self.structured.step_mask(table, sample_rows) if self.num_constrained else None
-            tokens, step_logprobs = self.sampler(logits, table, sample_rows, mask)
+            forced = self._reasoning_ends(table, sample_rows) if self.num_budgeted else None
+            tokens, step_logprobs = self.sampler(logits, table, sample_rows, mask, forced)
             grammar_done = mask.advance(tokens) if mask is not None else None
+            if self.num_budgeted:
+                self._count_reasoning(table, sample_rows, tokens)
             request_ids = table.request_ids[sample_rows].tolist()
             if step_logprobs is not None:
                 logprobs = [None] * len(tokens)
@@ -260,8 +271,22 @@ class LLMEngine:
             req = self.requests.pop(request_id, None)
             if req is not None and req.matcher is not None:
                 self.num_constrained -= 1
+            if req is not None and req.params.thinking_token_budget is not None:
+                self.num_budgeted -= 1
         self.last_step_s = time.perf_counter() - started
         return StepOutput(request_ids, token_ids, logprobs, finished, errors, prompt_entries)
+
+    def _reasoning_ends(self, table, sample_rows: np.ndarray) -> dict[int, int]:
+        """The sampling positions whose thinking_token_budget is spent: the end marker is forced."""
+        return {i: self.reasoning.end_id for i, row in enumerate(sample_rows.tolist())
+                if (left := table.requests[row].thinking_left) is not None and left <= 0}
+
+    def _count_reasoning(self, table, sample_rows: np.ndarray, tokens: np.ndarray) -> None:
+        for row, token in zip(sample_rows.tolist(), tokens.tolist()):
+            req = table.requests[row]
+            if req.params.thinking_token_budget is not None:
+                req.thinking_left = self.reasoning.budget_after(req.thinking_left, token,
+                                                                req.params.thinking_token_budget)
 
     def _score_prompt(self, prompt: PromptPositions, table) -> list[tuple[Request, TokenLogprobs]]:
         """The prompt tokens this step reached, scored: (request, entry) per position."""

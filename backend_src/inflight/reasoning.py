@@ -2,8 +2,10 @@
 answers, as DeepSeek-R1 and its Llama and Qwen distills do in <think> ... </think>. With a reasoning
 parser set, a request's structured outputs constrain the answer alone, as vLLM's engine does: the
 grammar waits while the model reasons and starts after the end marker (from the first token where
-the prompt ended the reasoning already). Splitting the text into reasoning and content is the
-OpenAI server's (client/inflight_client/openai_server/reasoning.py)."""
+the prompt ended the reasoning already). And a request's thinking_token_budget (vLLM's) bounds the
+reasoning: once it has written that many tokens after the start marker, the end marker is the only
+token it may take. Splitting the text into reasoning and content is the OpenAI server's
+(client/inflight_client/openai_server/reasoning.py)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -47,3 +49,22 @@ class Reasoning:
             if token == self.start_id:
                 return True
         return True
+
+    def budget_left(self, prompt: Sequence[int], budget: int) -> int | None:
+        """The reasoning tokens a request of this budget may still write: where the prompt's last
+        marker is the start, the tokens after it count already; elsewhere the count begins when the
+        model writes the start marker (None until then), as vLLM counts."""
+        for i in range(len(prompt) - 1, -1, -1):
+            if prompt[i] == self.end_id:
+                return None
+            if prompt[i] == self.start_id:
+                return budget - (len(prompt) - 1 - i)
+        return None
+
+    def budget_after(self, left: int | None, token: int, budget: int) -> int | None:
+        """What is left of the budget after a sampled token (None: not reasoning)."""
+        if token == self.start_id:
+            return budget
+        if token == self.end_id or left is None:
+            return None
+        return left - 1

@@ -1,8 +1,8 @@
 """Logits -> next tokens for a whole step, with torch ops over the batch.
 
 The grammar mask (structured outputs) comes first, then logit_bias, bans (min_tokens, bad words),
-penalties (penalties.py) and allowed_token_ids. Greedy rows (temperature under SAMPLING_EPS, as
-in vLLM) take the argmax. Sampled rows apply temperature, min-p, top-k and top-p, then draw with
+penalties (penalties.py), allowed_token_ids, and the end marker a spent thinking_token_budget
+forces. Greedy rows (temperature under SAMPLING_EPS, as in vLLM) take the argmax. Sampled rows apply temperature, min-p, top-k and top-p, then draw with
 the exponential-race trick (argmax of p / E, E ~ Exp(1)), which needs exactly one noise vector per
 token: a seeded request draws it from its own generator, so its tokens do not depend on what else
 is in the batch. Log-probabilities (logprobs.py) are those of the model's own distribution within
@@ -12,6 +12,7 @@ taken right after the mask, and every later edit works on the logits in place.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -31,12 +32,13 @@ class Sampler:
         self.penalties = Penalties()
 
     def __call__(self, logits: torch.Tensor, table: BatchTable, rows: np.ndarray,
-                 grammar_mask: Callable[[torch.Tensor], None] | None = None
+                 grammar_mask: Callable[[torch.Tensor], None] | None = None, forced: dict[int, int] | None = None
                  ) -> tuple[np.ndarray, StepLogprobs | None]:
         """logits [len(rows), vocab] -> (token ids, log-probs of the rows that asked, or None).
         The logits are edited in place (a float32 or float64 tensor is the caller's). grammar_mask
         (structured outputs) sets the tokens outside each constrained row's grammar to -inf, in
-        place, before anything else (-inf stays -inf through the edits after it)."""
+        place, before anything else (-inf stays -inf through the edits after it). `forced`: row
+        position -> the one token it takes (a spent thinking_token_budget's end marker), last."""
         if logits.dtype != torch.float64:   # float64 stays: exactness tests compare argmaxes
             logits = logits.float()
         if grammar_mask is not None:
@@ -46,6 +48,9 @@ class Sampler:
         self._apply_bans(logits, table, rows)
         self.penalties(logits, table, rows)
         self._apply_allowed(logits, table, rows)
+        for i, token in (forced or {}).items():
+            logits[i].fill_(-math.inf)
+            logits[i, token] = 0.0
         temperature = table.temperature[rows]
         tokens = cpu_kernels.argmax(logits)
         sampled = np.flatnonzero(temperature >= SAMPLING_EPS)

@@ -39,6 +39,8 @@ def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None
         params["n"] = body.n
     if body.prompt_logprobs is not None:
         params["prompt_logprobs"] = body.prompt_logprobs
+    if body.thinking_token_budget != -1:    # `llm` needs its engine's reasoning_parser for it, as vLLM
+        params["thinking_token_budget"] = body.thinking_token_budget
     if body.return_token_ids:       # each token's map names the sampled token first; a request's own N wins
         params["logprobs"] = 0
     return params

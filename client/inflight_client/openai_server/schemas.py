@@ -105,8 +105,7 @@ class SamplingFields(Body):
                 "kv_transfer_params": " (no disaggregated serving)",
                 "ec_transfer_params": " (no disaggregated serving)",
                 "vllm_xargs": " (no custom extensions)",
-                "repetition_detection": "",
-                "thinking_token_budget": " (the reasoning is not cut short here)"}
+                "repetition_detection": ""}
     model: str | None = None                     # none: the served base model (vLLM's default)
     temperature: Float | None = Field(None, ge=0)
     top_p: Float | None = None
@@ -152,7 +151,8 @@ class SamplingFields(Body):
     ec_transfer_params: dict | None = None
     vllm_xargs: dict | None = None
     repetition_detection: dict | None = None
-    thinking_token_budget: Int = -1              # -1: unlimited, vLLM's "unset"
+    # vLLM's: at most this many reasoning tokens, then </think> is forced (`llm`'s reasoning_parser); -1: no bound
+    thinking_token_budget: Int = Field(-1, ge=-1)
     priority: Literal["high", "normal", "low"] | Int | None = None     # an integer as vLLM's: lower runs sooner
     cache_salt: str | None = Field(None, min_length=1)
     # constraints (structured.py turns them into `llm`'s "structured_outputs")
