@@ -3,12 +3,13 @@
 The grammar mask (structured outputs) comes first, then logit_bias, bans (min_tokens, bad words),
 penalties (penalties.py), allowed_token_ids, and the end marker a spent thinking_token_budget
 forces. Greedy rows (temperature under SAMPLING_EPS, as in vLLM) take the argmax. Sampled rows
-apply temperature, min-p, top-k and top-p, then draw with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which needs exactly one noise vector per
-token: a seeded request draws it from its own generator, so its tokens do not depend on what else
-is in the batch. Log-probabilities (logprobs.py) are those of the model's own distribution within
-its grammar: vLLM masks the logits with the grammar before its sampler, whose default mode,
-raw_logprobs, takes them before logit_bias, bans, penalties and allowed_token_ids. So they are
-taken right after the mask, and every later edit works on the logits in place.
+apply temperature, min-p, top-k and top-p, then draw with the exponential-race trick (argmax of
+p / E, E ~ Exp(1)), which needs exactly one noise vector per token: a seeded request draws it from
+its own generator, so its tokens do not depend on what else is in the batch. Log-probabilities
+(logprobs.py) are those of the model's own distribution within its grammar: vLLM masks the logits
+with the grammar before its sampler, whose default mode, raw_logprobs, takes them before
+logit_bias, bans, penalties and allowed_token_ids. So they are taken right after the mask, and
+every later edit works on the logits in place.
 """
 from __future__ import annotations
 
