@@ -43,23 +43,22 @@ class Reasoning:
     def open_after(self, token_ids: Sequence[int]) -> bool:
         """Whether the model is still reasoning after these tokens: unless the last marker among them
         is the end (no marker at all counts as reasoning, as vLLM's is_reasoning_end says)."""
-        for token in reversed(token_ids):
-            if token == self.end_id:
-                return False
-            if token == self.start_id:
-                return True
-        return True
+        last = self._last_marker(token_ids)
+        return last < 0 or token_ids[last] == self.start_id
 
     def budget_left(self, prompt: Sequence[int], budget: int) -> int | None:
         """The reasoning tokens a request of this budget may still write: where the prompt's last
         marker is the start, the tokens after it count already; elsewhere the count begins when the
         model writes the start marker (None until then), as vLLM counts."""
-        for i in range(len(prompt) - 1, -1, -1):
-            if prompt[i] == self.end_id:
-                return None
-            if prompt[i] == self.start_id:
-                return budget - (len(prompt) - 1 - i)
-        return None
+        last = self._last_marker(prompt)
+        return budget - (len(prompt) - 1 - last) if last >= 0 and prompt[last] == self.start_id else None
+
+    def _last_marker(self, token_ids: Sequence[int]) -> int:
+        """The index of the last start or end marker among the tokens; -1 if none."""
+        for i in range(len(token_ids) - 1, -1, -1):
+            if token_ids[i] in (self.start_id, self.end_id):
+                return i
+        return -1
 
     def budget_after(self, left: int | None, token: int, budget: int) -> int | None:
         """What is left of the budget after a sampled token (None: not reasoning)."""

@@ -471,12 +471,19 @@ def _compile_structural_tag(compiler, text: str, any_whitespace: bool):
     vLLM leaves tags alone): a small model can otherwise spend max_tokens on whitespace."""
     tag = json.loads(text)
     if "structures" in tag:
-        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": tag["triggers"], "tags": [
-            {"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": s["schema"]},
-             "end": s["end"]} for s in tag["structures"]]}}
+        tag = {"type": "structural_tag", "format": older_tag_format(tag)}
     if not any_whitespace:
         bound_whitespace(tag)
     return compiler.compile_structural_tag(json.dumps(tag))
+
+
+def older_tag_format(tag: dict) -> dict:
+    """The format an older structural tag ({"structures": [{"begin", "schema", "end"}, ...],
+    "triggers": [...]}) stands for: triggered tags of JSON contents, as vLLM reads it. Also the
+    OpenAI server's, which joins a tag with the tool-call envelope."""
+    return {"type": "triggered_tags", "triggers": tag.get("triggers"), "tags": [
+        {"type": "tag", "begin": s.get("begin"), "content": {"type": "json_schema", "json_schema": s.get("schema")},
+         "end": s.get("end")} for s in tag["structures"]]}
 
 
 def bound_whitespace(tag: dict) -> dict:
@@ -640,10 +647,14 @@ class StructuredOutputs:
         started = time.perf_counter()
         if self._bitmask is None:
             self._allocate()
-        requests = [table.requests[int(sample_rows[i])] for i in rows.tolist()]
-        positions = [i for i, req in zip(rows.tolist(), requests) if not req.reasoning]
-        matchers = [req.matcher for req in requests if not req.reasoning]
-        reasoning = [(i, req) for i, req in zip(rows.tolist(), requests) if req.reasoning]
+        positions, matchers, reasoning = [], [], []
+        for i in rows.tolist():
+            req = table.requests[int(sample_rows[i])]
+            if req.reasoning:
+                reasoning.append((i, req))
+            else:
+                positions.append(i)
+                matchers.append(req.matcher)
         if positions:
             self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, positions)
         bitmask = self._bitmask[:len(sample_rows)]

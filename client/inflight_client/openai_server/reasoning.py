@@ -37,9 +37,9 @@ class ReasoningText:
             return "", text
         self.text += text
         if not self.opened:
-            if self.start.startswith(self.text.lstrip()):
-                return "", ""             # what could still be the start marker
             stripped = self.text.lstrip()
+            if self.start.startswith(stripped):
+                return "", ""             # what could still be the start marker
             if stripped.startswith(self.start):
                 self.position = len(self.text) - len(stripped) + len(self.start)
             self.opened = True

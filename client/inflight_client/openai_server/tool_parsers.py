@@ -28,6 +28,8 @@ import json
 import math
 import re
 
+from inflight.structured import older_tag_format
+
 from .tools import arguments_json, called_function, decode_json, new_call
 
 PARSERS = ("hermes", "llama3_json", "pythonic", "llama4_pythonic")
@@ -130,9 +132,7 @@ def _format_of(constraint: dict) -> dict | None:
         return value["format"]
     if kind == "structural_tag" and isinstance(value, dict) and isinstance(value.get("structures"), list) \
             and all(isinstance(s, dict) for s in value["structures"]):
-        return {"type": "triggered_tags", "triggers": value.get("triggers"), "tags": [
-            {"type": "tag", "begin": s.get("begin"), "content": {"type": "json_schema", "json_schema": s.get("schema")},
-             "end": s.get("end")} for s in value["structures"]]}
+        return older_tag_format(value)
     return None
 
 
