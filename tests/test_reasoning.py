@@ -206,6 +206,37 @@ def test_reasoning_and_content_as_vllm_writes_them_at_the_edges(think_client, th
         assert never.model_extra["reasoning"] and never.content is None, extra
 
 
+def test_usage_counts_the_reasoning_tokens_whole_and_streamed(think_client, think_tokenizer):
+    """usage.completion_tokens_details.reasoning_tokens (vLLM's and OpenAI's): the tokens each choice
+    wrote before </think> (the template opened the reasoning; the marker is not counted), all of them
+    where it never ends; the same in a stream's usage, per choice with continuous usage, and with
+    include_reasoning false. Completions have none."""
+    start, end = think_tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    counts = []
+    for seed in range(3):
+        kwargs = dict(model="think-tiny", messages=[{"role": "user", "content": "Which size?"}], max_tokens=24,
+                      temperature=1.0, seed=seed, n=2, logit_bias={str(end): 6, str(start): -100})
+        reply = think_client.chat.completions.create(**kwargs, extra_body={"return_token_ids": True,
+                                                                          "ignore_eos": True})
+        before_end = [ids.index(end) if end in ids else len(ids)
+                      for ids in (choice.model_extra["token_ids"] for choice in reply.choices)]
+        assert reply.usage.completion_tokens_details.reasoning_tokens == sum(before_end)
+        counts += before_end
+        hidden = think_client.chat.completions.create(**kwargs, extra_body={"include_reasoning": False,
+                                                                           "ignore_eos": True})
+        assert hidden.usage.completion_tokens_details.reasoning_tokens == sum(before_end)
+        chunks = list(think_client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}, **kwargs,
+            extra_body={"ignore_eos": True}))
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == sum(before_end)
+        for index in range(2):
+            last = [c for c in chunks if c.choices and c.choices[0].index == index][-1]
+            assert last.usage.completion_tokens_details.reasoning_tokens == before_end[index]
+    assert any(0 < count < 24 for count in counts) and 24 in counts, counts    # ended and never ended
+    text = think_client.completions.create(model="think-tiny", prompt="<think> x", max_tokens=4)
+    assert text.usage.completion_tokens_details is None
+
+
 def test_the_openai_server_needs_the_markers_in_the_tokenizer(tmp_path):
     import subprocess
     import sys

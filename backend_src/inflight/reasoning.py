@@ -4,8 +4,9 @@ parser set, a request's structured outputs constrain the answer alone, as vLLM's
 grammar waits while the model reasons and starts after the end marker (from the first token where
 the prompt ended the reasoning already). And a request's thinking_token_budget (vLLM's) bounds the
 reasoning: once it has written that many tokens after the start marker, the end marker is the only
-token it may take. Splitting the text into reasoning and content is the OpenAI server's
-(client/inflight_client/openai_server/reasoning.py)."""
+token it may take. Each output's reasoning tokens are counted (ReasoningTokens: the usage's
+completion_tokens_details.reasoning_tokens at the OpenAI server). Splitting the text into reasoning
+and content is the OpenAI server's (client/inflight_client/openai_server/reasoning.py)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -67,3 +68,18 @@ class Reasoning:
         if token == self.end_id or left is None:
             return None
         return left - 1
+
+
+@dataclass(slots=True)
+class ReasoningTokens:
+    """One output's reasoning tokens so far: those it writes while reasoning, the markers not counted
+    (vLLM's count). A start marker opens the reasoning, an end marker closes it."""
+    markers: Reasoning
+    open: bool            # reasoning now: the prompt left it open (Reasoning.open_after), or a start since
+    count: int = 0
+
+    def add(self, token: int) -> None:
+        if token in (self.markers.start_id, self.markers.end_id):
+            self.open = token == self.markers.start_id
+        elif self.open:
+            self.count += 1

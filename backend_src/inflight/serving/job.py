@@ -11,6 +11,7 @@ import numpy as np
 from ..config import SamplingParams
 from ..detokenizer import IncrementalDetokenizer, StopStrings
 from ..logprobs import TokenLogprobs
+from ..reasoning import ReasoningTokens
 from .protocol import GenerateRequest
 
 
@@ -32,6 +33,7 @@ class Piece:
     logprobs: list[TokenLogprobs]
     new_ids: list[int]
     context_ids: list[int]
+    num_reasoning_tokens: int = 0           # of num_tokens, those written while reasoning
 
 
 @dataclass(eq=False)
@@ -50,11 +52,13 @@ class Sample:
     ready: bool = False                     # got tokens (or its end) since the last response
     first_token_time: float | None = None   # when its first token was delivered (the metrics' TTFT)
     last_token_time: float | None = None    # when its latest token was delivered (the metrics' token gaps)
+    reasoning: ReasoningTokens | None = None  # the engine's reasoning_parser: its reasoning tokens counted
     _text: list[str] = field(default_factory=list)          # not sent yet
     _logprobs: list[TokenLogprobs] = field(default_factory=list)
     _num_tokens: int = 0
     _new_ids: list[int] = field(default_factory=list)       # tokens of the text not sent yet
     _context_ids: list[int] = field(default_factory=list)   # and the tokens decoded before them
+    _reasoning_sent: int = 0                                  # reasoning tokens the responses so far covered
 
     @property
     def finished(self) -> bool:
@@ -74,6 +78,8 @@ class Sample:
         # among the token ids
         self.stop_token_hidden = (finish == "stop" and not self.include_stop_text
                                   and token not in self.detokenizer.skipped_ids)
+        if self.reasoning is not None and not self.stop_token_hidden:
+            self.reasoning.add(token)
         final = finish is not None
         delta = self.detokenizer.add([] if self.stop_token_hidden else [token], final=final)
         # None: the text ends inside a character (wait for more), or at the end nothing was left
@@ -108,7 +114,10 @@ class Sample:
         return self.output_ids[:-1] if self.stop_token_hidden else self.output_ids
 
     def take(self) -> Piece:
-        piece = Piece("".join(self._text), self._num_tokens, self._logprobs, self._new_ids, self._context_ids)
+        reasoned = 0 if self.reasoning is None else self.reasoning.count - self._reasoning_sent
+        self._reasoning_sent += reasoned
+        piece = Piece("".join(self._text), self._num_tokens, self._logprobs, self._new_ids, self._context_ids,
+                      reasoned)
         self._text, self._logprobs, self._num_tokens, self._new_ids, self._context_ids = [], [], 0, [], []
         self.ready = False
         return piece

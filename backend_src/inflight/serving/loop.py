@@ -21,6 +21,7 @@ from ..config import SamplingParams, usable_cpus
 from ..detokenizer import (REPLACEMENT, DecodeOptions, IncrementalDetokenizer, StopStrings, completed_token_text,
                            decode, token_text)
 from ..engine import LLMEngine, QueueFullError
+from ..reasoning import ReasoningTokens
 from .grammar_seats import GrammarSeats, SeatsTaken
 from .job import Job, ResponseSink, Sample
 from .outputs import response_outputs
@@ -229,8 +230,10 @@ class EngineLoop:
             params = _replace(params, prompt_logprobs=None)     # the outputs share one prompt: scored once
         stops = StopStrings(params.stop, request.include_stop_str_in_output) if params.stop else None
         options = DecodeOptions(params.skip_special_tokens, params.spaces_between_special_tokens)
+        markers = self.engine.reasoning
         return Sample(request_id, params, IncrementalDetokenizer(self.tokenizer, prompt_ids, options), stops,
-                      request.include_stop_str_in_output, self.tokenizer.eos_token_id)
+                      request.include_stop_str_in_output, self.tokenizer.eos_token_id,
+                      reasoning=None if markers is None else ReasoningTokens(markers, markers.open_after(prompt_ids)))
 
     def shutdown(self, timeout: float = 20.0) -> None:
         """Finish every request in flight with a final response, then stop both threads (grammars

@@ -10,6 +10,8 @@ in later ones and when `sampling_parameters` has no "prompt_logprobs"). `stop_re
 too) is per output the JSON of vLLM's stop_reason: the stop string or stop token id that ended
 it, `null` for EOS or a length limit; only from the response where an output ends (`null` for
 those still running), so that a stream's other responses carry nothing more per token.
+`num_reasoning_tokens` (inflight's too, where the engine has a reasoning_parser) is, like
+num_output_tokens, per output the tokens of this response that the model wrote while reasoning.
 """
 from __future__ import annotations
 
@@ -74,6 +76,8 @@ def response_outputs(job: Job, pieces: list[Piece], decoded_token: Callable[[int
         outputs["num_input_tokens"] = np.array([len(job.prompt_ids)], dtype=np.uint32)
     if request.return_num_output_tokens:
         outputs["num_output_tokens"] = np.array([piece.num_tokens for piece in pieces], dtype=np.uint32)
+    if request.return_num_reasoning_tokens and job.samples[0].reasoning is not None:    # inflight's own
+        outputs["num_reasoning_tokens"] = np.array([piece.num_reasoning_tokens for piece in pieces], dtype=np.uint32)
     if request.return_token_ids:      # inflight's own (n = 1): what the ensemble's postprocessing decodes
         if request.stream:
             ids, context = pieces[0].new_ids, pieces[0].context_ids

@@ -84,7 +84,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
         if body.return_token_ids:
             choice["token_ids"] = None if hidden else sampled_ids(out.logprobs)
         choices.append(choice)
-    reply = {**head, "choices": choices, "usage": usage.body()}
+    reply = {**head, "choices": choices, "usage": usage.body(ctx.reasoning is not None)}
     if body.prompt_logprobs is not None:         # vLLM's: once, for the one prompt of every choice
         reply["prompt_logprobs"] = outputs[0].prompt_logprobs
     if body.return_token_ids:
@@ -195,6 +195,7 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
     thinkers = _reasoning_readers(ctx, prompt_ids, body.n)
     usage = generation.Usage()
     counts = [0] * body.n                   # each choice's tokens so far
+    reasoned: list[int] | None = None       # and of those its reasoning tokens (llm's count, where it gives one)
     ended = set()                           # choices whose finish_reason went out (`llm` repeats it)
 
     def chunk(response: LLMResponse, index: int, delta: dict, logprobs=None, reason=None,
@@ -211,13 +212,16 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
         elif shows_ids:
             choice["token_ids"] = sampled_ids(positions)
         if continuous:
-            out["usage"] = generation.usage_body(response.num_input_tokens, counts[index])
+            out["usage"] = generation.usage_body(response.num_input_tokens, counts[index],
+                                                 None if reasoned is None else reasoned[index])
         return event(out)
 
     first = True
     try:
         async for _, response in responses:
             if first:
+                if response.num_reasoning_tokens is not None and ctx.reasoning is not None:
+                    reasoned = [0] * body.n
                 for index in range(body.n):
                     yield chunk(response, index, {"role": _role(body),
                                                   "content": readers[index].empty_content if readers else ""})
@@ -229,6 +233,8 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
                 if index in ended:
                     continue
                 counts[index] += response.num_output_tokens[index]
+                if reasoned is not None:
+                    reasoned[index] += response.num_reasoning_tokens[index]
                 reason, positions = response.finish_reasons[index], response.logprobs[index]
                 if reason is not None:
                     ended.add(index)
@@ -261,4 +267,4 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
     finally:
         await responses.aclose()
     if include_usage:
-        yield event({**head, "choices": [], "usage": usage.body()})
+        yield event({**head, "choices": [], "usage": usage.body(ctx.reasoning is not None)})

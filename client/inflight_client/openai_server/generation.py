@@ -24,19 +24,26 @@ class Output:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int | None = None     # llm's count, where it has a reasoning_parser
 
     def add(self, response: LLMResponse, first: bool) -> None:
         if first:                   # every response repeats it
             self.prompt_tokens += response.num_input_tokens
         self.completion_tokens += sum(response.num_output_tokens)
+        if response.num_reasoning_tokens is not None:
+            self.reasoning_tokens = (self.reasoning_tokens or 0) + sum(response.num_reasoning_tokens)
 
-    def body(self) -> dict:
-        return usage_body(self.prompt_tokens, self.completion_tokens)
+    def body(self, reasoning: bool = False) -> dict:
+        """reasoning: with the reasoning tokens (a chat reply of a server with --reasoning-parser)."""
+        return usage_body(self.prompt_tokens, self.completion_tokens, self.reasoning_tokens if reasoning else None)
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage_body(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    if reasoning_tokens is not None:            # vLLM's and OpenAI's field
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 async def _collect(call: AsyncIterator[LLMResponse]) -> list[LLMResponse]:
