@@ -134,9 +134,11 @@ def child_processes(pid: int) -> dict[int, str]:
     return children
 
 
-def reasoning_checkpoint(directory: str) -> str:
-    """A copy of the test model whose tokenizer has DeepSeek-R1's reasoning markers, <think> and
-    </think>, as tokens of their own (not special, as R1's), in place of its two last-learned tokens."""
+def reasoning_checkpoint(directory: str, markers: tuple[str, ...] = ("<think>", "</think>"),
+                         chat_template: str | None = None) -> str:
+    """A copy of the test model whose tokenizer has reasoning markers (DeepSeek-R1's <think> and
+    </think> by default) as tokens of their own (not special, as R1's), in place of its last-learned
+    tokens; and another chat template if given."""
     import json
     import shutil
     shutil.copytree(DEFAULT_MODEL, directory)
@@ -144,7 +146,7 @@ def reasoning_checkpoint(directory: str) -> str:
     with open(path) as f:
         tokenizer = json.load(f)
     vocab = tokenizer["model"]["vocab"]
-    for marker, token_id in zip(("<think>", "</think>"), sorted(vocab.values())[-2:]):
+    for marker, token_id in zip(markers, sorted(vocab.values())[-len(markers):]):
         replaced = next(text for text, i in vocab.items() if i == token_id)
         del vocab[replaced]
         vocab[marker] = token_id
@@ -153,4 +155,10 @@ def reasoning_checkpoint(directory: str) -> str:
                                           "rstrip": False, "normalized": False, "special": False})
     with open(path, "w") as f:
         json.dump(tokenizer, f)
+    if chat_template is not None:
+        config_path = os.path.join(directory, "tokenizer_config.json")
+        with open(config_path) as f:
+            config = json.load(f)
+        with open(config_path, "w") as f:
+            json.dump({**config, "chat_template": chat_template}, f)
     return directory

@@ -100,6 +100,125 @@ def test_a_thinking_token_budget_forces_the_end_marker(thinking_engine, think_to
         SamplingParams(thinking_token_budget=-2)
 
 
+QWEN3_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<|im_start|>", "<|im_end|>")
+# Qwen3's shape: ChatML turns, and an earlier reply's reasoning rendered in the history
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>\n"
+          "{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HISTORY = [{"role": "user", "content": "Weather in Oslo?"},
+           {"role": "assistant", "content": "Checking.", "reasoning": "Call the tool."},
+           {"role": "tool", "content": "12 C"}]
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+    model = reasoning_checkpoint(str(tmp_path_factory.mktemp("qwen3") / "qwen3-think"), QWEN3_MARKERS, CHATML)
+    return AutoTokenizer.from_pretrained(model)
+
+
+@pytest.fixture(scope="module")
+def qwen3_engine(qwen3_tokenizer):
+    config = EngineConfig(**TEST_ENGINE, reasoning_parser="qwen3")
+    return LLMEngine.from_pretrained(qwen3_tokenizer.name_or_path, config)
+
+
+def test_qwen3_reads_the_prompts_markers_from_its_last_turn(qwen3_engine, qwen3_tokenizer):
+    """vLLM 0.32's qwen3: the history's </think> (an earlier reply's reasoning, sent back as vLLM's
+    `reasoning` and rendered by the template) belongs to another turn, so the new reply reasons
+    first and its grammar waits; deepseek_r1 reads the last marker wherever it is."""
+    from inflight.reasoning import Reasoning
+    from inflight_client.openai_server.chat_template import ChatTemplate
+    from inflight_client.openai_server.schemas import ChatCompletionRequest
+    body = ChatCompletionRequest(model="m", messages=HISTORY)
+    prompt = ChatTemplate(qwen3_tokenizer).render(body.messages, None, body)
+    assert "<think>\nCall the tool.\n</think>" in prompt and prompt.endswith("<|im_start|>assistant\n")
+    ids = qwen3_tokenizer.encode(prompt)
+    assert Reasoning.load("qwen3", qwen3_tokenizer).open_after(ids)
+    assert not Reasoning.load("deepseek_r1", qwen3_tokenizer).open_after(ids)
+    end = qwen3_tokenizer.convert_tokens_to_ids("</think>")
+    outs = qwen3_engine.generate([ids] * 6, [constrained(seed, end) for seed in range(6)])
+    ended = [out for out in outs if end in out.token_ids]
+    assert any(out.token_ids.index(end) > 0 for out in ended), "free reasoning before the end marker"
+    for out in ended:
+        answer = qwen3_tokenizer.decode(out.token_ids[out.token_ids.index(end) + 1:], skip_special_tokens=True)
+        assert re.fullmatch(AB, answer), answer
+
+
+def call_tag(**options) -> dict:
+    """Hermes' call envelope (vLLM's tag for Qwen3's calls): a <tool_call> opens a call of f."""
+    call = {"type": "tag", "begin": '<tool_call>\n{"name": "f", "arguments": ', "end": "}\n</tool_call>",
+            "content": {"type": "json_schema", "json_schema": {"type": "object", "properties": {
+                "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}}
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [call]}}
+    return {"structural_tag": json.dumps(tag), "disable_any_whitespace": True, **options}
+
+
+def test_a_tool_call_opened_in_qwen3s_reasoning_ends_it_and_starts_the_grammar(qwen3_engine, qwen3_tokenizer):
+    """vLLM 0.32's qwen3: <tool_call> written before </think> ends the reasoning and is the grammar's
+    first token, so the call is written under the tag. Where the grammar cannot start with it (a
+    regex), the wait goes on to </think>, the request is not failed, and the answer follows it."""
+    tool, end = qwen3_tokenizer.convert_tokens_to_ids(["<tool_call>", "</think>"])
+    prompt = qwen3_tokenizer.encode("<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    calls = qwen3_engine.generate([prompt] * 4, [SamplingParams(
+        max_tokens=40, temperature=1.0, seed=seed, logit_bias={tool: 6.0},
+        structured_outputs=call_tag()) for seed in range(4)])
+    opened = [qwen3_tokenizer.decode(out.token_ids[out.token_ids.index(tool):]) for out in calls
+              if tool in out.token_ids and end not in out.token_ids[:out.token_ids.index(tool)]]
+    assert any("</tool_call>" in text for text in opened), "some replies open a call while reasoning"
+    for text in opened:
+        assert text.startswith('<tool_call>\n{"name": "f", "arguments": '), text
+        if "</tool_call>" in text:
+            call = json.loads(text[len("<tool_call>\n"):text.index("\n</tool_call>")])
+            assert call["name"] == "f" and isinstance(call["arguments"]["a"], int), text
+    answers = qwen3_engine.generate([prompt] * 6, [SamplingParams(
+        max_tokens=40, temperature=1.0, seed=seed, logit_bias={tool: 9.0, end: 9.0},
+        structured_outputs={"regex": AB}) for seed in range(6)])
+    assert any(tool in out.token_ids[:out.token_ids.index(end)] for out in answers if end in out.token_ids)
+    for out in answers:
+        assert out.finish_reason != "error"
+        if end in out.token_ids:
+            answer = qwen3_tokenizer.decode(out.token_ids[out.token_ids.index(end) + 1:], skip_special_tokens=True)
+            assert re.fullmatch(AB if out.finish_reason == "stop" else "[ab]{0,5}", answer), answer
+    assert qwen3_engine.kv.num_free_blocks == qwen3_engine.kv.num_blocks
+
+
+def read(reader, text: str, cuts: list[int]) -> tuple[str, str]:
+    """The reasoning and content a reader gives for the text fed in pieces cut at these offsets."""
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    split = [reader.feed(piece) for piece in pieces] + [reader.close()]
+    return "".join(r for r, _ in split), "".join(c for _, c in split)
+
+
+def test_qwen3s_reader_ends_the_reasoning_at_a_tool_call_and_drops_a_later_end(qwen3_tokenizer):
+    """The OpenAI server's split, as vLLM 0.32's qwen3 reads: <tool_call> ends the reasoning and
+    begins the content (where the tool parser finds the call), a </think> after it is none;
+    deepseek_r1 reads on to </think>. The same for the text cut anywhere."""
+    from inflight.reasoning import Reasoning
+    from inflight_client.openai_server.reasoning import ReasoningText
+    text = '<think>\nplan<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call></think>ok'
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    expected = {"qwen3": ("\nplan", call + "ok"), "deepseek_r1": ("\nplan" + call, "ok")}
+    for parser, split in expected.items():
+        markers = Reasoning.load(parser, qwen3_tokenizer)
+        for cut in range(len(text) + 1):
+            for cuts in ([cut], list(range(cut, len(text), 3))):
+                assert read(ReasoningText(markers, True), text, cuts) == split, (parser, cuts)
+
+
+def test_a_qwen3_tool_call_ends_the_reasoning_count_and_the_budget(qwen3_tokenizer):
+    """usage's reasoning_tokens and thinking_token_budget end where the split does, at <tool_call>."""
+    from inflight.reasoning import Reasoning, ReasoningTokens
+    tool, end = qwen3_tokenizer.convert_tokens_to_ids(["<tool_call>", "</think>"])
+    for parser, counted in (("qwen3", 2), ("deepseek_r1", 4)):
+        markers = Reasoning.load(parser, qwen3_tokenizer)
+        count = ReasoningTokens(markers, open=True)
+        for token in (5, 6, tool, 7, end, 8):
+            count.add(token)
+        assert count.count == counted, parser
+        assert (markers.budget_after(3, tool, 10) is None) == (parser == "qwen3")
+
+
 def test_the_reasoning_parser_is_checked_at_start():
     with pytest.raises(ValueError, match="'reasoning_parser' must be one of"):
         EngineConfig(reasoning_parser="deepseek")

@@ -2,19 +2,34 @@
 answers, as DeepSeek-R1 and its Llama and Qwen distills do in <think> ... </think>. With a reasoning
 parser set, a request's structured outputs constrain the answer alone, as vLLM's engine does: the
 grammar waits while the model reasons and starts after the end marker (from the first token where
-the prompt ended the reasoning already). And a request's thinking_token_budget (vLLM's) bounds the
-reasoning: once it has written that many tokens after the start marker, the end marker is the only
-token it may take. Each output's reasoning tokens are counted (ReasoningTokens: the usage's
-completion_tokens_details.reasoning_tokens at the OpenAI server). Splitting the text into reasoning
-and content is the OpenAI server's (client/inflight_client/openai_server/reasoning.py)."""
+the prompt ended the reasoning already; at qwen3's <tool_call>, which ends it too, with that token).
+And a request's thinking_token_budget (vLLM's) bounds the reasoning: once it has written that many
+tokens after the start marker, the end marker is the only token it may take. Each output's reasoning
+tokens are counted (ReasoningTokens: the usage's completion_tokens_details.reasoning_tokens at the
+OpenAI server). Splitting the text into reasoning and content is the OpenAI server's
+(client/inflight_client/openai_server/reasoning.py)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# vLLM's parser name -> its start and end markers. qwen3: Qwen3 writes <think> itself in thinking mode
-# and its template closes the reasoning in the prompt without it, both read as deepseek_r1's are
-MARKERS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>")}
+
+@dataclass(frozen=True, slots=True)
+class Markers:
+    start: str
+    end: str
+    tool_start: str | None = None       # a tool call's opening: inside the reasoning it ends it (and is content)
+    turn_starts: tuple[str, ...] = ()   # a marker before the last of these belongs to another turn of the chat
+    content_drops_end: bool = False     # an end marker written in the content is none (the OpenAI server's split)
+
+
+# vLLM's parser name -> its markers. deepseek_r1: R1's templates open <think> in the prompt (the model may
+# write it too). qwen3 (vLLM 0.32's): Qwen3 writes <think> itself in thinking mode (its template closes
+# the reasoning in the prompt without it); a <tool_call> in the reasoning ends it, the prompt's markers
+# count from the current turn on (its template keeps the reasoning of the turn's earlier replies), and a
+# second </think> is none
+MARKERS = {"deepseek_r1": Markers("<think>", "</think>"),
+           "qwen3": Markers("<think>", "</think>", "<tool_call>", ("<|im_start|>", "<|im_end|>"), True)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,28 +37,36 @@ class Reasoning:
     parser: str
     start_id: int
     end_id: int
+    tool_start_id: int | None = None            # where the tokenizer has the parser's tool_start
+    turn_ids: frozenset[int] = frozenset()      # the turn_starts the tokenizer has
 
     @property
-    def markers(self) -> tuple[str, str]:
+    def markers(self) -> Markers:
         return MARKERS[self.parser]
 
     @classmethod
     def load(cls, parser: str, tokenizer) -> "Reasoning":
         """The markers' token ids in the checkpoint's tokenizer; ValueError naming the setting where
-        it has none or lacks one (vLLM refuses such a parser too)."""
+        it has none or lacks the start or end marker (vLLM refuses such a parser too)."""
         assert parser in MARKERS
         if tokenizer is None:
             raise ValueError(f"'reasoning_parser' {parser!r} needs the model's tokenizer, and this checkpoint has none")
-        vocab = tokenizer.get_vocab()
-        missing = [marker for marker in MARKERS[parser] if marker not in vocab]
+        vocab, markers = tokenizer.get_vocab(), MARKERS[parser]
+        missing = [marker for marker in (markers.start, markers.end) if marker not in vocab]
         if missing:
             raise ValueError(f"'reasoning_parser' {parser!r}: the tokenizer has no {missing[0]!r} token (its "
                              "markers must be tokens of their own)")
-        return cls(parser, *(vocab[marker] for marker in MARKERS[parser]))
+        return cls(parser, vocab[markers.start], vocab[markers.end], vocab.get(markers.tool_start),
+                   frozenset(vocab[t] for t in markers.turn_starts if t in vocab))
+
+    def ends(self, token: int) -> bool:
+        """Whether the token ends the reasoning: the end marker, or a tool call's opening."""
+        return token == self.end_id or token == self.tool_start_id
 
     def open_after(self, token_ids: Sequence[int]) -> bool:
         """Whether the model is still reasoning after these tokens: unless the last marker among them
-        is the end (no marker at all counts as reasoning, as vLLM's is_reasoning_end says)."""
+        (in the current turn) ends it; no marker at all counts as reasoning, as vLLM's
+        is_reasoning_end says."""
         last = self._last_marker(token_ids)
         return last < 0 or token_ids[last] == self.start_id
 
@@ -55,17 +78,21 @@ class Reasoning:
         return budget - (len(prompt) - 1 - last) if last >= 0 and prompt[last] == self.start_id else None
 
     def _last_marker(self, token_ids: Sequence[int]) -> int:
-        """The index of the last start or end marker among the tokens; -1 if none."""
+        """The index of the last start or end marker among the tokens, after the last turn start;
+        -1 if none."""
         for i in range(len(token_ids) - 1, -1, -1):
-            if token_ids[i] in (self.start_id, self.end_id):
+            token = token_ids[i]
+            if token == self.start_id or self.ends(token):
                 return i
+            if token in self.turn_ids:
+                return -1
         return -1
 
     def budget_after(self, left: int | None, token: int, budget: int) -> int | None:
         """What is left of the budget after a sampled token (None: not reasoning)."""
         if token == self.start_id:
             return budget
-        if token == self.end_id or left is None:
+        if self.ends(token) or left is None:
             return None
         return left - 1
 
@@ -79,7 +106,7 @@ class ReasoningTokens:
     count: int = 0
 
     def add(self, token: int) -> None:
-        if token in (self.markers.start_id, self.markers.end_id):
+        if token == self.markers.start_id or self.markers.ends(token):
             self.open = token == self.markers.start_id
         elif self.open:
             self.count += 1

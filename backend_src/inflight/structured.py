@@ -706,8 +706,8 @@ class StepMask:
         (or that produced a token the grammar refused: see `rejected`), in sampling-row order."""
         started = time.perf_counter()
         done = np.zeros(len(tokens), dtype=bool)
-        for i, req in self.reasoning:      # the end marker ends the wait; the grammar starts after it
-            req.reasoning = int(tokens[i]) != self.owner.reasoning.end_id
+        for i, req in self.reasoning:
+            req.reasoning = not self._ends_reasoning(req.matcher, int(tokens[i]))
         for i, matcher in zip(self.positions, self.matchers):
             if not matcher.accept_token(int(tokens[i])):
                 self.rejected.append(i)
@@ -716,3 +716,13 @@ class StepMask:
                 done[i] = True
         self.owner.mask_seconds += time.perf_counter() - started
         return done
+
+    def _ends_reasoning(self, matcher, token: int) -> bool:
+        """The end marker ends the wait, and the grammar starts after it. A tool call's opening (qwen3)
+        ends it as the grammar's first token, as vLLM feeds it to its grammar; where the grammar
+        cannot start with it (a response_format), the wait goes on to the end marker (vLLM's grammar
+        would refuse the token)."""
+        markers = self.owner.reasoning
+        if token == markers.end_id:
+            return True
+        return token == markers.tool_start_id and matcher.accept_token(token)

@@ -65,9 +65,8 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
     thinkers = _reasoning_readers(ctx, prompt_ids, len(outputs))
     for index, out in enumerate(outputs):
         text, reasoning = "".join(out.text), None
-        if thinkers is not None and thinkers[index].reasoning:     # "" where it ended at once (as vLLM's)
-            reasoning, text = thinkers[index].feed(text)
-            reasoning += thinkers[index].close()
+        if thinkers is not None:        # reasoning "" where it ended at once (as vLLM's)
+            reasoning, text = thinkers[index].split(text)
         message = {"role": _role(body), "content": text}
         reason = out.finish_reason
         if _calls_tools(body):
@@ -250,7 +249,8 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
                 if thinkers is not None:
                     reasoning, text = thinkers[index].feed(text)
                     if reason is not None:
-                        reasoning += thinkers[index].close()
+                        more, rest = thinkers[index].close()
+                        reasoning, text = reasoning + more, text + rest
                     if reasoning and not hidden:
                         delta["reasoning"] = reasoning
                 content, calls = readers[index].feed(text) if readers is not None else (text, [])

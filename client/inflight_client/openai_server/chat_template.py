@@ -43,8 +43,12 @@ def message_text(message: ChatMessage, index: int) -> str:
 def template_message(message: ChatMessage, index: int) -> dict:
     """A message as transformers' chat templates take it: text content, and an assistant's
     `tool_calls` with their `arguments` as objects (OpenAI sends a JSON string; templates render
-    `arguments | tojson` or iterate its items). An empty `tool_calls` is left out, as vLLM does."""
+    `arguments | tojson` or iterate its items). An empty `tool_calls` is left out, as vLLM does. An
+    assistant's `reasoning` (a reply's, sent back) is also its `reasoning_content`, the name Qwen3's
+    and other templates render an earlier reply's reasoning from (vLLM passes both)."""
     item = {**message.model_dump(exclude_none=True), "content": message_text(message, index)}
+    if message.role == "assistant" and isinstance(item.get("reasoning"), str):
+        item.setdefault("reasoning_content", item["reasoning"])
     calls = item.get("tool_calls")
     if message.role != "assistant" or not isinstance(calls, list):
         return item
