@@ -135,10 +135,10 @@ def child_processes(pid: int) -> dict[int, str]:
 
 
 def reasoning_checkpoint(directory: str, markers: tuple[str, ...] = ("<think>", "</think>"),
-                         chat_template: str | None = None) -> str:
+                         chat_template: str | None = None, special: bool = False) -> str:
     """A copy of the test model whose tokenizer has reasoning markers (DeepSeek-R1's <think> and
-    </think> by default) as tokens of their own (not special, as R1's), in place of its last-learned
-    tokens; and another chat template if given."""
+    </think> by default) as tokens of their own (not special, as R1's, unless `special`), in place of
+    its last-learned tokens; and another chat template if given."""
     import json
     import shutil
     shutil.copytree(DEFAULT_MODEL, directory)
@@ -152,7 +152,7 @@ def reasoning_checkpoint(directory: str, markers: tuple[str, ...] = ("<think>", 
         vocab[marker] = token_id
         tokenizer["model"]["merges"] = [m for m in tokenizer["model"]["merges"] if "".join(m) != replaced]
         tokenizer["added_tokens"].append({"id": token_id, "content": marker, "single_word": False, "lstrip": False,
-                                          "rstrip": False, "normalized": False, "special": False})
+                                          "rstrip": False, "normalized": False, "special": special})
     with open(path, "w") as f:
         json.dump(tokenizer, f)
     if chat_template is not None:
@@ -162,3 +162,18 @@ def reasoning_checkpoint(directory: str, markers: tuple[str, ...] = ("<think>", 
         with open(config_path, "w") as f:
             json.dump({**config, "chat_template": chat_template}, f)
     return directory
+
+
+# the test model's chat template, refusing a tool call id that is not Mistral's 9 characters as Mistral's own do
+MISTRAL_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% for call in message.tool_calls or [] %}"
+                    "{% if call.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings "
+                    "with length 9!') }}{% endif %}{% endfor %}{{ message['role'] | capitalize }}: "
+                    "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
+def mistral_checkpoint(directory: str, args: bool = True) -> str:
+    """A copy of the test model whose tokenizer has Mistral's tool-call marker [TOOL_CALLS] (and with
+    `args` v11's [ARGS], after a call's name) as special tokens, as Mistral's Hugging Face tokenizers
+    have them, and whose chat template refuses a call id of another form, as Mistral's do."""
+    markers = ("[TOOL_CALLS]", "[ARGS]") if args else ("[TOOL_CALLS]",)
+    return reasoning_checkpoint(directory, markers, MISTRAL_TEMPLATE, special=True)

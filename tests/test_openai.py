@@ -23,7 +23,7 @@ from inflight.serving.launch import ServerProcess, make_repository
 from inflight_client.openai_server.schemas import ChatCompletionRequest, CompletionRequest
 
 from .conftest import DEFAULT_MODEL, TEST_ENGINE
-from .helpers import computed_tokens, openai_server, wait_for_metric
+from .helpers import SOURCE_PATH_ENV, computed_tokens, mistral_checkpoint, openai_server, wait_for_metric
 
 pytestmark = pytest.mark.server
 
@@ -1296,6 +1296,51 @@ def test_with_a_tag_for_its_format_a_model_writes_forced_calls_in_it(server, tmp
         with pytest.raises(openai.BadRequestError, match="'response_format' or 'tools' is not a valid") as error:
             auto_client.chat.completions.create(model=MODEL, messages=ASK, tools=broken, response_format=fmt)
         assert error.value.body["param"] == "response_format"
+
+
+def test_mistral_calls_read_from_its_special_tokens_go_back_with_its_ids(tmp_path):
+    """--tool-call-parser mistral before a model whose tokenizer has Mistral's [TOOL_CALLS] and
+    [ARGS] as special tokens (v11's form): the tokens the model writes stay in the text for the
+    parser (vLLM keeps them too), its calls come back with Mistral's 9-character ids, streamed or
+    not, and a conversation holding them renders with a template that refuses other ids, as
+    Mistral's do. A tokenizer without [TOOL_CALLS] is refused at start, as by vLLM."""
+    import subprocess
+    import sys
+
+    from inflight_client.openai_server.process import OpenAIServerProcess
+    from transformers import AutoTokenizer
+    checkpoint = mistral_checkpoint(str(tmp_path / "mistral-tiny"))
+    marker, args = AutoTokenizer.from_pretrained(checkpoint).convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]"])
+    text = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "unit": "C"}[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}'
+    calls = [("get_weather", '{"city": "Oslo", "unit": "C"}'), ("add", '{"a": 1, "b": 2}')]
+    repository = make_repository(str(tmp_path / "repository"), checkpoint, TEST_ENGINE)
+    with ServerProcess(repository) as triton, OpenAIServerProcess(
+            triton.http_url, checkpoint, extra=["--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
+            env=SOURCE_PATH_ENV, log_path=str(tmp_path / "openai.log")) as auto:
+        client = openai.OpenAI(base_url=auto.base_url, api_key="-", max_retries=0)
+        # the regex lets the model write each marker as its special token or as plain text: the bias picks the token
+        kwargs = dict(model="mistral-tiny", messages=ASK, max_tokens=80, temperature=0, tools=TOOLS,
+                      logit_bias={str(marker): 30, str(args): 30},
+                      extra_body={"structured_outputs": {"regex": exact_regex(text)}, "return_token_ids": True})
+        whole = client.chat.completions.create(**kwargs)
+        choice = whole.choices[0]
+        assert choice.model_extra["token_ids"].count(marker) == 2 and args in choice.model_extra["token_ids"]
+        assert (choice.message.content, calls_of(whole), choice.finish_reason) == ("Sure.", calls, "tool_calls")
+        ids = [call.id for call in choice.message.tool_calls]
+        assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 2, ids
+        streamed = streamed_completion(client, **kwargs)
+        assert (streamed.choices[0].message.content, calls_of(streamed)) == ("Sure.", calls)
+        assert all(len(call.id) == 9 for call in streamed.choices[0].message.tool_calls)
+        history = ASK + [choice.message.model_dump(include={"role", "content", "tool_calls"})] + [
+            {"role": "tool", "tool_call_id": i, "content": "done"} for i in ids]
+        assert client.chat.completions.create(model="mistral-tiny", messages=history, max_tokens=2).choices
+        history[1]["tool_calls"][0]["id"] = "call_" + ids[0]
+        with pytest.raises(openai.BadRequestError, match="Tool call IDs should be alphanumeric strings with length 9"):
+            client.chat.completions.create(model="mistral-tiny", messages=history, max_tokens=2)
+    run = subprocess.run([sys.executable, "-m", "inflight_client.openai_server", "--model-dir", DEFAULT_MODEL,
+                          "--enable-auto-tool-choice", "--tool-call-parser", "mistral", "--port", "1"],
+                         capture_output=True, text=True, env={**os.environ, **SOURCE_PATH_ENV}, timeout=120)
+    assert run.returncode != 0 and "--tool-call-parser mistral: the tokenizer has no '[TOOL_CALLS]' token" in run.stderr
 
 
 def test_auto_tool_choice_needs_the_models_format():

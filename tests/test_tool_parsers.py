@@ -6,8 +6,10 @@ import random
 import pytest
 
 from inflight_client.openai_server.schemas import ChatCompletionRequest
-from inflight_client.openai_server.tool_parsers import AutoToolText, call_envelope
-from inflight_client.openai_server.tools import tool_message
+from inflight_client.openai_server.tool_parsers import AutoToolText, call_envelope, call_id_of
+from inflight_client.openai_server.tools import ToolCallText, tool_message
+
+from .helpers import mistral_checkpoint
 
 WEATHER = ("get_weather", '{"city": "Oslo"}')
 ADD = ("add", '{"a": 1, "b": 2}')
@@ -72,10 +74,6 @@ CASES = [  # parser, the model's text -> content, calls, finish_reason
 ]
 
 
-def streamed(parser: str, text: str, cuts: list[int]):
-    return streamed_reader(AutoToolText(parser), text, cuts)
-
-
 def streamed_reader(reader: AutoToolText, text: str, cuts: list[int]):
     content, calls = "", []
     for start, end in zip([0] + cuts, cuts + [len(text)]):
@@ -89,17 +87,26 @@ def streamed_reader(reader: AutoToolText, text: str, cuts: list[int]):
 
 @pytest.mark.parametrize("parser, text, content, calls, reason", CASES)
 def test_a_reply_reads_as_its_content_and_calls_whole_or_streamed_in_any_pieces(parser, text, content, calls, reason):
-    message, finish_reason = tool_message(AutoToolText(parser), text, "stop")
-    assert tool_message(AutoToolText(parser), text, "length")[1] == "length", "a reply cut short says so"
+    assert_reads(lambda: AutoToolText(parser), text, content, calls, reason)
+
+
+def assert_reads(reader, text: str, content, calls, reason) -> list[str]:
+    """The reply's content, calls and finish_reason from a new reader(), whole and cut anywhere; the
+    calls' ids."""
+    message, finish_reason = tool_message(reader(), text, "stop")
+    assert tool_message(reader(), text, "length")[1] == "length", "a reply cut short says so"
     assert message["content"] == content and finish_reason == reason
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == calls
-    assert len({c["id"] for c in message.get("tool_calls", [])}) == len(calls)
+    ids = [c["id"] for c in message.get("tool_calls", [])]
+    assert len(set(ids)) == len(calls)
     rng = random.Random(0)
     for _ in range(0 if len(text) < 2 else 200 if len(text) < 500 else 5):
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(12, len(text) - 1))))
-        assert streamed(parser, text, cuts) == (content, calls, reason), cuts
+        assert streamed_reader(reader(), text, cuts) == (content, calls, reason), cuts
     if len(text) < 500:
-        assert streamed(parser, text, list(range(1, len(text)))) == (content, calls, reason), "a character at a time"
+        assert streamed_reader(reader(), text, list(range(1, len(text)))) == (content, calls, reason), \
+            "a character at a time"
+    return ids
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
@@ -110,6 +117,73 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
                                                                                        "tool_calls")
     assert tool_message(AutoToolText("pythonic", parallel=False), '[add(a=1, b=2), get_weather(city="Oslo")]',
                         "stop")[0]["tool_calls"][0]["function"]["name"] == "add"
+
+
+# mistral, in the form its tokenizer tells: a JSON list before v11 (no [ARGS] token), name[ARGS]{...} after
+ADD_LIST = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}]'
+WEATHER_V11, ADD_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}'
+MISTRAL_CASES = [  # tokenizer, the model's text -> content, calls, finish_reason (as vLLM 0.32 reads them, but where
+    # the README says otherwise: checked against its parser on these texts)
+    ("v3", 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "add", '
+           '"arguments": {"a": 1, "b": 2}}]', "Let me check.", [WEATHER, ADD], "tool_calls"),
+    ("v3", ' \n[TOOL_CALLS] {"name": "add", "arguments": {"a": 1, "b": 2}}', None, [ADD], "tool_calls"),
+    ("v3", ADD_LIST + " Done.", None, [ADD], "tool_calls"),
+    ("v3", ADD_LIST + '\n[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]', None, [ADD, WEATHER],
+     "tool_calls"),
+    ("v3", '[TOOL_CALLS][{"name": "f"}, 5, {"name": ""}, {"name": "g", "arguments": "{\\"x\\": 1}"}]', None,
+     [("f", "{}"), ("g", '{"x": 1}')], "tool_calls"),
+    ("v3", "[TOOL_CALLS][TOOL_CALLS]" + ADD_LIST[12:], None, [ADD], "tool_calls"),
+    ("v3", "[TOOL_CALLS]junk " + ADD_LIST, None, [ADD], "tool_calls"),
+    ("v3", 'Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1,', 'Sure.[TOOL_CALLS][{"name": "add", "arguments": '
+           '{"a": 1,', [], "stop"),
+    ("v3", "[TOOL_CALLS]not json", "[TOOL_CALLS]not json", [], "stop"),
+    ("v3", '[TOOL_CALLS][{"arguments": {}}]', '[TOOL_CALLS][{"arguments": {}}]', [], "stop"),
+    ("v3", ADD_LIST[12:], ADD_LIST[12:], [], "stop"),                    # no marker: content
+    ("v3", ADD_V11, ADD_V11, [], "stop"),                                # not this tokenizer's form
+    ("v3", "Plain text, [TOOL_CALL but no call [TOOL_CAL", "Plain text, [TOOL_CALL but no call [TOOL_CAL", [], "stop"),
+    ("v3", "", "", [], "stop"),
+    ("v3", "[TOOL_CALLS]" + "[" * 1200, "[TOOL_CALLS]" + "[" * 1200, [], "stop"),
+    ("v11", "Let me check." + WEATHER_V11 + ADD_V11, "Let me check.", [WEATHER, ADD], "tool_calls"),
+    ("v11", '[TOOL_CALLS]add{"a": 1, "b": 2}', None, [ADD], "tool_calls"),
+    ("v11", '  [TOOL_CALLS] add [ARGS] {"a":1,\n"b":2} and text', None, [("add", '{"a":1,\n"b":2}')], "tool_calls"),
+    ("v11", ADD_V11 + " Done." + WEATHER_V11 + "\n", None, [ADD, WEATHER], "tool_calls"),
+    ("v11", ADD_V11[:-8], ADD_V11[:-8], [], "stop"),                     # cut short
+    ("v11", ADD_V11[:-8] + WEATHER_V11, None, [WEATHER], "tool_calls"),  # a marker ends the call before it
+    ("v11", '[TOOL_CALLS][ARGS]{"a": 1}', '[TOOL_CALLS][ARGS]{"a": 1}', [], "stop"),
+    ("v11", "[TOOL_CALLS]add[ARGS][1, 2]", "[TOOL_CALLS]add[ARGS][1, 2]", [], "stop"),
+    ("v11", "Sure.[TOOL_CALLS]add", "Sure.[TOOL_CALLS]add", [], "stop"),
+    ("v11", "[TOOL_CALLS]" + ADD_V11, None, [ADD], "tool_calls"),
+    ("v11", "No call, [ARGS]{} here", "No call, [ARGS]{} here", [], "stop"),
+]
+
+
+@pytest.fixture(scope="module")
+def mistral_tokenizers(tmp_path_factory):
+    from transformers import AutoTokenizer
+    root = tmp_path_factory.mktemp("mistral")
+    return {version: AutoTokenizer.from_pretrained(mistral_checkpoint(str(root / version), args=version == "v11"))
+            for version in ("v3", "v11")}
+
+
+@pytest.mark.parametrize("version, text, content, calls, reason", MISTRAL_CASES)
+def test_a_mistral_reply_reads_in_its_tokenizers_form_whole_or_streamed(mistral_tokenizers, version, text, content,
+                                                                         calls, reason):
+    """What does not read as a call is skipped, and a reply in which none reads is content as written;
+    the calls' ids are Mistral's 9 letters and digits."""
+    ids = assert_reads(lambda: AutoToolText("mistral", tokenizer=mistral_tokenizers[version]), text, content, calls,
+                       reason)
+    assert all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids), ids
+
+
+def test_mistral_calls_keep_the_first_with_parallel_tool_calls_false_and_forced_ones_have_its_ids(mistral_tokenizers):
+    for version in ("v3", "v11"):
+        text = next(case[1] for case in MISTRAL_CASES if case[0] == version)     # a text, then two calls
+        reader = AutoToolText("mistral", parallel=False, tokenizer=mistral_tokenizers[version])
+        assert streamed_reader(reader, text, [20, 60]) == ("Let me check.", [WEATHER], "tool_calls")
+    # "required" and named (tools.py's JSON forms, with this parser) make Mistral's ids too
+    _, calls = ToolCallText(None, call_id_of("mistral")).feed('[{"name": "add", "parameters": {"a": 1}}]')
+    _, named = ToolCallText("add", call_id_of("mistral")).feed('{"a": 1}')
+    assert [len(c["id"]) for c in calls + named] == [9, 9] and ToolCallText("add").feed("{}")[1][0]["id"][:5] == "call_"
 
 
 def test_a_pythonic_reply_streams_as_content_once_it_cannot_be_a_list_of_calls():

@@ -35,6 +35,7 @@ from .models import ServedModels
 from .reasoning import markers
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .tokenization import detokenize, tokenize
+from .tool_parsers import check_tokenizer
 from .triton import TritonLLM
 
 log = logging.getLogger("inflight.openai")
@@ -174,6 +175,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
     reasoning = None if settings.reasoning_parser is None else markers(settings.reasoning_parser, tokenizer)
+    check_tokenizer(settings.tool_call_parser, tokenizer)
     ctx = Context(TritonLLM(settings.triton_url, settings.triton_model, settings.max_triton_requests), tokenizer,
                   ChatTemplate(tokenizer, settings.chat_template, settings.trust_request_chat_template),
                   ServedModels(settings.served_model_name, settings.max_model_len, settings.lora_names),

@@ -22,7 +22,7 @@ from .sampling import chat_sampling
 from .schemas import ChatCompletionRequest
 from .sse import event, sse_response
 from .structured import Constraint, blame, request_constraints, single
-from .tool_parsers import ENVELOPED, PARSERS, AutoToolText, call_envelope, special_tokens_kept
+from .tool_parsers import ENVELOPED, PARSERS, AutoToolText, call_envelope, call_id_of, special_tokens_kept
 from .tools import ToolCallText, called_function, tool_constraint, tool_message, tool_schemas
 from .triton import LLMResponse, Prompt
 
@@ -181,8 +181,8 @@ def _tool_reader(body: ChatCompletionRequest, ctx: Context) -> ToolCallText | Au
     call where the parser has a tag for it (call_envelope)."""
     if body.tool_choice == "auto" or ctx.tool_call_parser in ENVELOPED:
         return AutoToolText(ctx.tool_call_parser, parallel=body.parallel_tool_calls is not False,
-                            named=called_function(body) is not None)
-    return ToolCallText(called_function(body))
+                            named=called_function(body) is not None, tokenizer=ctx.tokenizer)
+    return ToolCallText(called_function(body), call_id_of(ctx.tool_call_parser))
 
 
 async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int, prompt_ids: list[int], echo: str,

@@ -57,8 +57,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     parser.add_argument("--tool-call-parser", choices=PARSERS,
                         help="the model's tool-call format, for --enable-auto-tool-choice: hermes (<tool_call> tags: "
                              "Hermes 2 Pro, Qwen 2.5 and 3), llama3_json (a JSON object per call: Llama 3.1-3.3), "
-                             "pythonic (a Python list of calls: ToolACE, Llama 3.2 with a pythonic chat template) "
-                             "or llama4_pythonic (Llama 4)")
+                             "pythonic (a Python list of calls: ToolACE, Llama 3.2 with a pythonic chat template), "
+                             "llama4_pythonic (Llama 4) or mistral (calls after a [TOOL_CALLS] token, in the form "
+                             "the tokenizer's version has: Mistral 7B v0.3, Nemo, Small, Ministral, Magistral, "
+                             "Devstral)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                         help="split a chat reply into `reasoning` and `content` (vLLM's flag): deepseek_r1 (<think> "
                              "... </think>: DeepSeek-R1 and its Llama and Qwen distills, QwQ) or qwen3 (the same "

@@ -20,6 +20,11 @@ then read here too), `call_envelope` is its structural tag.
   a literal value (JSON's null/true/false too; tuples and sets become lists), is calls; any other
   reply is content, whole, as vLLM's reads a whole reply. So a reply that starts as a list of calls
   (`[name(`) is held until it ends; any other streams as it comes.
+- `mistral` (Mistral's instruct models: 7B v0.3, Nemo, Small, Ministral, Magistral, Devstral): each
+  `[TOOL_CALLS]` opens calls, which run to the next one (or the end). Its form follows the tokenizer,
+  as vLLM's choice does: without an `[ARGS]` token (before Mistral's tokenizer v11) a JSON list of
+  {"name", "arguments"} (or one such object); with one, `name[ARGS]{...}` (or `name{...}`), a call
+  each. What does not read as a call is skipped; a reply in which no call reads is content, whole.
 """
 from __future__ import annotations
 
@@ -30,13 +35,14 @@ import re
 
 from inflight.structured import older_tag_format
 
-from .tools import arguments_json, called_function, decode_json, new_call
+from .tools import arguments_json, called_function, decode_json, mistral_call_id, new_call, openai_call_id
 
-PARSERS = ("hermes", "llama3_json", "pythonic", "llama4_pythonic")
+PARSERS = ("hermes", "llama3_json", "pythonic", "llama4_pythonic", "mistral")
 ENVELOPED = ("hermes", "llama3_json")       # the formats vLLM 0.32 has a structural tag for
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"      # llama4_pythonic: around its list
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"     # mistral: before calls; v11+ between a call's name and arguments
 _PYTHONIC_HEAD = re.compile(r"\[\s*[A-Za-z_]\w*\(")      # how a pythonic list of calls starts
 _PYTHONIC_START = re.compile(r"(?:\[\s*(?:[A-Za-z_]\w*)?)?")  # what could still become that
 _JSON_NAMES = {"null": None, "true": True, "false": False}
@@ -138,8 +144,29 @@ def _format_of(constraint: dict) -> dict | None:
 
 def special_tokens_kept(parser: str) -> bool:
     """Whether the parser reads special tokens (skip_special_tokens false): Hermes 2 Pro's
-    <tool_call> tags are special tokens, so vLLM keeps them in the text for this parser."""
-    return parser == "hermes"
+    <tool_call> tags and Mistral's [TOOL_CALLS] are special tokens, so vLLM keeps them in the text
+    for these parsers."""
+    return parser in ("hermes", "mistral")
+
+
+def call_id_of(parser: str | None):
+    """What makes the ids of the calls read for this parser: Mistral's form for mistral (the model's
+    chat template refuses another when the client sends the calls back), else OpenAI's."""
+    return mistral_call_id if parser == "mistral" else openai_call_id
+
+
+def check_tokenizer(parser: str | None, tokenizer) -> None:
+    """SystemExit naming the flag where the parser cannot read this tokenizer's output (vLLM refuses
+    to start too): mistral's needs Mistral's [TOOL_CALLS] token."""
+    if parser == "mistral" and not _has_token(tokenizer, TOOL_CALLS):
+        raise SystemExit(f"inflight-openai: --tool-call-parser mistral: the tokenizer has no {TOOL_CALLS!r} token "
+                         "(Mistral's tool-call marker)")
+
+
+def _has_token(tokenizer, token: str) -> bool:
+    """Whether the token is in the tokenizer's vocabulary (where vLLM looks), without building it."""
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    return token_id is not None and tokenizer.convert_ids_to_tokens(token_id) == token
 
 
 def _call(value, arguments_keys: tuple[str, ...]) -> tuple[str, str] | None:
@@ -157,6 +184,49 @@ def _decoded(text: str, start: int = 0) -> tuple[object, int] | None:
         return decode_json(text, start)
     except (json.JSONDecodeError, RecursionError):
         return None
+
+
+def _mistral_call(value) -> tuple[str, str] | None:
+    """(name, arguments JSON) of an element of Mistral's JSON list of calls; None if it is not one. As
+    vLLM's: arguments that are a string are taken as written, and none are {}."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    arguments = value.get("arguments")
+    if arguments is None:
+        return value["name"], "{}"
+    return value["name"], arguments if isinstance(arguments, str) else arguments_json(arguments)
+
+
+def _mistral_list(text: str, complete: bool) -> list[tuple[str, str]] | None:
+    """The calls of a pre-v11 [TOOL_CALLS]'s text, a JSON list of calls or one call (elements that
+    are not calls skipped, text after it too, as vLLM's); [] where none reads; None while more text
+    could still make them."""
+    start = len(text) - len(text.lstrip())
+    if start < len(text) and text[start] not in "[{":
+        return []
+    decoded = _decoded(text, start) if start < len(text) else None
+    if decoded is None:
+        return [] if complete else None
+    calls = decoded[0] if isinstance(decoded[0], list) else [decoded[0]]
+    return [call for call in map(_mistral_call, calls) if call is not None]
+
+
+def _mistral_named(text: str, complete: bool) -> list[tuple[str, str]] | None:
+    """The call of a v11+ [TOOL_CALLS]'s text, `name[ARGS]{...}` or `name{...}`: its arguments the
+    JSON object as the model wrote it (vLLM's), text after it skipped; [] where it is not a call;
+    None while more text could still make it one."""
+    args, brace = text.find(ARGS), text.find("{")
+    split = args if args >= 0 and (brace < 0 or args < brace) else brace
+    if split < 0:
+        return [] if complete else None
+    name, start = text[:split].strip(), split + len(ARGS) if split == args else split
+    start += len(text[start:]) - len(text[start:].lstrip())
+    if not name or (start < len(text) and text[start] != "{"):
+        return []
+    decoded = _decoded(text, start) if start < len(text) else None
+    if decoded is None:
+        return [] if complete else None
+    return [(name, text[start:decoded[1]])]
 
 
 def _whole_call(text: str, arguments_keys: tuple[str, ...]) -> tuple[str, str] | None:
@@ -224,11 +294,17 @@ class AutoToolText:
 
     empty_content = ""                # a reply without a call, and without text (as vLLM's)
 
-    def __init__(self, parser: str, parallel: bool = True, named: bool = False):
+    def __init__(self, parser: str, parallel: bool = True, named: bool = False, tokenizer=None):
         assert parser in PARSERS
         self.parser = parser
         self.parallel = parallel      # False (parallel_tool_calls false): calls after the first are dropped
         self.named = named            # the call a named tool_choice forced (under call_envelope's tag)
+        self.call_id = call_id_of(parser)
+        # mistral: the form of its calls, from the model's tokenizer as vLLM tells it: name[ARGS]{...}
+        # where it has an [ARGS] token (v11+), else a JSON list
+        self.args_token = parser == "mistral" and _has_token(tokenizer, ARGS)
+        self.calls_at = None          # mistral: where the call text being read starts; None: no [TOOL_CALLS] yet
+        self.call_read = False        # mistral: that text was read (then calls_at: where the next marker may start)
         self.text = ""
         self.position = 0             # what has been read: sent as content, or taken as calls
         self.num_calls = 0
@@ -240,6 +316,8 @@ class AutoToolText:
         self.text += text
         if self.parser == "hermes":
             return self._hermes()
+        if self.parser == "mistral":
+            return self._mistral()
         return self._llama3_json() if self.parser == "llama3_json" else self._pythonic()
 
     def close(self) -> tuple[str | None, list[dict]]:
@@ -255,6 +333,8 @@ class AutoToolText:
                 calls, rest = self._take(call), ""
             else:
                 rest = HERMES_OPEN + rest
+        if self.parser == "mistral" and self.calls_at is not None:
+            calls = self._mistral_calls(final=True)
         if self.num_calls:
             return None, calls         # after a call, text is not content
         if self.calling:
@@ -268,7 +348,7 @@ class AutoToolText:
         return "tool_calls" if self.num_calls and reason == "stop" and not self.named else reason
 
     def _take(self, name_and_arguments: tuple[str, str]) -> list[dict]:
-        call = new_call(self.num_calls, *name_and_arguments)
+        call = new_call(self.num_calls, *name_and_arguments, self.call_id)
         self.num_calls += 1
         return [call] if self.parallel or self.num_calls == 1 else []
 
@@ -302,6 +382,38 @@ class AutoToolText:
                 content.append(f"{HERMES_OPEN}{block}{HERMES_CLOSE}")
             self.position, self.in_call = end + len(HERMES_CLOSE), False
         return "".join(content), calls
+
+    def _mistral(self) -> tuple[str, list[dict]]:
+        content = ""
+        if self.calls_at is None:
+            start = self.text.find(TOOL_CALLS, self.position)
+            end = start if start >= 0 else len(self.text) - held_prefix(self.text[self.position:], TOOL_CALLS)
+            if self.position or self.text[:end].strip():      # whitespace alone before a call is none
+                content, self.position = self.text[self.position:end], end
+            if start < 0:
+                return content, []
+            self.calls_at = start + len(TOOL_CALLS)
+        return content, self._mistral_calls(final=False)
+
+    def _mistral_calls(self, final: bool) -> list[dict]:
+        """The calls of each [TOOL_CALLS]'s text once it is complete: it runs to the next marker (or
+        the end), so that a call cut short or malformed ends there and the next one still reads."""
+        calls = []
+        while True:
+            end = self.text.find(TOOL_CALLS, self.calls_at)
+            if not self.call_read:
+                text = self.text[self.calls_at:end if end >= 0 else len(self.text)]
+                read = (_mistral_named if self.args_token else _mistral_list)(text, final or end >= 0)
+                if read is None:
+                    break                  # not complete yet
+                calls += [call for name_and_arguments in read for call in self._take(name_and_arguments)]
+                self.call_read = True
+            if end < 0:
+                if self.call_read:         # only the next marker matters now: look for it in what is new
+                    self.calls_at = max(self.calls_at, len(self.text) - len(TOOL_CALLS) + 1)
+                break
+            self.calls_at, self.call_read = end + len(TOOL_CALLS), False
+        return calls
 
     def _llama3_json(self) -> tuple[str, list[dict]]:
         if self.done:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
+import string
 import uuid
 
 from .errors import APIError
@@ -105,9 +107,18 @@ def called_function(body: ChatCompletionRequest) -> str | None:
     return body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
 
 
-def new_call(index: int, name: str, arguments: str) -> dict:
-    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+def openai_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def mistral_call_id() -> str:
+    """Mistral's form of a call id, 9 letters and digits: its chat templates (and mistral-common)
+    refuse any other in the history a client sends back, so vLLM makes these for its mistral parser."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+def new_call(index: int, name: str, arguments: str, call_id=openai_call_id) -> dict:
+    return {"index": index, "id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def arguments_json(parameters) -> str:
@@ -131,8 +142,9 @@ class ToolCallText:
 
     empty_content = None              # a forced call's reply has no content (OpenAI's null; vLLM 0.32 writes "")
 
-    def __init__(self, function: str | None):
+    def __init__(self, function: str | None, call_id=openai_call_id):
         self.function = function          # named tool_choice; None: "required"'s array
+        self.call_id = call_id            # what makes each call's id (the model's form: tool_parsers.call_id_of)
         self.text = ""
         self.position = 0                 # "required": where the next call starts
         self.num_calls = 0
@@ -146,7 +158,7 @@ class ToolCallText:
     def _named(self, text: str) -> list[dict]:
         if self.num_calls == 0:
             self.num_calls = 1
-            return [new_call(0, self.function, text)]
+            return [new_call(0, self.function, text, self.call_id)]
         return [{"index": 0, "function": {"arguments": text}}] if text else []
 
     def _required(self) -> list[dict]:
@@ -162,7 +174,7 @@ class ToolCallText:
                 call, end = decode_json(self.text, start)
             except (json.JSONDecodeError, RecursionError):     # not complete yet (or never: too deep)
                 break
-            deltas.append(new_call(self.num_calls, call["name"], arguments_json(call["parameters"])))
+            deltas.append(new_call(self.num_calls, call["name"], arguments_json(call["parameters"]), self.call_id))
             self.num_calls += 1
             self.position = end
         return deltas
