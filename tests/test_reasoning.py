@@ -204,6 +204,8 @@ def test_qwen3s_reader_ends_the_reasoning_at_a_tool_call_and_drops_a_later_end(q
         for cut in range(len(text) + 1):
             for cuts in ([cut], list(range(cut, len(text), 3))):
                 assert read(ReasoningText(markers, True), text, cuts) == split, (parser, cuts)
+        tail = "<think>plan</think>a </th"      # content that ends as a marker could begin: given at the end
+        assert read(ReasoningText(markers, True), tail, [len(tail) - 2]) == ("plan", "a </th"), parser
 
 
 def test_a_qwen3_tool_call_ends_the_reasoning_count_and_the_budget(qwen3_tokenizer):

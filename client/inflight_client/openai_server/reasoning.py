@@ -5,8 +5,8 @@ rest is content; a reply that never writes </think> is all reasoning, and where 
 marker is </think> (the reasoning was ended in the prompt) all of it is content. qwen3 reads the
 same, and as vLLM 0.32's: a <tool_call> also ends the reasoning (it begins the content, where the
 tool parser reads it), the prompt's markers count from its last turn on, and a </think> in the
-content is dropped. The engine's own
-reasoning_parser (backend_src/inflight/reasoning.py) keeps a constraint for the content."""
+content is dropped. The engine's own reasoning_parser (backend_src/inflight/reasoning.py) keeps a
+constraint for the content."""
 from __future__ import annotations
 
 from inflight.reasoning import MARKERS, Reasoning
@@ -36,7 +36,7 @@ class ReasoningText:
         self.drops_end = spec.content_drops_end         # qwen3 (vLLM's): a </think> in the content is none
         self.reasoning = reasoning        # still reasoning: no end read yet
         self.text = ""                    # what arrived and is held (while reasoning: all of it)
-        self.position = 0                 # what has been read
+        self.position = 0                 # while reasoning: what has been read
         self.opened = False               # a leading start marker was looked for
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -58,7 +58,7 @@ class ReasoningText:
         at, marker = min(found)
         after = at + len(marker) if marker == self.ends[0] else at       # a tool call stays in the content
         reasoning, content = self.text[self.position:at], self.text[after:]
-        self.reasoning, self.text = False, ""
+        self.reasoning, self.text, self.position = False, "", 0
         return reasoning, self._content(content)
 
     def _content(self, text: str) -> str:
