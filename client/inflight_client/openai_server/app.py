@@ -33,7 +33,8 @@ from .errors import APIError
 from .generation_config import sampling_defaults
 from .models import ServedModels
 from .reasoning import markers
-from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .responses import create_response
+from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest
 from .tokenization import detokenize, tokenize
 from .tool_parsers import check_tokenizer
 from .triton import TritonLLM
@@ -256,6 +257,13 @@ def create_app(settings: Settings) -> FastAPI:
         priority_allowed(body)
         return await _unless_disconnected(request, create_chat_completion(body, ctx, _request_id(request, body),
                                                                           await _large(request)))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        body = await _body(request, ResponsesRequest)
+        priority_allowed(body)
+        return await _unless_disconnected(request, create_response(body, ctx, _request_id(request, body),
+                                                                   await _large(request)))
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):

@@ -4,11 +4,14 @@ then content deltas (or tool-call deltas, tools.py), then its finish_reason (and
 stream_options.include_usage). vLLM's `echo`: a final message of the reply's role (an assistant's,
 continued with continue_final_message) starts each choice's content. vLLM's `return_token_ids`:
 the prompt's ids in the response (a stream: in each role chunk), each choice's generated ids in its
-choice (a stream: per delta)."""
+choice (a stream: per delta). The Responses API (responses.py) is a view over a chat request:
+run_chat is what both routes run."""
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 
@@ -27,7 +30,33 @@ from .tools import ToolCallText, called_function, tool_constraint, tool_message,
 from .triton import LLMResponse, Prompt
 
 
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request sent to `llm`: its whole reply, or (streamed) its chunks as they come, and the
+    sampling it runs with. `as_sent` names an error's fields as the request did: run_chat's own
+    errors already are, a stream's come as `llm` names them."""
+    reply: dict | None
+    chunks: AsyncIterator[dict] | None
+    sampling: dict
+    as_sent: Callable[[APIError], APIError]
+
+
 async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, request_id: str, large: bool):
+    run = await run_chat(body, ctx, request_id, large)
+    if run.chunks is not None:
+        return sse_response(_events(run.chunks), run.as_sent)
+    return JSONResponse(run.reply)
+
+
+async def _events(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield event(chunk)
+    finally:
+        await chunks.aclose()
+
+
+async def run_chat(body: ChatCompletionRequest, ctx: Context, request_id: str, large: bool) -> ChatRun:
     lora_name = ctx.models.check(body.model)
     if body.tool_choice == "auto" and ctx.tool_call_parser is None:
         # vLLM answers the same without --enable-auto-tool-choice and a --tool-call-parser
@@ -54,8 +83,8 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
     try:
         if body.stream:
             responses = await generation.stream(calls)
-            return sse_response(_chunks({**head, "object": "chat.completion.chunk"}, body, responses, top_n,
-                                        prompt_ids, _echo(body), prompt_text, ctx), as_sent)
+            return ChatRun(None, _chunks({**head, "object": "chat.completion.chunk"}, body, responses, top_n,
+                                         prompt_ids, _echo(body), prompt_text, ctx), sampling, as_sent)
         outputs, usage = await generation.gather(calls, body.n)
     except APIError as exc:
         raise as_sent(exc) from None
@@ -90,7 +119,7 @@ async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, requ
         reply["prompt_token_ids"] = prompt_ids
     if prompt_text is not None:
         reply["prompt_text"] = prompt_text
-    return JSONResponse(reply)
+    return ChatRun(reply, None, sampling, as_sent)
 
 
 def _constraints(body: ChatCompletionRequest, ctx: Context) -> list[Constraint]:
@@ -198,7 +227,7 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
     ended = set()                           # choices whose finish_reason went out (`llm` repeats it)
 
     def chunk(response: LLMResponse, index: int, delta: dict, logprobs=None, reason=None,
-              positions: list | None = None) -> bytes:
+              positions: list | None = None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         if reason is not None:                  # vLLM's stop_reason, in the chunk that ends the choice
             choice["stop_reason"] = response.stop_reasons[index]
@@ -213,7 +242,7 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
         if continuous:
             out["usage"] = generation.usage_body(response.num_input_tokens, counts[index],
                                                  None if reasoned is None else reasoned[index])
-        return event(out)
+        return out
 
     first = True
     try:
@@ -267,4 +296,4 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
     finally:
         await responses.aclose()
     if include_usage:
-        yield event({**head, "choices": [], "usage": usage.body(ctx.reasoning is not None)})
+        yield {**head, "choices": [], "usage": usage.body(ctx.reasoning is not None)}

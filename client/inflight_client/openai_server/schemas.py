@@ -37,6 +37,7 @@ def _not_a_boolean(value):
 
 Int = Annotated[int, BeforeValidator(_not_a_boolean)]
 Float = Annotated[float, BeforeValidator(_not_a_boolean)]
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]     # OpenAI's reasoning effort
 
 
 class Body(BaseModel):
@@ -277,7 +278,7 @@ class TemplateFields(Body):
     chat_template: str | None = None             # vLLM's: this request's template (--trust-request-chat-template)
     # OpenAI's, for reasoning models: a template variable, and enable_thinking (unless
     # chat_template_kwargs sets it) = effort != "none", as vLLM hands them to the template
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    reasoning_effort: Effort | None = None
 
     def template_variables(self) -> dict:
         variables = dict(self.chat_template_kwargs or {})
@@ -384,3 +385,224 @@ class TokenizeRequest(TemplateFields):
 class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[Int]
+
+
+# POST /v1/responses (responses.py): OpenAI's Responses request, with vLLM 0.32's extra fields
+
+class InputText(Body):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(Body):
+    """An earlier reply's text, sent back (its annotations and logprobs unused)."""
+    type: Literal["output_text"]
+    text: str
+    annotations: list | None = None
+    logprobs: list | None = None
+
+
+class Refusal(Body):
+    type: Literal["refusal"]
+    refusal: str
+
+
+TextPart = Annotated[InputText | OutputText | Refusal, Field(discriminator="type")]
+
+
+def _text_as_a_part(value):
+    """Text content as the one input_text part it stands for: so that a list's wrong part is what
+    an error names (not the string the content could also have been)."""
+    return [{"type": "input_text", "text": value}] if isinstance(value, str) else value
+
+
+TextParts = Annotated[list[TextPart], BeforeValidator(_text_as_a_part)]
+
+
+class MessageItem(Body):
+    type: Literal["message"]
+    role: Literal["user", "assistant", "system", "developer"]
+    content: TextParts                           # a string, or text parts
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None     # an assistant's unfinished: continued
+    phase: Literal["commentary", "final_answer"] | None = None
+
+
+class FunctionCallItem(Body):
+    """An earlier reply's call: the template gets it as that assistant turn's tool_calls."""
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(Body):
+    """A call's result: the template gets it as a tool message."""
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Annotated[list[InputText], BeforeValidator(_text_as_a_part)]     # a string, or input_text parts
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class ReasoningPart(Body):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(Body):
+    """An earlier reply's reasoning: the template gets it as that assistant turn's reasoning."""
+    type: Literal["reasoning"]
+    summary: list[ReasoningPart] = []
+    content: list[ReasoningPart] | None = None
+    encrypted_content: str | None = None          # none is made here, so none can be read (responses.py)
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+                      Field(discriminator="type")]
+
+
+class FunctionTool(Body):
+    """The Responses API's flat function tool."""
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None               # a JSON schema
+    strict: bool | None = None
+
+
+class FunctionChoice(Body):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Body):
+    type: Literal["text", "json_schema", "json_object"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None                   # accepted: the output always follows the schema
+
+    @model_validator(mode="after")
+    def _check_schema(self):
+        if self.type == "json_schema" and self.schema_ is None:
+            raise APIError(400, "'text.format' of type 'json_schema' needs 'schema' (an object)", "text")
+        return self
+
+
+class TextConfig(Body):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None      # accepted, unused (as chat's)
+
+
+class ReasoningConfig(Body):
+    effort: Effort | None = None                 # a template variable, and enable_thinking (as chat's reasoning_effort)
+    summary: Literal["auto", "concise", "detailed"] | None = None           # accepted: the reasoning comes whole,
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # as its content (vLLM's)
+
+
+class ResponsesStreamOptions(Body):
+    include_obfuscation: bool | None = None      # accepted, unused (nothing here is obfuscated)
+
+
+class ResponsesRequest(Body):
+    UNSERVED = {"background": " (responses are not stored here, as in vLLM by default: run it in the foreground)",
+                "previous_response_id": " (responses are not stored here, as in vLLM by default: send the "
+                                        "conversation in 'input')",
+                "conversation": " (conversations are not stored here: send the conversation in 'input')",
+                "prompt": " (prompt templates live on OpenAI's platform)", "context_management": "",
+                "enable_response_messages": "", "previous_input_messages": " (vLLM's, for Harmony models)",
+                "vllm_xargs": " (no custom extensions)", "kv_transfer_params": " (no disaggregated serving)",
+                "ec_transfer_params": " (no disaggregated serving)", "watermarking": "",
+                "mm_processor_kwargs": " (text-only models)", "media_io_kwargs": " (text-only models)"}
+    model: str | None = None
+    input: list[InputItem]                       # a string is one user message
+    instructions: str | None = None              # a system message before the input
+    max_output_tokens: Int | None = None
+    temperature: Float | None = Field(None, ge=0)
+    top_p: Float | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    include: list[Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+                          "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                          "computer_call_output.output.image_url", "code_interpreter_call.outputs"]] | None = None
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)     # with include's message.output_text.logprobs
+    truncation: Literal["auto", "disabled"] | None = None     # "auto": the prompt's start is cut to fit (vLLM's)
+    stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
+    store: bool | None = None                    # accepted: nothing is stored (vLLM's default)
+    metadata: dict[str, str] | None = None       # echoed in the response
+    user: str | None = None
+    # OpenAI's fields about its own service: accepted, unused (as chat's); max_tool_calls bounds built-in tools
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    max_tool_calls: Int | None = None
+    # vLLM's
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    seed: Int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int] | None = None
+    ignore_eos: bool | None = None
+    logit_bias: dict[str, Float] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    structured_outputs: dict | None = None
+    chat_template_kwargs: dict | None = None
+    include_reasoning: bool = True               # false: no reasoning item (--reasoning-parser)
+    priority: Literal["high", "normal", "low"] | Int | None = None
+    cache_salt: str | None = Field(None, min_length=1)
+    request_id: str | None = None                # the response id is resp_<request_id> (X-Request-Id wins)
+    session_id: str | None = None
+    mm_payload: str | None = None                # read by vLLM's /render endpoints only
+    return_mm_kwargs: bool | None = None
+    # OpenAI's and vLLM's fields for what this server does not do (UNSERVED)
+    background: bool = False
+    previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None
+    context_management: Any = None
+    enable_response_messages: bool = False
+    previous_input_messages: list | None = None
+    vllm_xargs: dict | None = None
+    kv_transfer_params: dict | None = None
+    ec_transfer_params: dict | None = None
+    watermarking: bool | None = None
+    mm_processor_kwargs: dict | None = None
+    media_io_kwargs: dict | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _input_as_items(cls, data):
+        """A string input is a user message, and a message item may leave out its type (OpenAI's
+        EasyInputMessage)."""
+        if not isinstance(data, dict):
+            return data
+        given = data.get("input")
+        if isinstance(given, str):
+            return {**data, "input": [{"type": "message", "role": "user", "content": given}]}
+        if isinstance(given, list):
+            return {**data, "input": [{"type": "message", **item} if isinstance(item, dict) and "type" not in item
+                                      and "role" in item else item for item in given]}
+        return data
+
+    @model_validator(mode="after")
+    def _check_responses(self):
+        if self.input == []:
+            raise APIError(400, "'input' must not be empty", "input")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "'stream_options' can only be used when 'stream' is true", "stream_options")
+        return self
