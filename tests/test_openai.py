@@ -255,6 +255,31 @@ def test_vllm_chat_template_fields(api, client, reference_engine, tokenizer):
     assert wrong_form.status_code == 400 and wrong_form.json()["error"]["param"] == "continue_final_message"
 
 
+def test_enable_prompt_tokens_details_reports_the_prompts_cached_tokens(server, client, tmp_path):
+    """vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens, the prompt
+    tokens `llm` found in its prefix cache (whole blocks; none the first time), whole and streamed,
+    chat and completions; without the flag the usage has no such field."""
+    words = " ".join(f"seen{i}" for i in range(30))
+    messages = [{"role": "user", "content": f"Twice: {words}"}]
+    with openai_server(server.http_url, tmp_path, "--enable-prompt-tokens-details") as other:
+        detailed = openai.OpenAI(base_url=other.base_url, api_key="-")
+        first = detailed.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+        second = detailed.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+        chunks = list(detailed.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True,
+                                                       stream_options={"include_usage": True}))
+        text = detailed.completions.create(model=MODEL, prompt=f"Twice too: {words}", max_tokens=2)
+        again = list(detailed.completions.create(model=MODEL, prompt=f"Twice too: {words}", max_tokens=2,
+                                                 stream=True, stream_options={"include_usage": True}))
+    expected = (first.usage.prompt_tokens - 1) // 16 * 16        # 16: the engine's block size
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 and expected >= 16
+    assert second.usage.prompt_tokens_details.cached_tokens == chunks[-1].usage.prompt_tokens_details.cached_tokens \
+        == expected
+    assert text.usage.prompt_tokens_details.cached_tokens == 0
+    assert again[-1].usage.prompt_tokens_details.cached_tokens == (text.usage.prompt_tokens - 1) // 16 * 16
+    assert client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2).usage.prompt_tokens_details \
+        is None
+
+
 def test_a_chat_template_file_overrides_the_checkpoints(server, tmp_path, reference_engine, tokenizer):
     template = tmp_path / "chat.jinja"
     template.write_text("{{ bos_token }}{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"

@@ -86,11 +86,24 @@ def test_a_response_is_the_chat_completion_of_the_same_messages(client):
         usage = response.usage
         assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == \
             (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens)
-        assert usage.input_tokens_details.cached_tokens == 0 and usage.output_tokens_details.reasoning_tokens == 0
+        assert usage.output_tokens_details.reasoning_tokens == 0
         # the request's fields echoed, the sampling as it ran
         assert (response.instructions, response.temperature, response.top_p, response.max_output_tokens,
                 response.tool_choice, response.tools, response.parallel_tool_calls) == \
             (request.get("instructions"), 0.0, 1.0, 12, "none", [], True)
+
+
+def test_usage_counts_the_input_tokens_found_in_the_prefix_cache(client):
+    """input_tokens_details.cached_tokens (as vLLM's Responses usage): none the first time an input is
+    seen, its whole blocks but the last token's the second time (llm's num_cached_tokens), streamed too."""
+    text = "A question asked twice: " + " ".join(f"again{i}" for i in range(30))
+    first = client.responses.create(model=MODEL, input=text, max_output_tokens=2)
+    second = client.responses.create(model=MODEL, input=text, max_output_tokens=2)
+    streamed = [e for e in events_of(client, input=text, max_output_tokens=2) if e.type == "response.completed"]
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    expected = (first.usage.input_tokens - 1) // 16 * 16         # 16: the engine's block size
+    assert expected >= 16 and second.usage.input_tokens_details.cached_tokens == expected
+    assert streamed[0].response.usage.input_tokens_details.cached_tokens == expected
 
 
 def test_streamed_deltas_add_up_to_the_response_and_the_sdks_stream_ends_with_it(client):

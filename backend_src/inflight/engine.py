@@ -274,7 +274,8 @@ class LLMEngine:
             if req is not None and req.params.thinking_token_budget is not None:
                 self.num_budgeted -= 1
         self.last_step_s = time.perf_counter() - started
-        return StepOutput(request_ids, token_ids, logprobs, finished, errors, prompt_entries)
+        admitted, scheduler.admitted = scheduler.admitted, {}
+        return StepOutput(request_ids, token_ids, logprobs, finished, errors, prompt_entries, admitted)
 
     def _reasoning_ends(self, table, sample_rows: np.ndarray) -> dict[int, int]:
         """The sampling positions whose thinking_token_budget is spent: the end marker is forced."""

@@ -85,6 +85,8 @@ class StepOutput:
     errors: dict[str, str] = field(default_factory=dict)   # request id -> message, reason "error"
     # request id -> the prompt log-probabilities this step computed (a prompt's chunks, in order)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # request id -> the prompt tokens found in the prefix cache, for each request first admitted this step
+    cached: dict[str, int] = field(default_factory=dict)
 
     def __iter__(self):
         """(request_id, token_id, logprob | None, finish_reason | None) per advancing request."""

@@ -66,6 +66,7 @@ class Scheduler:
         self._running_keys = np.empty(0, dtype=np.int64)
         self.held_rows: list[int] = []      # static policy: finished rows kept as padding
         self.finished: dict[str, str] = {}  # reported with the next step's output
+        self.admitted: dict[str, int] = {}  # request id -> prompt tokens its first admission found cached (likewise)
         self.num_preemptions = 0
         self.prefix_query_tokens = 0        # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0          # of which found cached
@@ -292,6 +293,7 @@ class Scheduler:
             self.resumed_hit_tokens += num_computed
         else:
             req.first_scheduled_time = time.monotonic()
+            self.admitted[req.request_id] = num_computed       # vLLM's num_cached_tokens: the first admission's
             if self._looks_up(req):
                 # new requests that looked up, as vLLM counts them (not those that skip the lookup)
                 self.prefix_query_tokens += len(req.token_ids)

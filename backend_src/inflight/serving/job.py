@@ -53,6 +53,7 @@ class Sample:
     first_token_time: float | None = None   # when its first token was delivered (the metrics' TTFT)
     last_token_time: float | None = None    # when its latest token was delivered (the metrics' token gaps)
     reasoning: ReasoningTokens | None = None  # the engine's reasoning_parser: its reasoning tokens counted
+    num_cached_tokens: int = 0              # prompt tokens its first admission found in the prefix cache
     _text: list[str] = field(default_factory=list)          # not sent yet
     _logprobs: list[TokenLogprobs] = field(default_factory=list)
     _num_tokens: int = 0

@@ -423,6 +423,10 @@ class EngineLoop:
             job = owner.get(request_id)
             if job is not None:
                 job.prompt_logprobs += entries
+        for request_id, cached in out.cached.items():
+            sample = samples.get(request_id)
+            if sample is not None:
+                sample.num_cached_tokens = cached
         logprobs = out.logprobs or itertools.repeat(None)
         now = time.monotonic()
         for request_id, token, entry in zip(out.request_ids, out.token_ids, logprobs):

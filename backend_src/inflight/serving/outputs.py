@@ -11,7 +11,9 @@ too) is per output the JSON of vLLM's stop_reason: the stop string or stop token
 it, `null` for EOS or a length limit; only from the response where an output ends (`null` for
 those still running), so that a stream's other responses carry nothing more per token.
 `num_reasoning_tokens` (inflight's too, where the engine has a reasoning_parser) is, like
-num_output_tokens, per output the tokens of this response that the model wrote while reasoning.
+num_output_tokens, per output the tokens of this response that the model wrote while reasoning;
+`num_cached_tokens` (inflight's) the prompt tokens the request found in the prefix cache when it was
+first admitted (the first output's, where n > 1), in every response as num_input_tokens is.
 """
 from __future__ import annotations
 
@@ -76,6 +78,8 @@ def response_outputs(job: Job, pieces: list[Piece], decoded_token: Callable[[int
         outputs["num_input_tokens"] = np.array([len(job.prompt_ids)], dtype=np.uint32)
     if request.return_num_output_tokens:
         outputs["num_output_tokens"] = np.array([piece.num_tokens for piece in pieces], dtype=np.uint32)
+    if request.return_num_cached_tokens:      # inflight's own: the prompt's, as vLLM's num_cached_tokens
+        outputs["num_cached_tokens"] = np.array([job.samples[0].num_cached_tokens], dtype=np.uint32)
     if request.return_num_reasoning_tokens and job.samples[0].reasoning is not None:    # inflight's own
         outputs["num_reasoning_tokens"] = np.array([piece.num_reasoning_tokens for piece in pieces], dtype=np.uint32)
     if request.return_token_ids:      # inflight's own (n = 1): what the ensemble's postprocessing decodes

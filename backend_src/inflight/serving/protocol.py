@@ -27,7 +27,8 @@ class RequestError(ValueError):
 
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_num_input_tokens",
                "return_num_output_tokens", "return_logprobs", "return_token_ids", "return_cumulative_logprob",
-               "return_prompt_logprobs", "return_stop_reason", "queue_heartbeat", "return_num_reasoning_tokens")
+               "return_prompt_logprobs", "return_stop_reason", "queue_heartbeat", "return_num_reasoning_tokens",
+               "return_num_cached_tokens")
 MAX_N = 128         # outputs per request (the OpenAI API's limit)
 
 # sampling knob -> the kind of value it takes
@@ -83,6 +84,7 @@ class GenerateRequest:
     stream_interval: int = 1                  # vLLM's: tokens per streamed response (the model's setting, if larger)
     queue_heartbeat: bool = False             # inflight's: an empty response after each second without one (a stream)
     return_num_reasoning_tokens: bool = False  # inflight's: num_reasoning_tokens (an engine with a reasoning_parser)
+    return_num_cached_tokens: bool = False    # inflight's: num_cached_tokens, the prompt's prefix-cache hit
 
 
 def one_value(name: str, array: np.ndarray):

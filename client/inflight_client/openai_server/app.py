@@ -60,6 +60,7 @@ class Settings:
     request_priority: bool = True           # False: a request's priority other than normal is a 400 (vLLM's FCFS)
     tool_call_parser: str | None = None     # set: tool_choice "auto" reads calls in this format (tool_parsers.py)
     reasoning_parser: str | None = None     # set: chat replies split into reasoning and content (reasoning.py)
+    prompt_tokens_details: bool = False     # usage's prompt_tokens_details.cached_tokens (vLLM's flag)
 
 
 def _members(annotation) -> list:
@@ -182,7 +183,7 @@ def create_app(settings: Settings) -> FastAPI:
                   ServedModels(settings.served_model_name, settings.max_model_len, settings.lora_names),
                   settings.default_max_tokens, settings.disable_any_whitespace, settings.tool_call_parser,
                   sampling_defaults(settings.tokenizer_dir, settings.generation_config),
-                  reasoning=reasoning)
+                  reasoning=reasoning, prompt_tokens_details=settings.prompt_tokens_details)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

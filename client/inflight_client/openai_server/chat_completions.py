@@ -42,7 +42,7 @@ class ChatRun:
 
 
 async def create_chat_completion(body: ChatCompletionRequest, ctx: Context, request_id: str, large: bool):
-    run = await run_chat(body, ctx, request_id, large)
+    run = await run_chat(body, ctx, request_id, large, ctx.prompt_tokens_details)
     if run.chunks is not None:
         return sse_response(_events(run.chunks), run.as_sent)
     return JSONResponse(run.reply)
@@ -56,7 +56,9 @@ async def _events(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
         await chunks.aclose()
 
 
-async def run_chat(body: ChatCompletionRequest, ctx: Context, request_id: str, large: bool) -> ChatRun:
+async def run_chat(body: ChatCompletionRequest, ctx: Context, request_id: str, large: bool,
+                   cached_tokens: bool) -> ChatRun:
+    """cached_tokens: the usage has prompt_tokens_details.cached_tokens."""
     lora_name = ctx.models.check(body.model)
     if body.tool_choice == "auto" and ctx.tool_call_parser is None:
         # vLLM answers the same without --enable-auto-tool-choice and a --tool-call-parser
@@ -84,7 +86,7 @@ async def run_chat(body: ChatCompletionRequest, ctx: Context, request_id: str, l
         if body.stream:
             responses = await generation.stream(calls)
             return ChatRun(None, _chunks({**head, "object": "chat.completion.chunk"}, body, responses, top_n,
-                                         prompt_ids, _echo(body), prompt_text, ctx), sampling, as_sent)
+                                         prompt_ids, _echo(body), prompt_text, ctx, cached_tokens), sampling, as_sent)
         outputs, usage = await generation.gather(calls, body.n)
     except APIError as exc:
         raise as_sent(exc) from None
@@ -112,7 +114,7 @@ async def run_chat(body: ChatCompletionRequest, ctx: Context, request_id: str, l
         if body.return_token_ids:
             choice["token_ids"] = None if hidden else sampled_ids(out.logprobs)
         choices.append(choice)
-    reply = {**head, "choices": choices, "usage": usage.body(ctx.reasoning is not None)}
+    reply = {**head, "choices": choices, "usage": usage.body(ctx.reasoning is not None, cached_tokens)}
     if body.prompt_logprobs is not None:         # vLLM's: once, for the one prompt of every choice
         reply["prompt_logprobs"] = outputs[0].prompt_logprobs
     if body.return_token_ids:
@@ -215,7 +217,7 @@ def _tool_reader(body: ChatCompletionRequest, ctx: Context) -> ToolCallText | Au
 
 
 async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int, prompt_ids: list[int], echo: str,
-                  prompt_text: str | None, ctx: Context):
+                  prompt_text: str | None, ctx: Context, cached_tokens: bool):
     include_usage, continuous = body.stream_usage()
     hidden = _hides_reasoning(body, ctx)
     shows_ids = body.return_token_ids and not hidden
@@ -296,4 +298,4 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
     finally:
         await responses.aclose()
     if include_usage:
-        yield {**head, "choices": [], "usage": usage.body(ctx.reasoning is not None)}
+        yield {**head, "choices": [], "usage": usage.body(ctx.reasoning is not None, cached_tokens)}

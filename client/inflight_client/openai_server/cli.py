@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                              "markers, Qwen3's thinking mode). Give `llm` the same "
                              "engine setting, so that a constraint waits for the end of the reasoning (`make serve` "
                              "passes this flag where `llm` has it)")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="vLLM's flag: usage gains prompt_tokens_details.cached_tokens, the prompt tokens `llm` "
+                             "found in its prefix cache (the Responses API's usage always has them)")
     parser.add_argument("--max-model-len", type=int,
                         help="the context length `llm` runs with (default: the checkpoint's, from config.json; "
                              "needed with a --tokenizer directory without one)")
@@ -117,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                         args.trust_request_chat_template, args.max_triton_requests, args.generation_config,
                         tuple(args.api_key) or tuple(filter(None, [os.environ.get(API_KEY_ENV)])),
                         args.request_priority, args.tool_call_parser if args.enable_auto_tool_choice else None,
-                        args.reasoning_parser)
+                        args.reasoning_parser, args.enable_prompt_tokens_details)
     return settings, args
 
 

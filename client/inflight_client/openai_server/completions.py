@@ -41,13 +41,14 @@ async def create_completion(body: CompletionRequest, ctx: Context, request_id: s
     try:
         if body.stream:
             responses = await generation.stream(calls)
-            return sse_response(_chunks(head, body, responses, prompts, echoes, echoed), as_sent)
+            return sse_response(_chunks(head, body, responses, prompts, echoes, echoed, ctx.prompt_tokens_details),
+                                as_sent)
         outputs, usage = await generation.gather(calls, body.n)
     except APIError as exc:
         raise as_sent(exc) from None
     choices = [_choice(index, out, body, prompts[index // body.n], echoes[index // body.n], echoed)
                for index, out in enumerate(outputs)]
-    return JSONResponse({**head, "choices": choices, "usage": usage.body()})
+    return JSONResponse({**head, "choices": choices, "usage": usage.body(cached=ctx.prompt_tokens_details)})
 
 
 def _prompts(body: CompletionRequest, ctx: Context) -> tuple[list[Prompt], list[str]]:
@@ -108,7 +109,8 @@ def _choice(index: int, out: generation.Output, body: CompletionRequest, prompt:
     return choice
 
 
-async def _chunks(head: dict, body: CompletionRequest, responses, prompts: list, echoes: list[str], echoed):
+async def _chunks(head: dict, body: CompletionRequest, responses, prompts: list, echoes: list[str], echoed,
+                  cached_tokens: bool):
     """A choice's first chunk carries the echo (and prompt_token_ids); with max_tokens 0 it is the
     choice's only chunk."""
     n = body.n
@@ -163,4 +165,4 @@ async def _chunks(head: dict, body: CompletionRequest, responses, prompts: list,
     finally:
         await responses.aclose()
     if include_usage:
-        yield event({**head, "choices": [], "usage": usage.body()})
+        yield event({**head, "choices": [], "usage": usage.body(cached=cached_tokens)})

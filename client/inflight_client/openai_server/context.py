@@ -37,6 +37,7 @@ class Context:
     # the checkpoint's generation_config.json sampling defaults (generation_config.py; {}: none or ignored)
     sampling_defaults: dict = field(default_factory=dict)
     reasoning: Reasoning | None = None           # --reasoning-parser's markers: chat replies split (reasoning.py)
+    prompt_tokens_details: bool = False          # --enable-prompt-tokens-details: usage has the cached tokens
     large_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(thread_name_prefix="large"))
     bytes_per_token: int = field(init=False)     # protocol.bytes_per_token of the tokenizer
     added_bos: str | None = field(init=False)    # added_bos() of the tokenizer

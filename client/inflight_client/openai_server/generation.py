@@ -25,24 +25,32 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reasoning_tokens: int | None = None     # llm's count, where it has a reasoning_parser
+    cached_tokens: int | None = None        # of prompt_tokens, found in llm's prefix cache (where it says)
 
     def add(self, response: LLMResponse, first: bool) -> None:
-        if first:                   # every response repeats it
+        if first:                   # every response repeats them
             self.prompt_tokens += response.num_input_tokens
+            if response.num_cached_tokens is not None:
+                self.cached_tokens = (self.cached_tokens or 0) + response.num_cached_tokens
         self.completion_tokens += sum(response.num_output_tokens)
         if response.num_reasoning_tokens is not None:
             self.reasoning_tokens = (self.reasoning_tokens or 0) + sum(response.num_reasoning_tokens)
 
-    def body(self, reasoning: bool = False) -> dict:
-        """reasoning: with the reasoning tokens (a chat reply of a server with --reasoning-parser)."""
-        return usage_body(self.prompt_tokens, self.completion_tokens, self.reasoning_tokens if reasoning else None)
+    def body(self, reasoning: bool = False, cached: bool = False) -> dict:
+        """reasoning: with the reasoning tokens (a chat reply of a server with --reasoning-parser);
+        cached: with the cached prompt tokens (--enable-prompt-tokens-details)."""
+        return usage_body(self.prompt_tokens, self.completion_tokens, self.reasoning_tokens if reasoning else None,
+                          self.cached_tokens if cached else None)
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
+def usage_body(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None,
+               cached_tokens: int | None = None) -> dict:
     body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-    if reasoning_tokens is not None:            # vLLM's and OpenAI's field
+    if reasoning_tokens is not None:            # vLLM's and OpenAI's fields
         body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return body
 
 

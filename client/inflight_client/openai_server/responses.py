@@ -49,7 +49,7 @@ ENGINE_DEFAULTS = SamplingParams()          # what `llm` samples with where the 
 async def create_response(body: ResponsesRequest, ctx: Context, request_id: str, large: bool):
     try:
         chat = chat_request(body)
-        run = await run_chat(chat, ctx, request_id, large)
+        run = await run_chat(chat, ctx, request_id, large, cached_tokens=True)
     except APIError as exc:
         raise as_sent(exc) from None
     head = _head(body, run.sampling, request_id, body.model or ctx.models.name)
@@ -286,11 +286,11 @@ def _dumped(value):
 def _done(head: dict, items: list[dict], reason: str | None, usage: dict) -> dict:
     incomplete = reason == "length"
     details = usage.get("completion_tokens_details") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0     # none from a vLLM backend
     return {**head, "status": "incomplete" if incomplete else "completed", "completed_at": int(time.time()),
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "output": items,
-            # `llm` reports no prefix-cache hits per request: none are counted
             "usage": {"input_tokens": usage["prompt_tokens"],
-                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                      "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                       "output_tokens": usage["completion_tokens"],
                       "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
                       "total_tokens": usage["total_tokens"]}}

@@ -53,6 +53,7 @@ class LLMResponse:
     num_input_tokens: int
     prompt_logprobs: list[dict | None] | None = None    # the first response's, when asked: null first
     num_reasoning_tokens: list[int] | None = None       # of num_output_tokens, reasoning (llm's reasoning_parser)
+    num_cached_tokens: int | None = None                # of num_input_tokens, found in the prefix cache
 
 
 def _elements(value) -> list:
@@ -67,8 +68,9 @@ def parse_event(event: dict) -> LLMResponse:
     stops = [json.loads(s) for s in _elements(event["stop_reason"])] if "stop_reason" in event else [None] * len(texts)
     prompt_logprobs = prompt_logprobs_json(event["prompt_logprobs"]) if "prompt_logprobs" in event else None
     reasoning = _elements(event["num_reasoning_tokens"]) if "num_reasoning_tokens" in event else None
+    cached = int(event["num_cached_tokens"]) if "num_cached_tokens" in event else None
     return LLMResponse(texts, reasons, stops, _elements(event["num_output_tokens"]), logprobs,
-                       int(event["num_input_tokens"]), prompt_logprobs, reasoning)
+                       int(event["num_input_tokens"]), prompt_logprobs, reasoning, cached)
 
 
 async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[dict]:
@@ -182,8 +184,8 @@ class TritonLLM:
 
     async def _check_inputs(self) -> None:
         """Read the model's input names once from its metadata: inflight's `llm` also takes
-        input_ids, return_prompt_logprobs, return_stop_reason, queue_heartbeat and
-        return_num_reasoning_tokens, which the vLLM backend would refuse."""
+        input_ids, return_prompt_logprobs, return_stop_reason, queue_heartbeat,
+        return_num_reasoning_tokens and return_num_cached_tokens, which the vLLM backend would refuse."""
         async with self.session.get(f"/v2/models/{self.model}") as response:
             if response.status == 200:
                 self.inputs = {tensor["name"] for tensor in (await response.json()).get("inputs", [])}
@@ -194,8 +196,9 @@ class TritonLLM:
     def payload(self, prompt: Prompt, sampling: dict) -> dict:
         """The inputs Triton's OpenAI frontend sends the vLLM backend, with inflight's where the
         model takes them: the prompt as `input_ids` (else as `text_input`, where the request left
-        its text whole), `return_prompt_logprobs` when asked, `return_stop_reason`, `queue_heartbeat`
-        and `return_num_reasoning_tokens` (answered where `llm` has a reasoning_parser). A model
+        its text whole), `return_prompt_logprobs` when asked, `return_stop_reason`, `queue_heartbeat`,
+        `return_num_reasoning_tokens` (answered where `llm` has a reasoning_parser) and
+        `return_num_cached_tokens`. A model
         without an input the request needs is a 400 naming its field; the prompt is never repeated
         (echo is this server's job). `llm` streams whether or not the client does (gather joins the
         pieces; prompt_logprobs come in the first response): Triton's HTTP frontend learns that a
@@ -215,7 +218,8 @@ class TritonLLM:
                                "log-probabilities (no `return_prompt_logprobs` input, as the vLLM backend; echo "
                                "with logprobs asks for them too)", "prompt_logprobs")
             payload["return_prompt_logprobs"] = True
-        for name in ("return_stop_reason", "queue_heartbeat", "return_num_reasoning_tokens"):
+        for name in ("return_stop_reason", "queue_heartbeat", "return_num_reasoning_tokens",
+                     "return_num_cached_tokens"):
             if self.inputs and name in self.inputs:
                 payload[name] = True
         return payload
