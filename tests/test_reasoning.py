@@ -190,15 +190,15 @@ def read(reader, text: str, cuts: list[int]) -> tuple[str, str]:
     return "".join(r for r, _ in split), "".join(c for _, c in split)
 
 
-def test_qwen3s_reader_ends_the_reasoning_at_a_tool_call_and_drops_a_later_end(qwen3_tokenizer):
+def test_qwen3s_reader_ends_the_reasoning_at_a_tool_call_and_drops_repeated_markers(qwen3_tokenizer):
     """The OpenAI server's split, as vLLM 0.32's qwen3 reads: <tool_call> ends the reasoning and
-    begins the content (where the tool parser finds the call), a </think> after it is none;
-    deepseek_r1 reads on to </think>. The same for the text cut anywhere."""
+    begins the content (where the tool parser finds the call), a <think> inside the reasoning and a
+    </think> after it are none; deepseek_r1 reads on to </think>. The same for the text cut anywhere."""
     from inflight.reasoning import Reasoning
     from inflight_client.openai_server.reasoning import ReasoningText
-    text = '<think>\nplan<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call></think>ok'
+    text = '<think>\nplan<think>a<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call></think>ok'
     call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
-    expected = {"qwen3": ("\nplan", call + "ok"), "deepseek_r1": ("\nplan" + call, "ok")}
+    expected = {"qwen3": ("\nplana", call + "ok"), "deepseek_r1": ("\nplan<think>a" + call, "ok")}
     for parser, split in expected.items():
         markers = Reasoning.load(parser, qwen3_tokenizer)
         for cut in range(len(text) + 1):

@@ -20,14 +20,14 @@ class Markers:
     end: str
     tool_start: str | None = None       # a tool call's opening: inside the reasoning it ends it (and is content)
     turn_starts: tuple[str, ...] = ()   # a marker before the last of these belongs to another turn of the chat
-    content_drops_end: bool = False     # an end marker written in the content is none (the OpenAI server's split)
+    repeats_dropped: bool = False       # a start marker inside the reasoning, an end one in the content: none
 
 
 # vLLM's parser name -> its markers. deepseek_r1: R1's templates open <think> in the prompt (the model may
 # write it too). qwen3 (vLLM 0.32's): Qwen3 writes <think> itself in thinking mode (its template closes
 # the reasoning in the prompt without it); a <tool_call> in the reasoning ends it, the prompt's markers
 # count from the current turn on (its template keeps the reasoning of the turn's earlier replies), and a
-# second </think> is none
+# <think> inside the reasoning or a </think> after it is none (the OpenAI server's split drops them)
 MARKERS = {"deepseek_r1": Markers("<think>", "</think>"),
            "qwen3": Markers("<think>", "</think>", "<tool_call>", ("<|im_start|>", "<|im_end|>"), True)}
 
