@@ -66,6 +66,23 @@ def wait_for_metric(server, name: str, expected: float, timeout_s: float = 10.0,
         time.sleep(0.1)
 
 
+def assert_left_stream_cancelled(server, stream, cancelled: float, start: float) -> None:
+    """Close a 900-token stream once its request holds KV blocks, as a client that goes away does,
+    and check that the engine cancels the request and frees its blocks within a few steps (not at
+    its 900th token). cancelled, start: the cancelled-requests metric and computed_tokens before it."""
+    deadline = time.monotonic() + 10          # metrics are published every 50 ms while running
+    while server.metric("inflight_kv_blocks_used") == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("inflight_kv_blocks_used") > 0, "the request holds blocks while it runs"
+    stream.close()
+    left = server.metric("inflight_prompt_and_decode_tokens_total")
+    assert wait_for_metric(server, "inflight_requests_total", cancelled + 1, finish_reason="cancelled") \
+        == cancelled + 1
+    assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
+    end = computed_tokens(server)
+    assert end - start < 900 and end - left < 300, f"{left - start} tokens before the client left, {end - left} after"
+
+
 def computed_tokens(server) -> float:
     """Tokens the engine has run through the model, read once it is idle (its metrics are then exact)."""
     assert wait_for_metric(server, "inflight_requests_running", 0, timeout_s=60) == 0

@@ -3,7 +3,6 @@ server in front of a real tritonserver: a response is the chat completion of the
 (greedy: the same tokens), streamed as Responses events that add up to it, with function calls,
 text formats, reasoning items, usage and the errors, each naming the field."""
 import json
-import time
 
 import httpx
 import jsonschema
@@ -14,8 +13,9 @@ from inflight.serving.launch import ServerProcess, make_repository
 from inflight_client.openai_server.process import OpenAIServerProcess
 from inflight_client.openai_server.schemas import ResponsesRequest
 
-from .conftest import TEST_ENGINE
-from .helpers import SOURCE_PATH_ENV, computed_tokens, openai_server, reasoning_checkpoint, wait_for_metric
+from .conftest import DEFAULT_MODEL, TEST_ENGINE
+from .helpers import (SOURCE_PATH_ENV, assert_left_stream_cancelled, computed_tokens, openai_server,
+                      reasoning_checkpoint, wait_for_metric)
 from .test_openai import COLOR, MODEL, TOOLS, exact_regex
 
 pytestmark = pytest.mark.server
@@ -254,16 +254,7 @@ def test_a_client_that_leaves_a_stream_has_its_request_cancelled(api, client, se
     events = iter(stream)
     while next(events).type != "response.output_text.delta":
         pass
-    deadline = time.monotonic() + 10
-    while server.metric("inflight_kv_blocks_used") == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    stream.close()
-    left = server.metric("inflight_prompt_and_decode_tokens_total")
-    assert wait_for_metric(server, "inflight_requests_total", cancelled + 1, finish_reason="cancelled") \
-        == cancelled + 1
-    assert wait_for_metric(server, "inflight_kv_blocks_used", 0) == 0
-    end = computed_tokens(server)
-    assert end - start < 900 and end - left < 300, f"{left - start} tokens before the client left, {end - left} after"
+    assert_left_stream_cancelled(server, stream, cancelled, start)
 
 
 BAD = [
@@ -414,3 +405,50 @@ def test_reasoning_comes_as_a_reasoning_item_before_the_message(think_client):
                                                                      "include_reasoning": False}})
         assert [item.type for item in hidden.output] == ["message"] and hidden.output_text == whole.output_text
     assert split, "some replies reason, then answer"
+
+
+def test_a_named_call_after_reasoning_streams_to_the_response_it_is_whole(think_client):
+    """A named tool_choice with --reasoning-parser: the reasoning item comes first and the call after
+    it, streamed as whole (the SDK's final response equal to it), though the chat stream names the
+    call before the reasoning; where the reply was cut short the call is incomplete."""
+    from transformers import AutoTokenizer
+    client, model = think_client
+    end = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("</think>")
+    tools = [{"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}]
+    answered = 0
+    for seed, bias in [(0, 0), (1, 8), (2, 8)]:
+        kwargs = dict(model="think-tiny", input="Weather in Oslo?", tools=tools, max_output_tokens=40,
+                      tool_choice={"type": "function", "name": "get_weather"}, temperature=1.0,
+                      extra_body={"seed": seed, "logit_bias": {str(end): bias}})
+        whole = client.responses.create(**kwargs)
+        with client.responses.stream(**kwargs) as stream:
+            final = stream.get_final_response()
+        assert items_of(final) == items_of(whole)
+        assert [kind for kind, _, _ in items_of(whole)] in (["reasoning", "function_call"], ["function_call"])
+        answered += whole.output[0].type == "reasoning" and bool(whole.output[-1].arguments)
+    assert answered, "some replies reason, then call"
+
+
+def test_a_required_array_cut_short_streams_to_the_response_it_is_whole(client):
+    """"required" cut short by max_output_tokens after a complete call: the calls come first, then
+    the text of the next call, not a call, as a message (chat's content), incomplete; streamed as whole."""
+    from transformers import AutoTokenizer
+    vocab = AutoTokenizer.from_pretrained(DEFAULT_MODEL).get_vocab()
+    unclosed = {str(i): -100 for token, i in vocab.items() if "]" in token}       # a second call begins
+    kwargs = dict(model=MODEL, input=ASK, tools=FLAT_TOOLS, tool_choice="required", max_output_tokens=60,
+                  temperature=1.0, extra_body={"seed": 0, "logit_bias": unclosed})
+    whole = client.responses.create(**kwargs)
+    with client.responses.stream(**kwargs) as stream:
+        final = stream.get_final_response()
+    assert items_of(final) == items_of(whole)
+    assert [(kind, status) for kind, status, _ in items_of(whole)] == [("function_call", "completed"),
+                                                                       ("message", "incomplete")]
+    completion = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=TOOLS,
+                                                tool_choice="required", max_completion_tokens=60, temperature=1.0,
+                                                seed=0, logit_bias=unclosed)
+    assert whole.output_text.startswith(",") and whole.output_text == completion.choices[0].message.content
+
+
+def items_of(response) -> list[tuple]:
+    return [(item.type, item.status, getattr(item, "arguments", None)) for item in response.output]

@@ -58,7 +58,12 @@ async def create_response(body: ResponsesRequest, ctx: Context, request_id: str,
                                  headers={"Cache-Control": "no-cache"})
     choice = run.reply["choices"][0]
     items = Items()
-    items.feed(choice["message"], (choice["logprobs"] or {}).get("content"))
+    message, logprobs = choice["message"], (choice["logprobs"] or {}).get("content")
+    if chat.tool_choice == "required":      # its content is the text cut after its calls (tools.py), as streamed
+        items.feed({**message, "content": None}, logprobs)
+        items.feed({"content": message["content"]})
+    else:
+        items.feed(message, logprobs)
     items.finish(choice["finish_reason"])
     return JSONResponse(_done(head, items.items, choice["finish_reason"], run.reply["usage"]))
 
@@ -176,6 +181,7 @@ class Items:
         self.text = ""                    # its text (a call's arguments) so far
         self.logprobs: list[dict] = []    # a message's so far
         self.held: list[dict] = []        # of tokens whose text is not content yet (or never: reasoning, an end)
+        self.call: dict | None = None     # a call's first delta, its item not open yet (_open_call)
 
     def feed(self, delta: dict, logprobs: list[dict] | None = None) -> list[dict]:
         """A chat delta (or a whole message) with the logprobs of its tokens, which go with the
@@ -187,19 +193,27 @@ class Items:
         if delta.get("content"):
             events += self._write("message", delta["content"])
         for call in delta.get("tool_calls") or ():
-            if "id" in call:            # a call's first delta
-                events += self._close("completed") + self._open("function_call", call)
+            if "id" in call:            # a call's first delta: its item opens with its arguments
+                events += self._open_call()
+                self.call = call
             if call["function"].get("arguments"):
-                events += self._write("function_call", call["function"]["arguments"])
+                events += self._open_call() + self._write("function_call", call["function"]["arguments"])
         return events
 
     def finish(self, reason: str | None) -> list[dict]:
         """The last item done: incomplete where the reply ran out of tokens. A reply of nothing is
         an empty message."""
-        events = [] if self.items else self._open("message")
+        events = self._open_call()
+        events += [] if self.items else self._open("message")
         if self.kind == "message":
             self.logprobs += self.held
         return events + self._close("incomplete" if reason == "length" else "completed")
+
+    def _open_call(self) -> list[dict]:
+        """The call named last opens: at its first arguments, as a named call's name streams
+        before the reasoning it follows, or at the next call or the end."""
+        call, self.call = self.call, None
+        return [] if call is None else self._close("completed") + self._open("function_call", call)
 
     def _write(self, kind: str, text: str) -> list[dict]:
         events = [] if self.kind == kind else self._close("completed") + self._open(kind)
