@@ -245,26 +245,23 @@ def create_app(settings: Settings) -> FastAPI:
             raise APIError(400, f"'priority' {body.priority!r}: this server runs every request at normal priority "
                            "(--no-request-priority; vLLM's server refuses it without priority scheduling)", "priority")
 
+    async def generate(request: Request, schema, create):
+        """A generation route: the body read as its schema, then create(body, ctx, request id, large)."""
+        body = await _body(request, schema)
+        priority_allowed(body)
+        return await _unless_disconnected(request, create(body, ctx, _request_id(request, body), await _large(request)))
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _body(request, CompletionRequest)
-        priority_allowed(body)
-        return await _unless_disconnected(request, create_completion(body, ctx, _request_id(request, body),
-                                                                     await _large(request)))
+        return await generate(request, CompletionRequest, create_completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _body(request, ChatCompletionRequest)
-        priority_allowed(body)
-        return await _unless_disconnected(request, create_chat_completion(body, ctx, _request_id(request, body),
-                                                                          await _large(request)))
+        return await generate(request, ChatCompletionRequest, create_chat_completion)
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        body = await _body(request, ResponsesRequest)
-        priority_allowed(body)
-        return await _unless_disconnected(request, create_response(body, ctx, _request_id(request, body),
-                                                                   await _large(request)))
+        return await generate(request, ResponsesRequest, create_response)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
