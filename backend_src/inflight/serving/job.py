@@ -52,7 +52,7 @@ class Sample:
     ready: bool = False                     # got tokens (or its end) since the last response
     first_token_time: float | None = None   # when its first token was delivered (the metrics' TTFT)
     last_token_time: float | None = None    # when its latest token was delivered (the metrics' token gaps)
-    reasoning: ReasoningTokens | None = None  # the engine's reasoning_parser: its reasoning tokens counted
+    reasoning: ReasoningTokens | None = None  # its reasoning tokens, counted where asked (a reasoning_parser)
     num_cached_tokens: int = 0              # prompt tokens its first admission found in the prefix cache
     _text: list[str] = field(default_factory=list)          # not sent yet
     _logprobs: list[TokenLogprobs] = field(default_factory=list)

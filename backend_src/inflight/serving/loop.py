@@ -198,8 +198,11 @@ class EngineLoop:
         with self._id_lock:
             self._ids += 1
             job_id = f"req-{self._ids}"
-        samples = [self._make_sample(job_id if request.n == 1 else f"{job_id}.{i}", params, i, request, prompt_ids)
-                   for i in range(request.n)]
+        # each output's reasoning tokens counted where asked for (one scan of the prompt for all n)
+        markers = self.engine.reasoning if request.return_num_reasoning_tokens else None
+        reasoning = None if markers is None else markers.open_after(prompt_ids)
+        samples = [self._make_sample(job_id if request.n == 1 else f"{job_id}.{i}", params, i, request, prompt_ids,
+                                     reasoning) for i in range(request.n)]
         now = time.monotonic()
         return Job(job_id, request, sink, prompt_ids, now, samples, enqueued=now)
 
@@ -219,10 +222,11 @@ class EngineLoop:
         return tuple(word for word in banned if word)     # text a tokenizer drops cannot be generated
 
     def _make_sample(self, request_id: str, params: SamplingParams, index: int, request: GenerateRequest,
-                     prompt_ids: list[int]) -> Sample:
+                     prompt_ids: list[int], reasoning: bool | None) -> Sample:
         """Output `index` of n runs with seed + index (vLLM's rule): n seeded outputs differ from
         each other, and the same seed gives the same n outputs again. Past the largest seed a
-        request may give (2**64 - 1) the sum wraps to 0, 1, ..."""
+        request may give (2**64 - 1) the sum wraps to 0, 1, ... reasoning: whether the prompt left
+        the model reasoning, where its reasoning tokens are counted; None where they are not."""
         if index and params.seed is not None:
             seed = params.seed + index
             params = _replace(params, seed=seed - 2**64 if seed >= 2**64 else seed)
@@ -230,10 +234,9 @@ class EngineLoop:
             params = _replace(params, prompt_logprobs=None)     # the outputs share one prompt: scored once
         stops = StopStrings(params.stop, request.include_stop_str_in_output) if params.stop else None
         options = DecodeOptions(params.skip_special_tokens, params.spaces_between_special_tokens)
-        markers = self.engine.reasoning
         return Sample(request_id, params, IncrementalDetokenizer(self.tokenizer, prompt_ids, options), stops,
                       request.include_stop_str_in_output, self.tokenizer.eos_token_id,
-                      reasoning=None if markers is None else ReasoningTokens(markers, markers.open_after(prompt_ids)))
+                      reasoning=None if reasoning is None else ReasoningTokens(self.engine.reasoning, reasoning))
 
     def shutdown(self, timeout: float = 20.0) -> None:
         """Finish every request in flight with a final response, then stop both threads (grammars

@@ -80,7 +80,7 @@ def response_outputs(job: Job, pieces: list[Piece], decoded_token: Callable[[int
         outputs["num_output_tokens"] = np.array([piece.num_tokens for piece in pieces], dtype=np.uint32)
     if request.return_num_cached_tokens:      # inflight's own: the prompt's, as vLLM's num_cached_tokens
         outputs["num_cached_tokens"] = np.array([job.samples[0].num_cached_tokens], dtype=np.uint32)
-    if request.return_num_reasoning_tokens and job.samples[0].reasoning is not None:    # inflight's own
+    if job.samples[0].reasoning is not None:    # inflight's own: asked for, and the engine has a reasoning_parser
         outputs["num_reasoning_tokens"] = np.array([piece.num_reasoning_tokens for piece in pieces], dtype=np.uint32)
     if request.return_token_ids:      # inflight's own (n = 1): what the ensemble's postprocessing decodes
         if request.stream:

@@ -198,12 +198,12 @@ class TritonLLM:
         model takes them: the prompt as `input_ids` (else as `text_input`, where the request left
         its text whole), `return_prompt_logprobs` when asked, `return_stop_reason`, `queue_heartbeat`,
         `return_num_reasoning_tokens` (answered where `llm` has a reasoning_parser) and
-        `return_num_cached_tokens`. A model
-        without an input the request needs is a 400 naming its field; the prompt is never repeated
-        (echo is this server's job). `llm` streams whether or not the client does (gather joins the
-        pieces; prompt_logprobs come in the first response): Triton's HTTP frontend learns that a
-        request's connection closed only when it writes a response, so without one per step a
-        request whose client left, or that this server gave up, ran to its end."""
+        `return_num_cached_tokens`. A model without an input the request needs is a 400 naming its
+        field; the prompt is never repeated (echo is this server's job). `llm` streams whether or
+        not the client does (gather joins the pieces; prompt_logprobs come in the first response):
+        Triton's HTTP frontend learns that a request's connection closed only when it writes a
+        response, so without one per step a request whose client left, or that this server gave
+        up, ran to its end."""
         payload = {"stream": True, "sampling_parameters": json.dumps(sampling), "exclude_input_in_output": True,
                    "return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
                    "return_logprobs": "logprobs" in sampling}
