@@ -1643,7 +1643,7 @@ def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event_and_done():
 
     async def read(stream):
         return [part async for part in stream]
-    parts = asyncio.run(read(sse._with_errors(chunks(), lambda error: error)))
+    parts = asyncio.run(read(sse.with_errors(chunks(), lambda error: error)))
     assert parts[0] == b"data: {}\n\n" and parts[-1] == sse.DONE
     assert json.loads(parts[1][5:]) == {"error": {"message": "internal error: TypeError", "type": "internal_error",
                                                   "param": None, "code": 500}}

@@ -343,7 +343,7 @@ def test_a_stream_that_fails_after_its_first_event_ends_with_an_error_event():
 
     async def read(error: Exception) -> list[tuple[str, dict]]:
         run = ChatRun(None, chunks(error), {}, lambda e: e)
-        parts = [part async for part in responses._events({"id": "resp_1"}, run)]
+        parts = [part async for part in responses._stream({"id": "resp_1"}, run)]
         return [(part.split(b"\n")[0].decode(), json.loads(part.split(b"\n")[1][6:])) for part in parts]
 
     events = asyncio.run(read(APIError(400, "'response_format.json_schema.schema': no token allowed by the grammar",

@@ -11,13 +11,12 @@ previous_response_id and background are refused (schemas.py)."""
 from __future__ import annotations
 
 import json
-import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse
 
 from inflight.config import SamplingParams
 
@@ -26,8 +25,7 @@ from .context import Context
 from .errors import APIError
 from .schemas import (ChatCompletionRequest, FunctionCallItem, FunctionCallOutputItem, FunctionChoice, MessageItem,
                       ReasoningItem, ResponsesRequest)
-
-log = logging.getLogger("inflight.openai")
+from .sse import event_stream, with_errors
 
 LOGPROBS = "message.output_text.logprobs"
 # fields the chat request takes under the same name
@@ -54,8 +52,7 @@ async def create_response(body: ResponsesRequest, ctx: Context, request_id: str,
         raise as_sent(exc) from None
     head = _head(body, run.sampling, request_id, body.model or ctx.models.name)
     if run.chunks is not None:
-        return StreamingResponse(_events(head, run), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return event_stream(_stream(head, run))
     choice = run.reply["choices"][0]
     items = Items()
     message, logprobs = choice["message"], (choice["logprobs"] or {}).get("content")
@@ -310,18 +307,32 @@ def _done(head: dict, items: list[dict], reason: str | None, usage: dict) -> dic
                       "total_tokens": usage["total_tokens"]}}
 
 
-async def _events(head: dict, run: ChatRun) -> AsyncIterator[bytes]:
-    """The stream: created and in_progress, each item's events as the chat's deltas come, then
-    completed (as vLLM 0.32, also for a response cut short: its status says so). A failure after
-    the first event ends it with an error event."""
-    number = 0
+class Numbered:
+    """The stream's events as server-sent events named by their type, each with its sequence_number
+    (the error event that may end it too)."""
 
-    def sent(event: dict) -> bytes:
-        nonlocal number
-        event["sequence_number"] = number
-        number += 1
+    def __init__(self):
+        self.number = 0
+
+    def __call__(self, event: dict) -> bytes:
+        event["sequence_number"] = self.number
+        self.number += 1
         return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
 
+    def error(self, error: APIError) -> bytes:
+        return self({"type": "error", **{key: error.body()["error"][key] for key in ("code", "message", "param")}})
+
+
+def _stream(head: dict, run: ChatRun) -> AsyncIterator[bytes]:
+    """The stream's events; a failure after the first ends it with an error event in sequence (as
+    chat's streams end, without [DONE])."""
+    numbered = Numbered()
+    return with_errors(_events(head, run, numbered), lambda exc: as_sent(run.as_sent(exc)), numbered.error, done=None)
+
+
+async def _events(head: dict, run: ChatRun, sent: Numbered) -> AsyncIterator[bytes]:
+    """Created and in_progress, each item's events as the chat's deltas come, then completed (as
+    vLLM 0.32, also for a response cut short: its status says so)."""
     items, reason, usage = Items(), None, None
     try:
         yield sent({"type": "response.created", "response": head})
@@ -337,14 +348,5 @@ async def _events(head: dict, run: ChatRun) -> AsyncIterator[bytes]:
         for event in items.finish(reason):
             yield sent(event)
         yield sent({"type": "response.completed", "response": _done(head, items.items, reason, usage)})
-    except APIError as exc:
-        yield sent(_error_event(as_sent(run.as_sent(exc))))
-    except Exception as exc:      # a bug: the client still gets an error, not a cut stream
-        log.exception("inflight-openai: unexpected error in a responses stream")
-        yield sent(_error_event(APIError(500, f"internal error: {type(exc).__name__}")))
     finally:
         await run.chunks.aclose()
-
-
-def _error_event(error: APIError) -> dict:
-    return {"type": "error", **{key: error.body()["error"][key] for key in ("code", "message", "param")}}
