@@ -1063,6 +1063,141 @@ def test_a_client_that_leaves_while_its_request_is_queued_has_it_cancelled_in_th
 COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
                                           "size": {"type": "string", "enum": ["S", "M", "L"]}},
          "required": ["color", "size"]}
+@pytest.fixture(scope="module")
+def hf_model():
+    """transformers' model of the checkpoint, in the server's float64 (TEST_ENGINE)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float64).eval()
+
+
+def next_logprobs(model, ids: list[int]):
+    """transformers' log-softmax over the whole vocabulary at each position of `ids`."""
+    import torch
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
+
+
+def vllm_beam_search(model, prompt_ids: list[int], width: int, max_tokens: int, eos: int,
+                     length_penalty: float = 1.0) -> list[tuple[list, float]]:
+    """vLLM 0.32's search, step by step on transformers' log-probabilities: each beam's 2 x width
+    likeliest next tokens, an EOS among them an ended beam (the EOS kept here), the width likeliest
+    others live; then ended and live ranked by cumulative log-probability over the length (prompt
+    included, less an ending EOS) to the power length_penalty."""
+    live, ended = [([], 0.0)], []
+    for _ in range(max_tokens):
+        candidates = []
+        for tokens, total in live:
+            top = next_logprobs(model, prompt_ids + tokens)[-1].topk(2 * width)
+            for logprob, token in zip(top.values.tolist(), top.indices.tolist()):
+                (ended if token == eos else candidates).append((tokens + [token], total + logprob))
+        live = sorted(candidates, key=lambda beam: -beam[1])[:width]
+    def score(beam):
+        return beam[1] / (len(prompt_ids) + len(beam[0]) - (beam[0][-1] == eos)) ** length_penalty
+    return sorted(ended + live, key=score, reverse=True)[:width]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_beam_search_keeps_the_beams_transformers_keeps(client, hf_model, tokenizer, n):
+    """vLLM's `use_beam_search` with n the beam width. Without EOS (ignore_eos) vLLM's search (the n
+    best of each beam's top 2n) and transformers' (the n best of all) keep the same beams: for each
+    prompt of a completion (choice i * n + j) the same token ids, best first, with the same
+    cumulative log-probabilities."""
+    import torch
+    reply = client.completions.create(model=MODEL, prompt=PROMPTS[1:4], n=n, max_tokens=8, logprobs=5, extra_body={
+        "use_beam_search": True, "ignore_eos": True, "length_penalty": 0.5, "return_token_ids": True})
+    for i, prompt in enumerate(PROMPTS[1:4]):
+        ids = tokenizer(prompt)["input_ids"]
+        beams = hf_model.generate(torch.tensor([ids]), num_beams=n, num_return_sequences=n, do_sample=False,
+                                  max_new_tokens=8, eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+                                  length_penalty=0.5, early_stopping=False)
+        expected = [beam[len(ids):].tolist() for beam in beams]
+        choices = reply.choices[i * n:(i + 1) * n]
+        assert [c.index for c in choices] == list(range(i * n, (i + 1) * n))
+        assert [c.model_extra["token_ids"] for c in choices] == expected, prompt
+        for choice, tokens in zip(choices, expected):
+            assert choice.text == decode(tokenizer, tokens) and choice.finish_reason == "length"
+            logprobs = next_logprobs(hf_model, ids + tokens)
+            want = [logprobs[len(ids) + k - 1, t].item() for k, t in enumerate(tokens)]
+            assert choice.logprobs.token_logprobs == pytest.approx(want, abs=1e-6)
+            # each token's own, then the step's top 5 (the token among them where it is one; more than 2n)
+            assert all(len(top) == (5 if t in logprobs[len(ids) + k - 1].topk(5).indices.tolist() else 6)
+                       for k, (t, top) in enumerate(zip(tokens, choice.logprobs.top_logprobs)))
+    assert reply.usage.completion_tokens == 3 * n * 8
+    assert reply.usage.prompt_tokens == sum(len(tokenizer(p)["input_ids"]) for p in PROMPTS[1:4])
+
+
+def test_beam_search_ends_a_beam_on_eos_as_vllm(client, hf_model, tokenizer):
+    """A beam whose next candidate is EOS ends there (finish_reason "stop", vLLM's stop_reason the
+    EOS id) and is ranked with the live beams at the end, by vLLM's score: a length_penalty of 8
+    puts the longer beam first, as it does where the length counts the prompt (counting the
+    generated tokens only, the ended beam would not be returned). The EOS is in its token ids (and
+    usage) with include_stop_str_in_output, never in its text."""
+    prompt, eos = "See The standard type hierarchy for more information", tokenizer.eos_token_id
+    ids = tokenizer(prompt)["input_ids"]
+    for kept, penalty, ending in ((False, 1.0, [True, False]), (True, 8.0, [False, True])):
+        expected = vllm_beam_search(hf_model, ids, 2, 6, eos, penalty)
+        assert [beam[-1] == eos for beam, _ in expected] == ending, "the case: an ended beam first, then second"
+        reply = client.completions.create(model=MODEL, prompt=prompt, n=2, max_tokens=6, logprobs=0, extra_body={
+            "use_beam_search": True, "include_stop_str_in_output": kept, "length_penalty": penalty,
+            "return_token_ids": True})
+        for choice, (tokens, total) in zip(reply.choices, expected):
+            ended = tokens[-1] == eos
+            assert choice.model_extra["token_ids"] == (tokens[:-1] if ended and not kept else tokens)
+            assert choice.text == decode(tokenizer, tokens[:-1] if ended else tokens)
+            assert (choice.finish_reason, choice.model_extra["stop_reason"]) == (("stop", eos) if ended
+                                                                               else ("length", None))
+            if kept or not ended:
+                assert sum(choice.logprobs.token_logprobs) == pytest.approx(total, abs=1e-6)
+        assert reply.choices[ending.index(True)].text == ".\n"
+        assert reply.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in reply.choices)
+
+
+def test_chat_with_beam_search_streamed_and_not_and_through_an_adapter(client, hf_model, tokenizer):
+    """A chat's beam search (vLLM streams it: every choice's text at once, at the end); n 1 is
+    greedy, through an adapter too (its lora_name reaches every step), and a completion's echo
+    comes first; vLLM's fields at their defaults change nothing."""
+    eos, messages = tokenizer.eos_token_id, [{"role": "user", "content": PROMPTS[5]}]
+    expected = [t[:-1] if t[-1] == eos else t for t, _ in vllm_beam_search(hf_model, chat_ids(tokenizer, messages),
+                                                                            3, 6, eos)]
+    kwargs = dict(model=MODEL, messages=messages, n=3, max_completion_tokens=6,
+                  extra_body={"use_beam_search": True, "return_token_ids": True})
+    whole = client.chat.completions.create(**kwargs)
+    assert [c.model_extra["token_ids"] for c in whole.choices] == expected
+    assert [c.message.content for c in whole.choices] == [decode(tokenizer, t) for t in expected]
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    texts, reasons = ["", "", ""], [None, None, None]
+    for chunk in chunks[:-1]:
+        texts[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+        reasons[chunk.choices[0].index] = reasons[chunk.choices[0].index] or chunk.choices[0].finish_reason
+    assert texts == [c.message.content for c in whole.choices]
+    assert reasons == [c.finish_reason for c in whole.choices]
+    assert chunks[-1].usage == whole.usage and whole.usage.completion_tokens == sum(map(len, expected))
+    greedy = {}
+    for model in (MODEL, ADAPTER):
+        greedy[model] = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                                  extra_body={"ignore_eos": True}).choices[0].text
+        beam = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, echo=True, extra_body={
+            **VLLM_COMPLETION_FIELDS, "use_beam_search": True, "ignore_eos": True})
+        assert beam.choices[0].text == PROMPTS[0] + greedy[model]
+    assert greedy[MODEL] != greedy[ADAPTER], "the adapter changes the text"
+
+
+def test_a_client_that_leaves_a_beam_search_stops_it(api, server):
+    """No step is sent after the client goes, and the steps in flight are cancelled."""
+    before = server.metric("inflight_requests_total")
+    body = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 900, "n": 4, "ignore_eos": True,
+            "use_beam_search": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{api.base_url}/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+    computed_tokens(server)         # idle: nothing running, no KV blocks held
+    time.sleep(0.2)                 # the last cancelled step counted (metrics are published every 50 ms)
+    after = server.metric("inflight_requests_total")
+    assert after > before + 8, "the search ran a few steps"
+    time.sleep(1)
+    assert server.metric("inflight_requests_total") == after, "no step after the client left"
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": {"type": "object", "properties": {
                                                "city": {"enum": ["Paris", "Oslo", "Lima"]},
@@ -1538,8 +1673,25 @@ BAD = [
      "only text parts", "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
      "'messages[0].content[0].text' must be a string", "messages"),
-    ("completions", {"model": MODEL, "prompt": "x", "use_beam_search": True}, 400,
-     "'use_beam_search' is not supported (beam search is not served)", "use_beam_search"),
+    ("completions", {"model": MODEL, "prompt": "x", "use_beam_search": True, "stream": True}, 400,
+     "'use_beam_search': a completion with beam search cannot be streamed (as in vLLM)", "use_beam_search"),
+    ("completions", {"model": MODEL, "prompt": "x", "use_beam_search": True, "echo": True, "logprobs": 1}, 400,
+     "'echo' with 'logprobs' is not served with beam search", "echo"),
+    ("completions", {"model": MODEL, "prompt": "x", "use_beam_search": True, "n": 11}, 400,
+     "'n' is the beam width with 'use_beam_search', at most 10", "n"),
+    ("completions", {"model": MODEL, "prompt": "x", "use_beam_search": True, "stop": ["."]}, 400,
+     "'stop' is not served with 'use_beam_search'", "stop"),
+    ("completions", {"model": MODEL, "prompt": "x", "use_beam_search": True, "max_tokens": -1}, 400,
+     "'max_tokens' must be an integer >= 1, got -1", "max_tokens"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "use_beam_search": True,
+                          "max_completion_tokens": 0}, 400, "'max_completion_tokens' must be an integer >= 1, got 0",
+     "max_completion_tokens"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "use_beam_search": True,
+                          "response_format": {"type": "json_object"}}, 400,
+     "'response_format': output constraints are not served with 'use_beam_search'", "response_format"),
+    ("chat/completions", {"model": MODEL, "messages": ONE_USER, "use_beam_search": True, "tools": TOOLS,
+                          "tool_choice": "required"}, 400, "'tool_choice': output constraints are not served",
+     "tool_choice"),
     ("completions", {"model": MODEL, "prompt": "x", "stream_interval": 0}, 400,
      "'stream_interval': Input should be greater than or equal to 1", "stream_interval"),
     ("completions", {"model": MODEL, "prompt": "x", "truncation_side": "middle"}, 400, "'truncation_side'",
@@ -1816,12 +1968,19 @@ def test_queue_full_is_429_and_triton_gone_is_503(tmp_path):
             # at most max_queue_size in flight (what `make serve` passes) they run in turn
             many = {"model": MODEL, "prompt": PROMPTS[:5], "max_tokens": 3, "temperature": 0}
             assert httpx.post(f"{api.base_url}/completions", json=many, timeout=60).status_code == 429
+            # so do a beam search's 10 beams, whose steps go at once: the step's 429, its other steps cancelled
+            beams = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "n": 10, "use_beam_search": True}
+            refused = httpx.post(f"{api.base_url}/completions", json=beams, timeout=60)
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full", refused.text
+            assert wait_for_metric(triton, "inflight_kv_blocks_used", 0) == 0
             with openai_server(triton.http_url, tmp_path, "--max-triton-requests", "1") as paced:
                 for stream in (False, True):
                     reply = httpx.post(f"{paced.base_url}/completions", json={**many, "stream": stream}, timeout=60)
                     assert reply.status_code == 200, reply.text
                     indices = re.findall(r'"index":(\d+)', reply.text)
                     assert sorted(set(map(int, indices))) == [0, 1, 2, 3, 4]
+                reply = httpx.post(f"{paced.base_url}/completions", json=beams, timeout=60)
+                assert reply.status_code == 200 and len(reply.json()["choices"]) == 10, reply.text
                 with httpx.stream("POST", f"{paced.base_url}/completions", timeout=60, json={
                         "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 900, "ignore_eos": True, "stream": True}) as busy:
                     next(busy.iter_lines())             # it holds the one slot

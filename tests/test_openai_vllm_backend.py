@@ -128,6 +128,7 @@ TEXT_ONLY = "takes a prompt as text only"
     (dict(prompt=PROMPTS[0], extra_body={"priority": 1}), "priority", "take no 'priority'"),
     (dict(prompt=PROMPTS[0], extra_body={"cache_salt": "tenant-a"}), "cache_salt", "take no 'cache_salt'"),
     (dict(prompt=PROMPTS[0], n=2), "n", "mixes their text"),
+    (dict(prompt=PROMPTS[0], extra_body={"use_beam_search": True}), "use_beam_search", "beam search's growing prompts"),
 ])
 def test_what_needs_inflights_inputs_is_a_400_naming_the_field(client, case, field, reason):
     with pytest.raises(openai.BadRequestError) as error:

@@ -358,6 +358,19 @@ def test_usage_counts_the_reasoning_tokens_whole_and_streamed(think_client, thin
     assert text.usage.completion_tokens_details is None
 
 
+def test_beam_search_counts_the_reasoning_tokens(think_client, think_tokenizer):
+    """A chat's beam search (the OpenAI server's, over `llm` steps of one token) splits each choice
+    and counts its reasoning tokens as `llm` counts a sampled reply's."""
+    end = think_tokenizer.convert_tokens_to_ids("</think>")
+    reply = think_client.chat.completions.create(
+        model="think-tiny", messages=[{"role": "user", "content": "Which size?"}], max_tokens=12, n=2,
+        extra_body={"use_beam_search": True, "ignore_eos": True, "return_token_ids": True})
+    ids = [choice.model_extra["token_ids"] for choice in reply.choices]
+    before_end = [tokens.index(end) if end in tokens else len(tokens) for tokens in ids]
+    assert reply.usage.completion_tokens_details.reasoning_tokens == sum(before_end) > 0
+    assert all(choice.message.model_extra["reasoning"] for choice in reply.choices)
+
+
 def test_the_openai_server_needs_the_markers_in_the_tokenizer(tmp_path):
     import subprocess
     import sys

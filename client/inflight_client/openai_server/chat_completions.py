@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 
-from . import generation
+from . import beam_search, generation
 from .context import Context
 from .errors import APIError
 from .chat_template import message_text
@@ -60,6 +60,7 @@ async def run_chat(body: ChatCompletionRequest, ctx: Context, request_id: str, l
                    cached_tokens: bool) -> ChatRun:
     """cached_tokens: the usage has prompt_tokens_details.cached_tokens."""
     lora_name = ctx.models.check(body.model)
+    generate = beam_search.generator(body, ctx) if body.use_beam_search else ctx.triton.generate
     if body.tool_choice == "auto" and ctx.tool_call_parser is None:
         # vLLM answers the same without --enable-auto-tool-choice and a --tool-call-parser
         raise APIError(400, "'tool_choice' \"auto\" (the default when 'tools' are given) needs a tool-call "
@@ -75,7 +76,7 @@ async def run_chat(body: ChatCompletionRequest, ctx: Context, request_id: str, l
     if _calls_tools(body) and special_tokens_kept(ctx.tool_call_parser):
         sampling["skip_special_tokens"] = False         # the parser reads the model's tags (as vLLM)
     text = None if body.truncate_prompt_tokens is not None else ctx.text_input(prompt, bool(body.add_special_tokens))
-    calls = [ctx.triton.generate(Prompt(prompt_ids, text, "truncate_prompt_tokens"), sampling)]
+    calls = [generate(Prompt(prompt_ids, text, "truncate_prompt_tokens"), sampling)]
     head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
             "model": body.model or ctx.models.name}
     top_n = body.top_logprobs or 0

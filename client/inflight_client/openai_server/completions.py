@@ -13,7 +13,7 @@ import time
 
 from starlette.responses import JSONResponse
 
-from . import generation
+from . import beam_search, generation
 from .context import Context
 from .errors import APIError
 from .logprobs import completion_logprobs, echoed_positions, sampled_ids
@@ -26,6 +26,7 @@ from .triton import Prompt
 
 async def create_completion(body: CompletionRequest, ctx: Context, request_id: str, large: bool):
     lora_name = ctx.models.check(body.model)
+    generate = beam_search.generator(body, ctx) if body.use_beam_search else ctx.triton.generate
     constraint = single(request_constraints(body), ctx.disable_any_whitespace)
     sampling = completion_sampling(body, ctx.completion_max_tokens, constraint, lora_name, ctx.sampling_defaults)
     sent, echoes = await ctx.offload(large, _prompts, body, ctx)
@@ -33,7 +34,7 @@ async def create_completion(body: CompletionRequest, ctx: Context, request_id: s
     echoed = None               # with echo and logprobs: (prompt i, its prompt_logprobs) -> positions
     if body.echo and body.logprobs is not None:
         echoed = functools.partial(_echoed, ctx.tokenizer, prompts)
-    calls = [ctx.triton.generate(prompt, ctx.fit(sampling, prompt.ids, "prompt")) for prompt in sent]
+    calls = [generate(prompt, ctx.fit(sampling, prompt.ids, "prompt")) for prompt in sent]
     head = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or ctx.models.name}
     def as_sent(error: APIError) -> APIError:

@@ -8,7 +8,7 @@ its chat-template fields (`add_generation_prompt`, `continue_final_message`, `ch
 models is accepted too, so that a vLLM client's request is never refused for its shape: those
 `llm` reads pass through (`skip_special_tokens`, `allowed_token_ids`, ...), those that change
 nothing here are accepted as vLLM accepts them, and those this server cannot honour (UNSERVED:
-beam search, disaggregated serving, ...; and OpenAI's audio, moderation, ...) are refused, when
+disaggregated serving, ...; and OpenAI's audio, moderation, ...) are refused, when
 not null or their default, with a message saying so. Other unknown fields are refused by name (a
 typo is not silently dropped, as vLLM would drop it). Value ranges the engine checks
 (top_p, penalties, ...) are left to `llm`, whose messages name the field, so each rule lives in one
@@ -100,8 +100,7 @@ class StreamOptions(Body):
 
 class SamplingFields(Body):
     """Fields shared by completions and chat completions."""
-    UNSERVED = {"use_beam_search": " (beam search is not served)",
-                "watermarking": "",
+    UNSERVED = {"watermarking": "",
                 "logprob_token_ids": " (ask for the top-N with 'logprobs')",
                 "kv_transfer_params": " (no disaggregated serving)",
                 "ec_transfer_params": " (no disaggregated serving)",
@@ -136,16 +135,16 @@ class SamplingFields(Body):
     truncation_side: Literal["left", "right"] | None = None    # vLLM's: which end truncate_prompt_tokens cuts
     stream_interval: Int | None = Field(None, ge=1)     # vLLM's: tokens per streamed chunk (llm's setting, if more)
     request_id: str | None = None                # vLLM's: the response id is <kind>-<request_id> (X-Request-Id wins)
+    use_beam_search: bool = False                # vLLM's: n is the beam width (beam_search.py)
+    length_penalty: Float = 1.0                  # vLLM's, read by beam search only
     user: str | None = None                      # accepted, unused
     # vLLM's fields that change nothing here: accepted, unused, as vLLM accepts them
     session_id: str | None = None                # a routing key across requests
-    length_penalty: Float = 1.0                  # read by beam search only
     routed_experts_prompt_start: Int = Field(0, ge=0)    # for mixture-of-experts routing data, not returned here
     return_token_offsets: bool | None = None     # these three: read by vLLM's /render endpoints only
     mm_payload: str | None = None
     return_mm_kwargs: bool | None = None
     # vLLM's fields for what this server does not do (UNSERVED)
-    use_beam_search: bool = False
     watermarking: bool | None = None
     logprob_token_ids: list[Int] | None = None
     kv_transfer_params: dict | None = None

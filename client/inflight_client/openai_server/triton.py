@@ -230,7 +230,8 @@ class TritonLLM:
         if prompt.text is None:
             raise APIError(400, f"'{prompt.only_ids}': Triton's model '{self.model}' takes a prompt as text only "
                            "(`text_input`, as the vLLM backend does), and this request's prompt is token ids (a "
-                           "token prompt, truncate_prompt_tokens, or add_special_tokens false)", prompt.only_ids)
+                           "token prompt, truncate_prompt_tokens, add_special_tokens false, or beam search's "
+                           "growing prompts)", prompt.only_ids)
         for name in INFLIGHT_SAMPLING:
             if name in sampling:
                 raise APIError(400, f"'{name}': Triton's model '{self.model}' has the vLLM backend's tensors, whose "
