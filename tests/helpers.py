@@ -188,9 +188,10 @@ MISTRAL_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% for call in 
                     "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
 
 
-def mistral_checkpoint(directory: str, args: bool = True) -> str:
+def mistral_checkpoint(directory: str, args: bool = True, think: bool = False) -> str:
     """A copy of the test model whose tokenizer has Mistral's tool-call marker [TOOL_CALLS] (and with
-    `args` v11's [ARGS], after a call's name) as special tokens, as Mistral's Hugging Face tokenizers
-    have them, and whose chat template refuses a call id of another form, as Mistral's do."""
-    markers = ("[TOOL_CALLS]", "[ARGS]") if args else ("[TOOL_CALLS]",)
+    `args` v11's [ARGS], after a call's name; with `think` Magistral's [THINK] and [/THINK]) as special
+    tokens, as Mistral's Hugging Face tokenizers have them, and whose chat template refuses a call id
+    of another form, as Mistral's do."""
+    markers = ("[TOOL_CALLS]", "[ARGS]")[:1 + args] + ("[THINK]", "[/THINK]")[:2 * think]
     return reasoning_checkpoint(directory, markers, MISTRAL_TEMPLATE, special=True)

@@ -507,7 +507,7 @@ def test_the_cpu_kv_pool_holds_what_max_num_seqs_full_sequences_use_within_the_b
     ('["x"]', "must hold a JSON object, got list"),
     ('{"engine": {}}', "'model' must name the checkpoint directory, got None"),
     ('{"model": "x", "lora": {}}', "unknown key(s) ['lora']; known: ['enable_lora', 'engine', 'max_lora_rank', 'max_loras', 'model', 'reasoning_parser']"),
-    ('{"model": "x", "reasoning_parser": "r1"}', "'reasoning_parser' must be one of ('deepseek_r1', 'qwen3') or None, got 'r1'"),
+    ('{"model": "x", "reasoning_parser": "r1"}', "'reasoning_parser' must be one of ('deepseek_r1', 'qwen3', 'mistral') or None, got 'r1'"),
     ('{"model": "x", "engine": {"max_num_seqs": 0}}', "'engine': 'max_num_seqs' must be a positive integer"),
 ])
 def test_model_json_errors_name_the_file_and_the_key(tmp_path, text, message):

@@ -1453,40 +1453,72 @@ def test_mistral_calls_read_from_its_special_tokens_go_back_with_its_ids(tmp_pat
     [ARGS] as special tokens (v11's form): the tokens the model writes stay in the text for the
     parser (vLLM keeps them too), its calls come back with Mistral's 9-character ids, streamed or
     not, and a conversation holding them renders with a template that refuses other ids, as
-    Mistral's do. A tokenizer without [TOOL_CALLS] is refused at start, as by vLLM."""
+    Mistral's do. With --reasoning-parser mistral (and `llm`'s) Magistral's [THINK] ... [/THINK],
+    special tokens too, come as `reasoning`, counted in usage, beside the calls; the prompt's
+    [/THINK] (Magistral's system prompt has one) has the constraint hold from the first token, and a
+    prompt without markers has a response_format wait for [/THINK], as in vLLM. A tokenizer without
+    [TOOL_CALLS] is refused at start, as by vLLM."""
     import subprocess
     import sys
 
     from inflight_client.openai_server.process import OpenAIServerProcess
     from transformers import AutoTokenizer
-    checkpoint = mistral_checkpoint(str(tmp_path / "mistral-tiny"))
-    marker, args = AutoTokenizer.from_pretrained(checkpoint).convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]"])
-    text = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "unit": "C"}[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}'
+    checkpoint = mistral_checkpoint(str(tmp_path / "mistral-tiny"), think=True)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    marker, args, think, unthink = tokenizer.convert_tokens_to_ids(["[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]"])
+    text = ('[THINK]Oslo, in C. [/THINK]Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "unit": "C"}'
+            '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}')
     calls = [("get_weather", '{"city": "Oslo", "unit": "C"}'), ("add", '{"a": 1, "b": 2}')]
-    repository = make_repository(str(tmp_path / "repository"), checkpoint, TEST_ENGINE)
+    repository = make_repository(str(tmp_path / "repository"), checkpoint,
+                                 {**TEST_ENGINE, "reasoning_parser": "mistral"})
     with ServerProcess(repository) as triton, OpenAIServerProcess(
-            triton.http_url, checkpoint, extra=["--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
+            triton.http_url, checkpoint, extra=["--enable-auto-tool-choice", "--tool-call-parser", "mistral",
+                                                "--reasoning-parser", "mistral"],
             env=SOURCE_PATH_ENV, log_path=str(tmp_path / "openai.log")) as auto:
         client = openai.OpenAI(base_url=auto.base_url, api_key="-", max_retries=0)
         # the regex lets the model write each marker as its special token or as plain text: the bias picks the token
-        kwargs = dict(model="mistral-tiny", messages=ASK, max_tokens=80, temperature=0, tools=TOOLS,
-                      logit_bias={str(marker): 30, str(args): 30},
+        system = [{"role": "system", "content": "Think first, in [THINK] ... [/THINK]."}]
+        kwargs = dict(model="mistral-tiny", messages=system + ASK, max_tokens=80, temperature=0, tools=TOOLS,
+                      logit_bias={str(token): 30 for token in (marker, args, think, unthink)},
                       extra_body={"structured_outputs": {"regex": exact_regex(text)}, "return_token_ids": True})
         whole = client.chat.completions.create(**kwargs)
         choice = whole.choices[0]
-        assert choice.model_extra["token_ids"].count(marker) == 2 and args in choice.model_extra["token_ids"]
+        ids = choice.model_extra["token_ids"]
+        assert ids.count(marker) == 2 and args in ids and ids[0] == think and unthink in ids
         assert (choice.message.content, calls_of(whole), choice.finish_reason) == ("Sure.", calls, "tool_calls")
+        assert choice.message.model_extra["reasoning"] == "Oslo, in C."       # its trailing space dropped
+        assert whole.usage.completion_tokens_details.reasoning_tokens == ids.index(unthink) - 1
         ids = [call.id for call in choice.message.tool_calls]
         assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 2, ids
         streamed = streamed_completion(client, **kwargs)
         assert (streamed.choices[0].message.content, calls_of(streamed)) == ("Sure.", calls)
         assert all(len(call.id) == 9 for call in streamed.choices[0].message.tool_calls)
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        assert "".join((c.choices[0].delta.model_extra or {}).get("reasoning") or "" for c in chunks) == "Oslo, in C."
         history = ASK + [choice.message.model_dump(include={"role", "content", "tool_calls"})] + [
             {"role": "tool", "tool_call_id": i, "content": "done"} for i in ids]
         assert client.chat.completions.create(model="mistral-tiny", messages=history, max_tokens=2).choices
         history[1]["tool_calls"][0]["id"] = "call_" + ids[0]
         with pytest.raises(openai.BadRequestError, match="Tool call IDs should be alphanumeric strings with length 9"):
             client.chat.completions.create(model="mistral-tiny", messages=history, max_tokens=2)
+        answered = 0
+        for seed in range(4):       # no marker in the prompt: the JSON waits for the [/THINK] the bias brings
+            response = client.chat.completions.create(
+                model="mistral-tiny", messages=ASK, max_tokens=40, temperature=1.0, seed=seed,
+                logit_bias={str(unthink): 8}, extra_body={"return_token_ids": True}, response_format={
+                    "type": "json_schema", "json_schema": {"name": "size", "schema": {"enum": ["S", "M", "L"]}}})
+            reply, ids = response.choices[0], response.choices[0].model_extra["token_ids"]
+            # the engine waits as if reasoning, but the reply is read from its content on, as vLLM reads it
+            assert response.usage.completion_tokens_details.reasoning_tokens == 0
+            if unthink in ids and reply.finish_reason == "stop":
+                after = ids.index(unthink) + 1
+                assert unthink not in ids[after:] and think not in ids       # no reasoning: all content
+                assert json.loads(tokenizer.decode(ids[after:], skip_special_tokens=True)) in ("S", "M", "L")
+                answered += after > 1
+                assert reply.message.model_extra["reasoning"] is None
+                # the text as written, special tokens kept, less the stray [/THINK] (and others, which vLLM drops)
+                assert reply.message.content == re.sub(r"\[/THINK\]|</?s>|<unk>|<pad>", "", tokenizer.decode(ids))
+        assert answered, "some replies write free text, [/THINK], then the JSON"
     run = subprocess.run([sys.executable, "-m", "inflight_client.openai_server", "--model-dir", DEFAULT_MODEL,
                           "--enable-auto-tool-choice", "--tool-call-parser", "mistral", "--port", "1"],
                          capture_output=True, text=True, env={**os.environ, **SOURCE_PATH_ENV}, timeout=120)

@@ -9,7 +9,7 @@ import pytest
 from inflight import EngineConfig, LLMEngine, SamplingParams
 
 from .conftest import DEFAULT_MODEL, TEST_ENGINE
-from .helpers import reasoning_checkpoint
+from .helpers import mistral_checkpoint, reasoning_checkpoint
 
 AB = "[ab]{5}"
 
@@ -219,6 +219,65 @@ def test_a_qwen3_tool_call_ends_the_reasoning_count_and_the_budget(qwen3_tokeniz
             count.add(token)
         assert count.count == counted, parser
         assert (markers.budget_after(3, tool, 10) is None) == (parser == "qwen3")
+
+
+# a reply -> (reasoning, content) as vLLM 0.32's mistral parser reads it (checked against it offline)
+MISTRAL_REPLIES = {
+    "plain answer": (None, "plain answer"),                           # no [THINK]: all content
+    "[THINK]plan  \n[/THINK] answer": ("plan", " answer"),           # the reasoning's trailing whitespace dropped
+    "pre[THINK]plan[/THINK]ans": ("plan", "preans"),                   # content before the reasoning
+    "[THINK]a[THINK]b[/THINK]c[/THINK]d": ("ab", "cd"),                # a repeated start, a stray end: none
+    "[THINK]a  [/THINK]b[THINK]c \n": ("a  c", "b"),                  # reasoning again, never ended
+    "x[/THINK]y": (None, "xy"),
+    "[THINK]p[TOOL_CALLS]f[ARGS]{}[/THINK]": ("p", "[TOOL_CALLS]f[ARGS]{}"),    # a call ends the reasoning
+    "[THINK] [/THINK]</s>x<s>": (None, "x"),                           # other special tokens dropped
+    "[THINK]a</s[/THINK]b</": ("a</s", "b</"),
+}
+
+
+@pytest.fixture(scope="module")
+def mistral_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(mistral_checkpoint(str(tmp_path_factory.mktemp("magistral") / "m"),
+                                                            think=True))
+
+
+def test_mistrals_reader_splits_as_vllm_whole_or_streamed_in_any_pieces(mistral_tokenizer):
+    """--reasoning-parser mistral: the reply starts in the content whatever the prompt holds (its
+    [/THINK] here), [THINK] opens the reasoning wherever it comes; the same for the text cut
+    anywhere; the reasoning tokens counted from the ids are those of the split's reasoning."""
+    from inflight.reasoning import Reasoning, ReasoningTokens
+    from inflight_client.openai_server.reasoning import reader
+    markers = Reasoning.load("mistral", mistral_tokenizer)
+    prompt = mistral_tokenizer("System: [THINK]x[/THINK]\nUser: hi", add_special_tokens=False)["input_ids"]
+    assert markers.end_id in prompt and not markers.open_after(prompt)
+    for text, (reasoning, content) in MISTRAL_REPLIES.items():
+        assert reader(markers, prompt).split(text) == (reasoning, content), text
+        for cut in range(len(text) + 1):
+            for cuts in ([cut], list(range(cut, len(text), 3))):
+                assert read(reader(markers, prompt), text, cuts) == (reasoning or "", content), (text, cuts)
+    start, end, eos = markers.start_id, markers.end_id, mistral_tokenizer.eos_token_id
+    count = ReasoningTokens(markers, markers.reply_opens(prompt))
+    for token in [5, start, 6, 7, start, 8, eos, end, 9, start, 10]:      # reasoning: 6, 7, 8 and 10
+        count.add(token)
+    assert count.count == 4
+
+
+def test_mistral_without_think_in_the_tokenizer_reads_no_reasoning(tmp_path):
+    """As vLLM's parser: a tokenizer without [THINK] has no reasoning (all content, a constraint
+    from the first token, no thinking_token_budget); one without [TOOL_CALLS] is refused."""
+    from inflight.reasoning import Reasoning
+    from inflight_client.openai_server.reasoning import reader
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(mistral_checkpoint(str(tmp_path / "m")))
+    markers = Reasoning.load("mistral", tokenizer)
+    assert not markers.open_after([1, 2]) and reader(markers, []).split("[THINK]a[/THINK]b") == (
+        None, "[THINK]a[/THINK]b")
+    engine = LLMEngine.from_pretrained(str(tmp_path / "m"), EngineConfig(**TEST_ENGINE, reasoning_parser="mistral"))
+    with pytest.raises(ValueError, match="'thinking_token_budget' needs .* the tokenizer has none"):
+        engine.add_request("r", [1, 2], SamplingParams(max_tokens=2, thinking_token_budget=1))
+    with pytest.raises(ValueError, match="'reasoning_parser' 'mistral': the tokenizer has no '\\[TOOL_CALLS\\]'"):
+        Reasoning.load("mistral", AutoTokenizer.from_pretrained(DEFAULT_MODEL))
 
 
 def test_the_reasoning_parser_is_checked_at_start():

@@ -114,9 +114,10 @@ class LLMEngine:
         priority = parse_priority(priority)
         salt = self._salt_key(cache_salt)
         lora_slot, lora_key = self._lora_adapter(params.lora_name)
-        if params.thinking_token_budget is not None and self.reasoning is None:
-            raise ValueError("'thinking_token_budget' needs the engine's reasoning_parser (the model's reasoning "
-                             "markers), which is not set")
+        if params.thinking_token_budget is not None and (self.reasoning is None or self.reasoning.end_id is None):
+            why = "which is not set" if self.reasoning is None else "and the tokenizer has none (no reply reasons)"
+            raise ValueError(f"'thinking_token_budget' needs the engine's reasoning_parser (the model's reasoning "
+                             f"markers), {why}")
         matcher = None
         if params.structured_outputs is not None:
             compiled = grammar if grammar is not None else self.structured.compile(params.structured_outputs)

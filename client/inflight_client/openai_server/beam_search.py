@@ -151,7 +151,7 @@ def _reasoning_tokens(ctx: Context, prompt_ids: list[int], beams: list[Beam]) ->
         return None
     counts = []
     for beam in beams:
-        counter = ReasoningTokens(ctx.reasoning, ctx.reasoning.open_after(prompt_ids))
+        counter = ReasoningTokens(ctx.reasoning, ctx.reasoning.reply_opens(prompt_ids))
         for token in beam.tokens:
             counter.add(token)
         counts.append(counter.count)

@@ -20,7 +20,7 @@ from .context import Context
 from .errors import APIError
 from .chat_template import message_text
 from .logprobs import chat_logprobs, sampled_ids
-from .reasoning import ReasoningText
+from .reasoning import reader
 from .sampling import chat_sampling
 from .schemas import ChatCompletionRequest
 from .sse import event, sse_response
@@ -73,8 +73,8 @@ async def run_chat(body: ChatCompletionRequest, ctx: Context, request_id: str, l
     prompt, prompt_ids = await ctx.offload(large, _prompt, body, tools, ctx)
     sampling = ctx.fit(chat_sampling(body, ctx.chat_max_tokens, constraint, lora_name, ctx.sampling_defaults),
                        prompt_ids, "messages")
-    if _calls_tools(body) and special_tokens_kept(ctx.tool_call_parser):
-        sampling["skip_special_tokens"] = False         # the parser reads the model's tags (as vLLM)
+    if (_calls_tools(body) and special_tokens_kept(ctx.tool_call_parser)) or _reads_special_markers(ctx):
+        sampling["skip_special_tokens"] = False         # the parsers read the model's tags (as vLLM's)
     text = None if body.truncate_prompt_tokens is not None else ctx.text_input(prompt, bool(body.add_special_tokens))
     calls = [generate(Prompt(prompt_ids, text, "truncate_prompt_tokens"), sampling)]
     head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
@@ -199,13 +199,17 @@ def _hides_reasoning(body: ChatCompletionRequest, ctx: Context) -> bool:
     return ctx.reasoning is not None and not body.include_reasoning
 
 
-def _reasoning_readers(ctx: Context, prompt_ids: list[int], n: int) -> list[ReasoningText] | None:
-    """Each choice's reasoning reader (--reasoning-parser), reasoning at the start where the prompt
-    left the model reasoning (its last marker not the end); None without a parser."""
+def _reads_special_markers(ctx: Context) -> bool:
+    """Whether the reasoning parser reads markers that are special tokens (mistral's, where the
+    tokenizer has them; without them vLLM's parser reads no reasoning and the text stays as usual)."""
+    return ctx.reasoning is not None and ctx.reasoning.markers.content_first and ctx.reasoning.start_id is not None
+
+
+def _reasoning_readers(ctx: Context, prompt_ids: list[int], n: int) -> list | None:
+    """Each choice's reasoning reader (--reasoning-parser; reasoning.reader); None without a parser."""
     if ctx.reasoning is None:
         return None
-    reasoning = ctx.reasoning.open_after(prompt_ids)
-    return [ReasoningText(ctx.reasoning, reasoning) for _ in range(n)]
+    return [reader(ctx.reasoning, prompt_ids) for _ in range(n)]
 
 
 def _tool_reader(body: ChatCompletionRequest, ctx: Context) -> ToolCallText | AutoToolText:

@@ -63,8 +63,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                              "Devstral)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                         help="split a chat reply into `reasoning` and `content` (vLLM's flag): deepseek_r1 (<think> "
-                             "... </think>: DeepSeek-R1 and its Llama and Qwen distills, QwQ) or qwen3 (the same "
-                             "markers, Qwen3's thinking mode). Give `llm` the same "
+                             "... </think>: DeepSeek-R1 and its Llama and Qwen distills, QwQ), qwen3 (the same "
+                             "markers, Qwen3's thinking mode) or mistral (Magistral's [THINK] ... [/THINK]). Give "
+                             "`llm` the same "
                              "engine setting, so that a constraint waits for the end of the reasoning (`make serve` "
                              "passes this flag where `llm` has it)")
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",

@@ -5,8 +5,9 @@ rest is content; a reply that never writes </think> is all reasoning, and where 
 marker is </think> (the reasoning was ended in the prompt) all of it is content. qwen3 reads the
 same, and as vLLM 0.32's: a <tool_call> also ends the reasoning (it begins the content, where the
 tool parser reads it), the prompt's markers count from its last turn on, and a <think> inside the
-reasoning or a </think> in the content is dropped. The engine's own reasoning_parser (backend_src/inflight/reasoning.py) keeps a
-constraint for the content."""
+reasoning or a </think> in the content is dropped. mistral (Magistral's [THINK] ... [/THINK]) reads
+as vLLM 0.32's: ContentFirstText. The engine's own reasoning_parser (backend_src/inflight/reasoning.py)
+keeps a constraint for the content."""
 from __future__ import annotations
 
 from inflight.reasoning import MARKERS, Reasoning
@@ -22,6 +23,13 @@ def markers(parser: str, tokenizer) -> Reasoning:
         return Reasoning.load(parser, tokenizer)
     except ValueError as exc:
         raise SystemExit(f"inflight-openai: --reasoning-parser: {exc}") from None
+
+
+def reader(markers: Reasoning, prompt_ids: list[int]) -> "ReasoningText | ContentFirstText":
+    """A choice's reader for a reply to this prompt."""
+    if markers.markers.content_first:
+        return ContentFirstText(markers)
+    return ReasoningText(markers, markers.reply_opens(prompt_ids))
 
 
 class ReasoningText:
@@ -86,3 +94,58 @@ class ReasoningText:
         reasoning, content = self.feed(text)
         more, rest = self.close()
         return (reasoning + more if reasoned else None), content + rest
+
+
+class ContentFirstText:
+    """vLLM 0.32's mistral reading of one choice's text as it arrives (its parser engine's): content
+    until a start marker, reasoning until an end marker or a tool call's opening (which stays in the
+    content, where the tool parser reads it), and so on; a start marker inside the reasoning and an
+    end marker in the content are dropped, as are the tokenizer's other special tokens (the text
+    keeps them, for the markers) and the reasoning's trailing whitespace. Where the tokenizer has no
+    markers the text is all content, as written. `feed`, `close` and `split` as ReasoningText's."""
+
+    def __init__(self, markers: Reasoning):
+        spec = markers.markers
+        self.thinks = markers.start_id is not None
+        self.start, self.end, self.tool_start = spec.start, spec.end, spec.tool_start
+        self.terminals = (spec.start, spec.end, spec.tool_start, *markers.dropped_texts)
+        self.reasoning = False            # in the reasoning now
+        self.text = ""                    # what arrived and could still begin a terminal
+        self.spaces = ""                  # the reasoning's trailing whitespace: sent if more reasoning follows
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if not self.thinks:
+            return "", text
+        self.text += text
+        reasoning, content = [], []
+        while found := [(at, -len(t), t) for t in self.terminals if (at := self.text.find(t)) >= 0]:
+            at, _, terminal = min(found)      # the first, and the longest there
+            (reasoning if self.reasoning else content).append(self.text[:at])
+            self.text = self.text[at + len(terminal):]
+            if terminal == self.tool_start:
+                content.append(terminal)
+                self.reasoning = False
+            elif terminal in (self.start, self.end):
+                self.reasoning = terminal == self.start
+        held = max(held_prefix(self.text, terminal) for terminal in self.terminals)
+        (reasoning if self.reasoning else content).append(self.text[:len(self.text) - held])
+        self.text = self.text[len(self.text) - held:]
+        return self._reasoning("".join(reasoning)), "".join(content)
+
+    def _reasoning(self, text: str) -> str:
+        """The reasoning to send: its trailing whitespace held until more reasoning follows."""
+        text = self.spaces + text
+        sent = text.rstrip()
+        self.spaces = text[len(sent):]
+        return sent
+
+    def close(self) -> tuple[str, str]:
+        """What is held at the end: the text that could have begun a terminal; the whitespace is dropped."""
+        rest, self.text = self.text, ""
+        return (self._reasoning(rest), "") if self.reasoning else ("", rest)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A whole reply's reasoning (None where it has none, as vLLM's) and content."""
+        reasoning, content = self.feed(text)
+        more, rest = self.close()
+        return (reasoning + more) or None, content + rest
