@@ -1,6 +1,7 @@
 """Reasoning models (vLLM's reasoning_parser): the engine's structured outputs wait for the end of
 the model's reasoning, and the OpenAI server's --reasoning-parser splits a reply into reasoning and
 content, streamed or not. The model: the test model with DeepSeek-R1's markers in its tokenizer."""
+import dataclasses
 import json
 import re
 
@@ -64,7 +65,10 @@ def test_a_prompt_that_ended_the_reasoning_is_constrained_from_the_first_token(t
     outs = thinking_engine.generate([prompt] * 4, [constrained(seed, end, 100.0) for seed in range(4)])
     plain = LLMEngine.from_pretrained(think_model, EngineConfig(**TEST_ENGINE)).generate(
         [think_tokenizer.encode("What is 2+2? <think>\n")] * 4, [constrained(seed, end, 100.0) for seed in range(4)])
-    for out in outs + plain:
+    # the reasoning given as ended (vLLM's engine's reasoning_ended) after a prompt that left it open
+    ended = thinking_engine.generate([think_tokenizer.encode("What is 2+2? <think>\n")] * 4, [
+        dataclasses.replace(constrained(seed, end, 100.0), reasoning_ended=True) for seed in range(4)])
+    for out in outs + plain + ended:
         assert end not in out.token_ids
         assert re.fullmatch(AB, think_tokenizer.decode(out.token_ids, skip_special_tokens=True))
 
@@ -289,26 +293,34 @@ def test_the_reasoning_parser_is_checked_at_start():
 
 
 @pytest.fixture(scope="module")
-def think_client(think_model, tmp_path_factory):
-    """tritonserver serving the reasoning model with the engine's reasoning_parser, and the OpenAI
-    server as `make serve` starts it next to it (which passes the same --reasoning-parser)."""
-    import openai
+def think_triton(think_model, tmp_path_factory):
+    """tritonserver serving the reasoning model with the engine's reasoning_parser: (repository, server)."""
     from inflight.serving import launch
     root = tmp_path_factory.mktemp("reasoning-serve")
     repo = launch.make_repository(str(root / "repository"), think_model,
                                   {**TEST_ENGINE, "reasoning_parser": "deepseek_r1"})
-    children = launch.Children()
     with launch.ServerProcess(repo) as server:
-        flags = ("--disable-any-whitespace", "--enable-auto-tool-choice", "--tool-call-parser=hermes")
-        endpoints = launch.Endpoints(server.http_port, server.grpc_port, server.metrics_port,
-                                     openai_port=launch.free_ports(1)[0], openai_args=flags)
-        assert launch.start_openai_server(children, repo, endpoints)
-        try:
-            yield openai.OpenAI(base_url=f"http://localhost:{endpoints.openai_port}/v1", api_key="-", max_retries=0)
-        finally:
-            for process in children.processes:
-                process.terminate()
-                process.wait(30)
+        yield repo, server
+
+
+@pytest.fixture(scope="module")
+def think_client(think_triton):
+    """The OpenAI server as `make serve` starts it next to think_triton (which passes the same
+    --reasoning-parser)."""
+    import openai
+    from inflight.serving import launch
+    repo, server = think_triton
+    children = launch.Children()
+    flags = ("--disable-any-whitespace", "--enable-auto-tool-choice", "--tool-call-parser=hermes")
+    endpoints = launch.Endpoints(server.http_port, server.grpc_port, server.metrics_port,
+                                 openai_port=launch.free_ports(1)[0], openai_args=flags)
+    assert launch.start_openai_server(children, repo, endpoints)
+    try:
+        yield openai.OpenAI(base_url=f"http://localhost:{endpoints.openai_port}/v1", api_key="-", max_retries=0)
+    finally:
+        for process in children.processes:
+            process.terminate()
+            process.wait(30)
 
 
 SHIRT = {"type": "object", "properties": {"size": {"enum": ["S", "M", "L"]}}, "required": ["size"]}
@@ -339,6 +351,36 @@ def test_a_reply_comes_as_its_reasoning_and_its_content_streamed_or_not(think_cl
         assert hidden.choices[0].message.model_extra["reasoning"] is None
         assert hidden.choices[0].message.content == message.content
     assert split, "some replies reason, then answer"
+
+
+def test_qwen3_with_thinking_off_reads_no_reasoning_and_constrains_from_the_first_token(think_triton, think_model,
+                                                                                        tmp_path):
+    """vLLM's qwen3 with chat_template_kwargs' enable_thinking false: the whole reply is content and a
+    constraint holds from its first token (the server sends `llm` reasoning_ended), whatever the
+    template made of the flag: this one ignores it and opens <think>, where the engine's deepseek_r1
+    waits for </think>, as it still does with thinking on."""
+    import jsonschema
+    import openai
+    from inflight_client.openai_server.process import OpenAIServerProcess
+    from .helpers import SOURCE_PATH_ENV
+    _, server = think_triton
+    with OpenAIServerProcess(server.http_url, think_model, extra=["--reasoning-parser", "qwen3", "--disable-any-whitespace"],
+                             env=SOURCE_PATH_ENV,
+                             log_path=str(tmp_path / "openai.log")) as api:
+        client = openai.OpenAI(base_url=api.base_url, api_key="-", max_retries=0)
+        kwargs = dict(model="think-tiny", messages=[{"role": "user", "content": "Which size?"}], max_tokens=30,
+                      temperature=1.0, response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "shirt", "schema": SHIRT}})
+        for seed in range(3):
+            off = client.chat.completions.create(seed=seed, **kwargs, extra_body={
+                "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+            assert off.model_extra["reasoning"] is None
+            jsonschema.validate(json.loads(off.content), SHIRT)
+            chunks = list(client.chat.completions.create(seed=seed, stream=True, **kwargs, extra_body={
+                "chat_template_kwargs": {"enable_thinking": False}}))
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == off.content
+        on = client.chat.completions.create(seed=0, **kwargs).choices[0].message
+        assert on.model_extra["reasoning"], "with thinking on the reply reasons first, unconstrained"
 
 
 def test_include_reasoning_false_leaks_no_reasoning_tokens(think_client, think_tokenizer):

@@ -185,6 +185,9 @@ class SamplingParams:
     lora_name: str | None = None              # the adapter to run with (None: the base model)
     # vLLM's: the most tokens the model may reason before its end marker is forced (reasoning.py); -1/None: no bound
     thinking_token_budget: int | None = None
+    # vLLM's engine-level `reasoning_ended` (its server sets it where the chat's parser reads no reasoning, as
+    # qwen3's with enable_thinking false): the reasoning counts as ended, a constraint applies from the first token
+    reasoning_ended: bool = False
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
@@ -239,7 +242,7 @@ class SamplingParams:
         self.stop = tuple(self.stop)
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop",
                f"holds {len(self.stop)} strings, more than {MAX_STOP_STRINGS}")
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "reasoning_ended"):
             _check(isinstance(getattr(self, name), bool), name, "must be a boolean")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -133,7 +133,8 @@ class LLMEngine:
                       generator=generator,
                       # fixed-length parts (the adapter's present or not): no salt can pose as an adapter
                       cache_key=hashlib.blake2b(self.model_key + salt + lora_key, digest_size=16).digest(),
-                      matcher=matcher, reasoning=self.structured.waits(matcher, prompt), lora_slot=lora_slot,
+                      matcher=matcher, reasoning=not params.reasoning_ended and self.structured.waits(matcher, prompt),
+                      lora_slot=lora_slot,
                       group=group)
         if params.thinking_token_budget is not None:
             req.thinking_left = self.reasoning.budget_left(prompt, params.thinking_token_budget)

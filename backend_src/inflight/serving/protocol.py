@@ -43,6 +43,7 @@ KNOBS = {
     "repetition_penalty": "float", "frequency_penalty": "float", "presence_penalty": "float",
     "min_p": "float", "logit_bias": "bias", "allowed_token_ids": "ints",
     "skip_special_tokens": "bool", "spaces_between_special_tokens": "bool", "thinking_token_budget": "int",
+    "reasoning_ended": "bool",
 }
 # per-request settings that may also come through the same channels
 SETTINGS = {"priority": "priority", "cache_salt": "str", "n": "int", "include_stop_str_in_output": "bool",

@@ -75,6 +75,8 @@ async def run_chat(body: ChatCompletionRequest, ctx: Context, request_id: str, l
                        prompt_ids, "messages")
     if (_calls_tools(body) and special_tokens_kept(ctx.tool_call_parser)) or _reads_special_markers(ctx):
         sampling["skip_special_tokens"] = False         # the parsers read the model's tags (as vLLM's)
+    if _thinking_off(body, ctx):
+        sampling["reasoning_ended"] = True              # a constraint from the first token, as vLLM's server asks
     text = None if body.truncate_prompt_tokens is not None else ctx.text_input(prompt, bool(body.add_special_tokens))
     calls = [generate(Prompt(prompt_ids, text, "truncate_prompt_tokens"), sampling)]
     head = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
@@ -94,7 +96,7 @@ async def run_chat(body: ChatCompletionRequest, ctx: Context, request_id: str, l
     choices = []
     echo = _echo(body)
     hidden = _hides_reasoning(body, ctx)
-    thinkers = _reasoning_readers(ctx, prompt_ids, len(outputs))
+    thinkers = _reasoning_readers(body, ctx, prompt_ids, len(outputs))
     for index, out in enumerate(outputs):
         text, reasoning = "".join(out.text), None
         if thinkers is not None:        # reasoning "" where it ended at once (as vLLM's)
@@ -199,15 +201,23 @@ def _hides_reasoning(body: ChatCompletionRequest, ctx: Context) -> bool:
     return ctx.reasoning is not None and not body.include_reasoning
 
 
+def _thinking_off(body: ChatCompletionRequest, ctx: Context) -> bool:
+    """qwen3 with chat_template_kwargs' enable_thinking false: vLLM's parser then reads no reasoning
+    (all content), whatever the template made of the flag."""
+    return ctx.reasoning is not None and ctx.reasoning.parser == "qwen3" and \
+        (body.chat_template_kwargs or {}).get("enable_thinking", True) is False
+
+
 def _reads_special_markers(ctx: Context) -> bool:
     """Whether the reasoning parser reads markers that are special tokens (mistral's, where the
     tokenizer has them; without them vLLM's parser reads no reasoning and the text stays as usual)."""
     return ctx.reasoning is not None and ctx.reasoning.markers.content_first and ctx.reasoning.start_id is not None
 
 
-def _reasoning_readers(ctx: Context, prompt_ids: list[int], n: int) -> list | None:
-    """Each choice's reasoning reader (--reasoning-parser; reasoning.reader); None without a parser."""
-    if ctx.reasoning is None:
+def _reasoning_readers(body: ChatCompletionRequest, ctx: Context, prompt_ids: list[int], n: int) -> list | None:
+    """Each choice's reasoning reader (--reasoning-parser; reasoning.reader); None without a parser
+    or with qwen3's thinking off."""
+    if ctx.reasoning is None or _thinking_off(body, ctx):
         return None
     return [reader(ctx.reasoning, prompt_ids) for _ in range(n)]
 
@@ -227,7 +237,7 @@ async def _chunks(head: dict, body: ChatCompletionRequest, responses, top_n: int
     hidden = _hides_reasoning(body, ctx)
     shows_ids = body.return_token_ids and not hidden
     readers = [_tool_reader(body, ctx) for _ in range(body.n)] if _calls_tools(body) else None
-    thinkers = _reasoning_readers(ctx, prompt_ids, body.n)
+    thinkers = _reasoning_readers(body, ctx, prompt_ids, body.n)
     usage = generation.Usage()
     counts = [0] * body.n                   # each choice's tokens so far
     reasoned: list[int] | None = None       # and of those its reasoning tokens (llm's count, where it gives one)

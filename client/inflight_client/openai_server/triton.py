@@ -31,6 +31,9 @@ from .logprobs import prompt_logprobs_json
 
 # sampling_parameters keys of inflight's `llm` that vLLM's SamplingParams, and so the vLLM backend, lacks
 INFLIGHT_SAMPLING = ("priority", "cache_salt")
+# and those that are vLLM's engine's own (not SamplingParams): left out for the vLLM backend, whose engine
+# decides from the prompt
+ENGINE_HINTS = ("reasoning_ended",)
 
 
 @dataclass(slots=True)
@@ -204,6 +207,8 @@ class TritonLLM:
         Triton's HTTP frontend learns that a request's connection closed only when it writes a
         response, so without one per step a request whose client left, or that this server gave
         up, ran to its end."""
+        if not self._takes("input_ids"):
+            sampling = {name: value for name, value in sampling.items() if name not in ENGINE_HINTS}
         payload = {"stream": True, "sampling_parameters": json.dumps(sampling), "exclude_input_in_output": True,
                    "return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
                    "return_logprobs": "logprobs" in sampling}
