@@ -364,8 +364,8 @@ def test_qwen3_with_thinking_off_reads_no_reasoning_and_constrains_from_the_firs
     from inflight_client.openai_server.process import OpenAIServerProcess
     from .helpers import SOURCE_PATH_ENV
     _, server = think_triton
-    with OpenAIServerProcess(server.http_url, think_model, extra=["--reasoning-parser", "qwen3", "--disable-any-whitespace"],
-                             env=SOURCE_PATH_ENV,
+    flags = ["--reasoning-parser", "qwen3", "--disable-any-whitespace"]
+    with OpenAIServerProcess(server.http_url, think_model, extra=flags, env=SOURCE_PATH_ENV,
                              log_path=str(tmp_path / "openai.log")) as api:
         client = openai.OpenAI(base_url=api.base_url, api_key="-", max_retries=0)
         kwargs = dict(model="think-tiny", messages=[{"role": "user", "content": "Which size?"}], max_tokens=30,
