@@ -372,15 +372,17 @@ def test_qwen3_with_thinking_off_reads_no_reasoning_and_constrains_from_the_firs
                       temperature=1.0, response_format={"type": "json_schema",
                                                         "json_schema": {"name": "shirt", "schema": SHIRT}})
         for seed in range(3):
-            off = client.chat.completions.create(seed=seed, **kwargs, extra_body={
-                "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
-            assert off.model_extra["reasoning"] is None
+            reply = client.chat.completions.create(seed=seed, **kwargs, extra_body={
+                "chat_template_kwargs": {"enable_thinking": False}})
+            off = reply.choices[0].message
+            assert off.model_extra["reasoning"] is None and reply.usage.completion_tokens_details.reasoning_tokens == 0
             jsonschema.validate(json.loads(off.content), SHIRT)
             chunks = list(client.chat.completions.create(seed=seed, stream=True, **kwargs, extra_body={
                 "chat_template_kwargs": {"enable_thinking": False}}))
             assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == off.content
-        on = client.chat.completions.create(seed=0, **kwargs).choices[0].message
-        assert on.model_extra["reasoning"], "with thinking on the reply reasons first, unconstrained"
+        on = client.chat.completions.create(seed=0, **kwargs)
+        assert on.choices[0].message.model_extra["reasoning"], "with thinking on the reply reasons first, unconstrained"
+        assert on.usage.completion_tokens_details.reasoning_tokens > 0
 
 
 def test_include_reasoning_false_leaks_no_reasoning_tokens(think_client, think_tokenizer):
