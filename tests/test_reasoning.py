@@ -380,6 +380,11 @@ def test_qwen3_with_thinking_off_reads_no_reasoning_and_constrains_from_the_firs
             chunks = list(client.chat.completions.create(seed=seed, stream=True, **kwargs, extra_body={
                 "chat_template_kwargs": {"enable_thinking": False}}))
             assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == off.content
+        # beam search's own count (its steps' tokens) reads the reply as llm does
+        beams = client.chat.completions.create(model="think-tiny", messages=kwargs["messages"], n=2, max_tokens=4,
+                                               extra_body={"use_beam_search": True,
+                                                           "chat_template_kwargs": {"enable_thinking": False}})
+        assert beams.choices[1].message.content and beams.usage.completion_tokens_details.reasoning_tokens == 0
         on = client.chat.completions.create(seed=0, **kwargs)
         assert on.choices[0].message.model_extra["reasoning"], "with thinking on the reply reasons first, unconstrained"
         assert on.usage.completion_tokens_details.reasoning_tokens > 0

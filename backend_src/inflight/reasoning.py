@@ -101,11 +101,11 @@ class Reasoning:
         last = self._last_marker(token_ids)
         return last < 0 or token_ids[last] == self.start_id
 
-    def reply_opens(self, prompt: Sequence[int]) -> bool:
+    def reply_opens(self, prompt: Sequence[int], ended: bool = False) -> bool:
         """Whether a reply's reading (its split, its reasoning-token count) starts in the reasoning:
-        where the prompt left it open, but never for a content_first parser (vLLM's mistral reads
-        the reply alone)."""
-        return not self.markers.content_first and self.open_after(prompt)
+        where the prompt left it open, unless the request gives the reasoning as ended (its
+        reasoning_ended), and never for a content_first parser (vLLM's mistral reads the reply alone)."""
+        return not ended and not self.markers.content_first and self.open_after(prompt)
 
     def budget_left(self, prompt: Sequence[int], budget: int) -> int | None:
         """The reasoning tokens a request of this budget may still write: where the prompt's last

@@ -198,10 +198,9 @@ class EngineLoop:
         with self._id_lock:
             self._ids += 1
             job_id = f"req-{self._ids}"
-        # each output's reasoning tokens counted where asked for (one scan of the prompt for all n); a
-        # request given the reasoning as ended starts outside it
+        # each output's reasoning tokens counted where asked for (one scan of the prompt for all n)
         markers = self.engine.reasoning if request.return_num_reasoning_tokens else None
-        reasoning = None if markers is None else not params.reasoning_ended and markers.reply_opens(prompt_ids)
+        reasoning = None if markers is None else markers.reply_opens(prompt_ids, params.reasoning_ended)
         samples = [self._make_sample(job_id if request.n == 1 else f"{job_id}.{i}", params, i, request, prompt_ids,
                                      reasoning) for i in range(request.n)]
         now = time.monotonic()

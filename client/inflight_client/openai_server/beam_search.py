@@ -117,7 +117,7 @@ async def search(ctx: Context, length_penalty: float, prompt: Prompt, sampling: 
     yield LLMResponse(texts, ["stop" if beam.ended else "length" for beam in best],
                       [eos if beam.ended else None for beam in best], [len(beam.tokens) for beam in best],
                       [_positions(beam, shown) if shown is not None else None for beam in best], len(prompt.ids),
-                      num_reasoning_tokens=_reasoning_tokens(ctx, prompt.ids, best))
+                      num_reasoning_tokens=_reasoning_tokens(ctx, prompt.ids, sampling, best))
 
 
 def _grown(logprob: float, beam: Beam, token: int, top: dict, ended: bool = False, kept: bool = True) -> Beam:
@@ -145,13 +145,13 @@ async def _next_token(ctx: Context, prompt: Prompt, step: dict) -> dict:
     return positions[0]
 
 
-def _reasoning_tokens(ctx: Context, prompt_ids: list[int], beams: list[Beam]) -> list[int] | None:
+def _reasoning_tokens(ctx: Context, prompt_ids: list[int], sampling: dict, beams: list[Beam]) -> list[int] | None:
     """Each beam's tokens written while reasoning, as `llm` counts them (with --reasoning-parser)."""
     if ctx.reasoning is None:
         return None
-    counts = []
+    counts, opens = [], ctx.reasoning.reply_opens(prompt_ids, sampling.get("reasoning_ended", False))
     for beam in beams:
-        counter = ReasoningTokens(ctx.reasoning, ctx.reasoning.reply_opens(prompt_ids))
+        counter = ReasoningTokens(ctx.reasoning, opens)
         for token in beam.tokens:
             counter.add(token)
         counts.append(counter.count)
