@@ -8,6 +8,8 @@ caching off (every run sends the same prompts), the engine's default dtype. Vari
                        enabling LoRA costs requests that do not use it
   N adapters           the LoRA engine, requests spread round-robin over N of the 8 adapters
                        (random PEFT adapters made with peft: rank 16 on all seven projections)
+  8 adapters, 4 slots  the same 8 on an engine with max_loras 4: no more than 4 adapters run at
+                       once, and each step copies the adapters it lacks into free slots
 Each round runs every variant once, starting one variant later than the round before (so each
 variant takes each place in the order once every 5 rounds, and this shared machine's drift hits all
 alike); printed: medians over rounds of generated tokens/s, its ratio to the base model's in the
@@ -37,6 +39,7 @@ from perf.engine_bench import BENCH_MODEL, build_bench_model  # noqa: E402
 NUM_ADAPTERS = 8
 RANK = 16
 SPREADS = (1, 4, 8)
+SLOTS = 4
 
 
 def build_adapters(model_dir: str) -> dict[str, str]:
@@ -96,13 +99,16 @@ def main() -> None:
     base = LLMEngine.from_pretrained(model_dir, EngineConfig(**common))
     lora = LLMEngine.from_pretrained(model_dir, EngineConfig(**common, enable_lora=True, max_loras=NUM_ADAPTERS,
                                                              max_lora_rank=RANK), lora_modules=adapters)
+    slots = LLMEngine.from_pretrained(model_dir, EngineConfig(**common, enable_lora=True, max_loras=SLOTS,
+                                                              max_lora_rank=RANK), lora_modules=adapters)
     names = list(adapters)
     variants = {"base": (base, [None]), "base, LoRA on": (lora, [None])}
     variants.update({f"{n} adapter{'s' * (n > 1)}": (lora, names[:n]) for n in SPREADS})
-    for engine in (base, lora):                                     # warm up both paths
+    variants[f"{NUM_ADAPTERS} adapters, {SLOTS} slots"] = (slots, names)
+    for engine in (base, lora, slots):                              # warm up every path
         engine.generate([items[0].prompt_token_ids[:16]] * 2,
                         [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, lora_name=names[0])
-                         if engine is lora else SamplingParams(max_tokens=4)])
+                         if engine is not base else SamplingParams(max_tokens=4)])
     print(f"{args.requests} requests, prompts U(32,512), outputs U(16,256), max batch {args.max_num_seqs}, "
           f"{NUM_ADAPTERS} adapters of rank {RANK} on {len(SUPPORTED_MODULES)} projections, {args.rounds} rounds")
     runs = {name: [] for name in variants}
@@ -112,7 +118,7 @@ def main() -> None:
             engine, lora_names = variants[name]
             result = run(engine, items, lora_names)
             runs[name].append(result)
-            print(f"  round {r + 1}/{args.rounds} {name:14s} {result['tokens_per_s']:7.1f} tok/s  "
+            print(f"  round {r + 1}/{args.rounds} {name:19s} {result['tokens_per_s']:7.1f} tok/s  "
                   f"TPOT p50 {result['tpot_p50'] * 1e3:6.1f} ms  p99 {result['tpot_p99'] * 1e3:6.1f} ms  "
                   f"{result['seconds']:5.1f} s", flush=True)
     summary = {}
@@ -122,16 +128,19 @@ def main() -> None:
                          "ratio_to_base": statistics.median(ratios),
                          "tpot_p50": statistics.median(x["tpot_p50"] for x in results),
                          "tpot_p99": statistics.median(x["tpot_p99"] for x in results), "runs": results}
-    print(f"\n{'variant':16s} {'tok/s':>8s} {'vs base':>8s} {'TPOT p50':>9s} {'TPOT p99':>9s}   (medians of {args.rounds})")
+    print(f"\n{'variant':19s} {'tok/s':>8s} {'vs base':>8s} {'TPOT p50':>9s} {'TPOT p99':>9s}   "
+          f"(medians of {args.rounds})")
     for name, s in summary.items():
-        print(f"{name:16s} {s['tokens_per_s']:8.1f} {s['ratio_to_base']:7.2f}x {s['tpot_p50'] * 1e3:7.1f}ms "
+        print(f"{name:19s} {s['tokens_per_s']:8.1f} {s['ratio_to_base']:7.2f}x {s['tpot_p50'] * 1e3:7.1f}ms "
               f"{s['tpot_p99'] * 1e3:7.1f}ms")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"requests": args.requests, "max_num_seqs": args.max_num_seqs, "rounds": args.rounds,
                    "rank": RANK, "adapters": NUM_ADAPTERS, "variants": summary}, f, indent=2)
     print(f"\n4 adapters / base = {summary['4 adapters']['ratio_to_base']:.2f}x generated tokens/s (target >= 0.75x); "
-          f"LoRA on, base requests / base = {summary['base, LoRA on']['ratio_to_base']:.2f}x")
+          f"LoRA on, base requests / base = {summary['base, LoRA on']['ratio_to_base']:.2f}x; "
+          f"{SLOTS} slots for {NUM_ADAPTERS} adapters: {slots.stats()['lora_loads'] / args.rounds:.0f} adapter "
+          "loads a run")
 
 
 if __name__ == "__main__":

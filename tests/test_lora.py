@@ -1,7 +1,8 @@
 """Multi-LoRA in-process: greedy ids equal transformers + peft for a batch mixing the base model and
-several adapters (chunked prefill, preemption, prefix caching), adapters never share prefix-cache
-blocks, load-time refusals name the adapter and the field, the SGMV kernels equal the torch path
-under the Triton interpreter and compile for sm_80 / sm_90, and multi_lora.json is parsed strictly."""
+several adapters (chunked prefill, preemption, prefix caching, more adapters than slots), no more
+than max_loras adapters run at once, adapters never share prefix-cache blocks, load-time refusals
+name the adapter and the field, the SGMV kernels equal the torch path under the Triton interpreter
+and compile for sm_80 / sm_90, and multi_lora.json is parsed strictly."""
 import dataclasses
 import json
 import os
@@ -99,14 +100,17 @@ def test_mixed_adapter_batches_match_transformers_and_peft(tiny_checkpoint, adap
     per_adapter = {name: names.count(name) for name in adapters}
     for name, count in changed.items():     # the adapters really matter: most first tokens change
         assert count >= per_adapter[name] // 2, f"{name} changed only {count}/{per_adapter[name]} first tokens"
-    for budget, blocks in ((8, 4096), (2048, 4096), (64, 16)):
+    # with fewer slots than adapters, the adapters take turns in the slots (a stale slot changes tokens)
+    for budget, blocks, slots in ((8, 4096, 3), (2048, 4096, 3), (64, 16, 3), (2048, 4096, 1), (64, 16, 2)):
         got, stats = engine_greedy(tiny_checkpoint, adapters, prompts, lengths, names,
                                    max_num_batched_tokens=budget, num_kv_blocks=blocks,
-                                   max_model_len=min(512, blocks * 16))
+                                   max_model_len=min(512, blocks * 16), max_loras=slots)
         if blocks == 16:
             assert stats["preemptions"] > 0, "the small pool should have forced preemptions"
+        assert (stats["lora_loads"] > 0) == (slots < len(adapters))
         mismatches = [(i, names[i]) for i, (g, e) in enumerate(zip(got, expected)) if g != e]
-        assert not mismatches, f"budget {budget}, {blocks} blocks: requests (i, adapter) {mismatches} differ from peft"
+        assert not mismatches, (f"budget {budget}, {blocks} blocks, {slots} slots: requests (i, adapter) {mismatches} "
+                                "differ from peft")
 
 
 def test_a_qwen3_adapter_on_q_and_k_matches_peft(arch_checkpoints, tmp_path):
@@ -231,9 +235,31 @@ def test_adapter_keys_without_peft_prefix_load_the_same(tiny_checkpoint, adapter
     assert without[0] == with_prefix[0]
 
 
-def test_adapter_count_and_switch_are_checked(tiny_checkpoint, adapters, tmp_path):
-    with pytest.raises(LoraError, match=r"3 LoRA adapters .* but 'max_loras' is 2: every adapter stays resident"):
-        LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(enable_lora=True, max_loras=2), lora_modules=adapters)
+def test_no_more_adapters_than_max_loras_run_at_once(tiny_checkpoint, adapters):
+    """vLLM's rule: a request whose adapter would be one too many waits, and the requests behind it
+    (its own adapter's, other adapters' already running, the base model's) go first."""
+    engine = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(enable_lora=True, max_loras=1, num_kv_blocks=256),
+                                       lora_modules=adapters)
+    order = ["qv-r8", "ko-mlp-r4-rslora", "qv-r8", None, "all-linear-patterns", "ko-mlp-r4-rslora"]
+    for i, name in enumerate(order):
+        engine.add_request(f"r{i}", [3 + i] * (10 + i), SamplingParams(max_tokens=4 + i, temperature=0, lora_name=name))
+    first_step, finished = None, []
+    while engine.has_unfinished():
+        step = engine.step()
+        engine.check_invariants()        # asserts no more than max_loras adapters in the running batch
+        table = engine.scheduler.table
+        running = {table.requests[row].request_id for row in engine.scheduler.running.tolist()}
+        if first_step is None:
+            first_step = running
+        finished += list(step.finished)
+    assert first_step == {"r0", "r2", "r3"}, "the qv-r8 and base requests run; the others wait for the slot"
+    # one adapter at a time: ko-mlp's two requests come after qv-r8's, all-linear's after ko-mlp's
+    assert finished.index("r1") > finished.index("r2") and finished.index("r4") > max(finished.index("r1"),
+                                                                                       finished.index("r5"))
+    assert engine.stats()["lora_loads"] == 2 and engine.stats()["kv_blocks_used"] == 0
+
+
+def test_adapter_switch_is_checked(tiny_checkpoint, adapters, tmp_path):
     with pytest.raises(ValueError, match=r"'lora_modules' \['qv-r8'\] given but 'enable_lora' is false"):
         LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(), lora_modules={"qv-r8": adapters["qv-r8"]})
     with pytest.raises(LoraError, match=f"LoRA adapter 'gone': directory '{tmp_path}/gone' does not exist"):
@@ -440,7 +466,7 @@ def test_rows_are_grouped_by_adapter_and_sampling_rows_mapped_back():
     from inflight.scheduler import SchedulerOutput
     weights = LoraWeights(synthetic_adapters(torch.float32), SPEC, torch.float32, torch.device("cpu"), False)
     table = BatchTable(8, 64, 16)
-    table.lora_slot[:5] = (2, -1, 0, 2, 0)
+    table.lora_id[:5] = (2, -1, 0, 2, 0)
     out = SchedulerOutput(np.arange(5), np.array([1, 5, 1, 1, 3]), np.zeros(5, dtype=np.int64),
                           np.array([True, False, True, True, True]))
     grouped, batch, sample_order = weights.group_step(out, table)
@@ -448,8 +474,26 @@ def test_rows_are_grouped_by_adapter_and_sampling_rows_mapped_back():
     assert batch.segments == [(0, 5, 9), (2, 9, 11)]
     # out samples rows 0, 2, 3, 4; packed, they are the grouped step's sampling rows 2, 0, 3, 1
     assert grouped.sample_rows[sample_order].tolist() == out.sample_rows.tolist()
-    table.lora_slot[:5] = -1
+    table.lora_id[:5] = -1
     assert weights.group_step(out, table) == (out, None, None)
+
+
+def test_a_missing_adapter_takes_the_least_recently_used_slot_of_an_adapter_not_in_the_step():
+    weights = LoraWeights(synthetic_adapters(torch.float32), SPEC, torch.float32, torch.device("cpu"), "torch",
+                          max_loras=2)
+
+    def holds(slot, adapter_id):        # the whole slot: a module the new adapter leaves alone is zero again
+        return all(torch.equal(w.a[slot], weights.host[0][group].a[adapter_id])
+                   and torch.equal(w.b[slot], weights.host[0][group].b[adapter_id])
+                   for group, w in weights.layers[0].items())
+
+    assert weights.slot_of.tolist() == [0, 1, -1] and weights.num_loads == 0      # the first two fill the slots
+    assert holds(0, 0) and holds(1, 1)
+    assert weights.activate(np.array([-1, 1, 1])).tolist() == [-1, 1, 1]
+    assert weights.activate(np.array([2, -1])).tolist() == [0, -1]       # slot 0 was used least recently
+    assert holds(0, 2) and holds(1, 1) and weights.num_loads == 1
+    assert weights.activate(np.array([0, 2])).tolist() == [1, 0]         # not slot 0: adapter 2 is in the step
+    assert holds(1, 0) and holds(0, 2) and weights.slot_of.tolist() == [1, -1, 0] and weights.num_loads == 2
 
 
 # ---- model.json / multi_lora.json -------------------------------------------------------------------

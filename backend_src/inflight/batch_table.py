@@ -61,7 +61,7 @@ class BatchTable:
         self.has_allowed_ids = np.zeros(rows, dtype=bool)      # sampling limited to allowed_token_ids
         self.allowed_ids: list[torch.Tensor | None] = [None] * rows
         self.constrained = np.zeros(rows, dtype=bool)          # has structured outputs (a grammar matcher)
-        self.lora_slot = np.full(rows, -1, dtype=np.int32)      # LoRA adapter slot; -1: base model
+        self.lora_id = np.full(rows, -1, dtype=np.int32)        # LoRA adapter id; -1: base model
         self.request_ids = np.empty(rows, dtype=object)
         self.requests: list[Request | None] = [None] * rows
         self.admission = np.zeros(rows, dtype=np.int64)         # which occupant: state kept per row checks it
@@ -113,7 +113,7 @@ class BatchTable:
         if params.allowed_token_ids is not None:
             self.allowed_ids[row] = torch.tensor(params.allowed_token_ids, dtype=torch.int64)
         self.constrained[row] = req.matcher is not None
-        self.lora_slot[row] = req.lora_slot
+        self.lora_id[row] = req.lora_id
         self.request_ids[row] = req.request_id
         self.requests[row] = req
         self._admissions += 1

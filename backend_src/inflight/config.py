@@ -106,7 +106,7 @@ class EngineConfig:
     cpu_threads: int | None = None
     seed: int = 0                             # for unseeded sampling
     enable_lora: bool = False                 # serve PEFT LoRA adapters next to the base model
-    max_loras: int = 4                        # adapters held at once (all of them stay resident)
+    max_loras: int = 4                        # distinct adapters running at once (the device's adapter slots)
     max_lora_rank: int = 16                   # the largest adapter rank accepted
     reasoning_parser: str | None = None       # vLLM's: structured outputs wait for the end of reasoning (reasoning.py)
 

@@ -113,7 +113,7 @@ class LLMEngine:
         # (the pool holds a whole max_model_len sequence: the runner refuses a smaller one at load)
         priority = parse_priority(priority)
         salt = self._salt_key(cache_salt)
-        lora_slot, lora_key = self._lora_adapter(params.lora_name)
+        lora_id, lora_key = self._lora_adapter(params.lora_name)
         if params.thinking_token_budget is not None and (self.reasoning is None or self.reasoning.end_id is None):
             why = "which is not set" if self.reasoning is None else "and the tokenizer has none (no reply reasons)"
             raise ValueError(f"'thinking_token_budget' needs the engine's reasoning_parser (the model's reasoning "
@@ -134,7 +134,7 @@ class LLMEngine:
                       # fixed-length parts (the adapter's present or not): no salt can pose as an adapter
                       cache_key=hashlib.blake2b(self.model_key + salt + lora_key, digest_size=16).digest(),
                       matcher=matcher, reasoning=not params.reasoning_ended and self.structured.waits(matcher, prompt),
-                      lora_slot=lora_slot,
+                      lora_id=lora_id,
                       group=group)
         if params.thinking_token_budget is not None:
             req.thinking_left = self.reasoning.budget_left(prompt, params.thinking_token_budget)
@@ -177,17 +177,17 @@ class LLMEngine:
         return hashlib.blake2b(salt, digest_size=16).digest()
 
     def _lora_adapter(self, lora_name: str | None) -> tuple[int, bytes]:
-        """(slot, prefix-cache key part) of the request's adapter: blocks computed with an adapter
+        """(adapter id, prefix-cache key part) of the request's adapter: blocks computed with an adapter
         are never shared with the base model or another adapter."""
         if lora_name is None:
             return -1, b""
         lora = self.runner.lora
         if lora is None:
             raise ValueError(f"'lora_name' {lora_name!r}: LoRA is not enabled on this model ('enable_lora' is false)")
-        slot = lora.slots.get(lora_name)
-        if slot is None:
+        adapter_id = lora.ids.get(lora_name)
+        if adapter_id is None:
             raise ValueError(f"unknown 'lora_name' {lora_name!r}; known: {lora.names}")
-        return slot, b"|lora:" + lora.keys[slot]
+        return adapter_id, b"|lora:" + lora.keys[adapter_id]
 
     def _check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         prompt = list(prompt_token_ids)
@@ -376,6 +376,7 @@ class LLMEngine:
             "prefix_cache_query_tokens": scheduler.prefix_query_tokens,
             "prefix_cache_hit_tokens": scheduler.prefix_hit_tokens,
             "prefix_cache_resumed_hit_tokens": scheduler.resumed_hit_tokens,
+            "lora_loads": 0 if self.runner.lora is None else self.runner.lora.num_loads,
         }
 
     def check_invariants(self) -> None:

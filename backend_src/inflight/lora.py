@@ -9,16 +9,21 @@ or lora_alpha / sqrt(r) (`use_rslora`). Anything else (DoRA, embedding or lm_hea
 modules_to_save, LoRA biases, other variants, a rank over max_lora_rank, shapes that do not fit the
 base model) is refused with a message naming the adapter and the field or tensor.
 
-Weights (`LoraWeights`): every adapter gets a slot in stacked per-layer tensors, ranks zero-padded
-to the largest. The model keeps its fused base projections; per fused group (qkv, o, gate_up, down)
+Weights (`LoraWeights`): every adapter named at start-up is stacked once on the host in per-layer
+tensors, ranks zero-padded to the largest; the step reads `max_loras` slots of the same shape on
+the device. The model keeps its fused base projections; per fused group (qkv, o, gate_up, down)
 the group's modules share one input, so their A matrices sit side by side in A [slots, in,
 modules x R] (one shrink serves q, k and v) and their B matrices, each scaled by its lora_alpha / r
 (or / sqrt(r)), sit block-diagonally in B [slots, modules x R, the group's output columns] (one
 expand adds every module's term into its own columns of the fused output). Only modules some
-adapter targets get tensors. All adapters named at start-up stay resident: more than `max_loras`
-is refused at load (no slot swapping).
+adapter targets get tensors.
 
-A step (`LoraWeights.group_step`): the runner packs the step's rows grouped by adapter (base rows
+Slots (vLLM's `max_loras`: the adapters one step may hold): the scheduler admits no request whose
+adapter would make more than `max_loras` distinct adapters run at once, and each step
+(`LoraWeights.group_step`) copies an adapter missing from the slots into the slot used least
+recently by an adapter not in the step. With no more adapters than slots nothing is ever copied.
+
+A step (`LoraWeights.group_step`): the runner packs the step's rows grouped by slot (base rows
 first), so each adapter's tokens are one contiguous run; the logits come back in the scheduler's
 order. A step without adapter tokens is not touched and the model runs exactly as without LoRA.
 `LoraBatch.layer(i).add(group, x, y)` after each base projection adds (x A_i)(scale_i B_i) for the
@@ -250,14 +255,17 @@ class GroupWeights:
 
 
 class LoraWeights:
-    """Every adapter's weights stacked into per-layer slot tensors; name -> slot."""
+    """Every adapter's weights stacked on the host, `max_loras` of them in the device's slots;
+    name -> adapter id, adapter id -> slot."""
 
     def __init__(self, adapters: list[LoraAdapter], spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                 kernels: str = "torch"):
+                 kernels: str = "torch", max_loras: int | None = None):
         """kernels: the attention backend's name ('triton', 'cpu' or 'torch'): which path computes
-        the adapters' terms where the dtype allows it."""
-        self.slots = {adapter.name: slot for slot, adapter in enumerate(adapters)}
+        the adapters' terms where the dtype allows it. max_loras: the slots (default: one per adapter)."""
+        self.ids = {adapter.name: i for i, adapter in enumerate(adapters)}
         self.keys = [adapter.key for adapter in adapters]
+        self.max_loras = len(adapters) if max_loras is None else max_loras
+        assert self.max_loras >= 1 or not adapters
         self.rank = max((adapter.rank for adapter in adapters), default=0)
         self.device = device
         from . import cpu_kernels
@@ -267,10 +275,28 @@ class LoraWeights:
         if self.cpu_kernels is not None:
             self.rank = -(-self.rank // 16) * 16        # the compiled kernel works in vectors of 16
         shapes = module_shapes(spec)
+        # every adapter on the host, where the slots are loaded from (pinned: a CUDA copy does not
+        # wait for the host)
+        self.host: list[dict[str, GroupWeights]] | None = [
+            self._stack_layer(layer, adapters, shapes, dtype, pin=device.type == "cuda")
+            for layer in range(spec.num_layers)]
         self.layers: list[dict[str, GroupWeights]] = [
-            self._stack_layer(layer, adapters, shapes, dtype, device) for layer in range(spec.num_layers)]
+            {group: GroupWeights(w.a.new_zeros((self.max_loras, *w.a.shape[1:]), device=device),
+                                 w.b.new_zeros((self.max_loras, *w.b.shape[1:]), device=device),
+                                 w.start, w.end, w.module_cols) for group, w in layer.items()} for layer in self.host]
+        self.slot_of = np.full(len(adapters), -1, dtype=np.int32)    # adapter id -> its slot; -1: none
+        self.held = np.full(self.max_loras, -1, dtype=np.int32)      # slot -> the adapter in it; -1: none
+        self.last_used = np.zeros(self.max_loras, dtype=np.int64)    # slot -> the step that last used it
+        self.num_steps = 0
+        self.num_loads = 0       # adapters copied into a slot
+        for adapter_id in range(min(len(adapters), self.max_loras)):
+            self._load(adapter_id, adapter_id)
+        self.num_loads = 0       # the first adapters fill the slots at start-up: not swaps
+        if len(adapters) <= self.max_loras:
+            self.host = None     # every adapter has a slot for good: nothing is ever copied again
 
-    def _stack_layer(self, layer: int, adapters: list[LoraAdapter], shapes, dtype, device) -> dict[str, GroupWeights]:
+    def _stack_layer(self, layer: int, adapters: list[LoraAdapter], shapes, dtype,
+                     pin: bool) -> dict[str, GroupWeights]:
         rank = self.rank
         groups = {}
         for group, names in GROUPS.items():
@@ -285,29 +311,64 @@ class LoraWeights:
                                    dtype=np.int32)
             for j, name in enumerate(targeted):
                 cols = slice(*module_cols[j])
-                for slot, adapter in enumerate(adapters):
+                for i, adapter in enumerate(adapters):
                     weights = adapter.modules.get((layer, name))
                     if weights is not None:
                         r = weights.a.shape[0]
-                        a[slot, :, j * rank:j * rank + r] = weights.a.t()
-                        b[slot, j * rank:j * rank + r, cols] = weights.b.t().double() * weights.scale
-            groups[group] = GroupWeights(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype),
-                                         start, end, module_cols)
+                        a[i, :, j * rank:j * rank + r] = weights.a.t()
+                        b[i, j * rank:j * rank + r, cols] = weights.b.t().double() * weights.scale
+            a, b = a.to(dtype), b.to(dtype)
+            groups[group] = GroupWeights(a.pin_memory() if pin else a, b.pin_memory() if pin else b, start, end,
+                                         module_cols)
         return groups
 
     @property
     def names(self) -> list[str]:
-        return list(self.slots)
+        return list(self.ids)
+
+    def _load(self, adapter_id: int, slot: int) -> None:
+        """Copy an adapter's weights into a slot (in stream order on CUDA: the steps before that
+        read the slot are done with it first)."""
+        evicted = self.held[slot]
+        if evicted >= 0:
+            self.slot_of[evicted] = -1
+        for host, layer in zip(self.host, self.layers):
+            for group, weights in layer.items():
+                weights.a[slot].copy_(host[group].a[adapter_id], non_blocking=True)
+                weights.b[slot].copy_(host[group].b[adapter_id], non_blocking=True)
+        self.held[slot] = adapter_id
+        self.slot_of[adapter_id] = slot
+        self.num_loads += 1
+
+    def activate(self, adapter_ids: np.ndarray) -> np.ndarray:
+        """The slot of each of a step's adapter ids (-1 stays -1, the base model), loading the
+        adapters that are not in a slot into the least recently used slots no other adapter of the
+        step holds. The scheduler runs at most max_loras distinct adapters at once."""
+        self.num_steps += 1
+        wanted = np.unique(adapter_ids[adapter_ids >= 0])
+        assert len(wanted) <= self.max_loras, f"{len(wanted)} adapters in one step, over max_loras {self.max_loras}"
+        missing = wanted[self.slot_of[wanted] < 0]
+        if len(missing):
+            in_use = np.zeros(self.max_loras, dtype=bool)
+            in_use[self.slot_of[wanted[self.slot_of[wanted] >= 0]]] = True
+            free = np.flatnonzero(~in_use)
+            least_recent = free[np.argsort(self.last_used[free], kind="stable")]
+            for adapter_id, slot in zip(missing.tolist(), least_recent.tolist()):
+                self._load(adapter_id, slot)
+        self.last_used[self.slot_of[wanted]] = self.num_steps
+        return np.where(adapter_ids >= 0, self.slot_of[np.maximum(adapter_ids, 0)], -1)
 
     def group_step(self, out: SchedulerOutput, table: BatchTable) -> tuple[SchedulerOutput, "LoraBatch | None",
                                                                              np.ndarray | None]:
-        """Reorder the step's rows by adapter (base rows first, then slot 0, 1, ...; stable), so each
-        adapter's tokens form one contiguous run of the packed batch. Returns the grouped step, its
-        LoraBatch (None when no row has an adapter: the step is left as it is) and the order that
-        maps the grouped step's sampling rows back to `out`'s (None when nothing moved)."""
-        row_slots = table.lora_slot[out.rows]
-        if not len(row_slots) or row_slots.max() < 0:
+        """Load the step's adapters into slots and reorder its rows by slot (base rows first, then
+        slot 0, 1, ...; stable), so each adapter's tokens form one contiguous run of the packed
+        batch. Returns the grouped step, its LoraBatch (None when no row has an adapter: the step is
+        left as it is) and the order that maps the grouped step's sampling rows back to `out`'s
+        (None when nothing moved)."""
+        adapter_ids = table.lora_id[out.rows]
+        if not len(adapter_ids) or adapter_ids.max() < 0:
             return out, None, None
+        row_slots = self.activate(adapter_ids)
         sample_order = None
         if np.any(row_slots[1:] < row_slots[:-1]):
             perm = np.argsort(row_slots, kind="stable")
@@ -421,12 +482,10 @@ class LayerLora:
 
 def load_lora_weights(lora_modules: dict[str, str], spec: ModelSpec, max_loras: int, max_rank: int,
                       dtype: torch.dtype, device: torch.device, kernels: str) -> LoraWeights:
-    """Load every adapter named in `lora_modules` (name -> directory) into resident slots."""
+    """Load every adapter named in `lora_modules` (name -> directory) onto the host, and up to
+    max_loras of them into the device's slots."""
     if not isinstance(lora_modules, dict):
         raise LoraError(f"'lora_modules' must map adapter names to directories, got {type(lora_modules).__name__}")
-    if len(lora_modules) > max_loras:
-        raise LoraError(f"{len(lora_modules)} LoRA adapters {sorted(lora_modules)} but 'max_loras' is {max_loras}: "
-                        f"every adapter stays resident, so raise 'max_loras' or name fewer adapters")
     adapters = []
     for name, path in lora_modules.items():
         if not isinstance(name, str) or not name:
@@ -434,4 +493,4 @@ def load_lora_weights(lora_modules: dict[str, str], spec: ModelSpec, max_loras: 
         if not isinstance(path, str) or not os.path.isdir(path):
             raise LoraError(f"LoRA adapter {name!r}: directory {path!r} does not exist")
         adapters.append(load_adapter(name, path, spec, max_rank))
-    return LoraWeights(adapters, spec, dtype, device, kernels)
+    return LoraWeights(adapters, spec, dtype, device, kernels, max_loras)

@@ -42,7 +42,7 @@ class Request:
     matcher: object | None = None     # structured outputs: the grammar matcher (structured.py)
     reasoning: bool = False           # the matcher waits: the model reasons until its end marker (reasoning.py)
     thinking_left: int | None = None  # thinking_token_budget: reasoning tokens left (None: not reasoning)
-    lora_slot: int = -1               # the adapter's slot in the runner's LoRA weights; -1: base model
+    lora_id: int = -1                 # the adapter's id in the runner's LoRA weights; -1: base model
     group: list[Request] | None = None    # the outputs of one n > 1 request, this one among them
 
     @property

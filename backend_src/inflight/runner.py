@@ -139,7 +139,7 @@ class ModelRunner:
         self.bucket = shape_bucket if packed else None
         if self.device.type == "cpu":
             heap.keep_activations_mapped()      # no page faults for each step's activations
-        self.lora = None     # LoraWeights when enable_lora: every adapter's weights, in resident slots
+        self.lora = None     # LoraWeights when enable_lora: every adapter on the host, max_loras in slots
         if config.enable_lora:
             self.lora = load_lora_weights(lora_modules or {}, self.spec, config.max_loras, config.max_lora_rank,
                                           self.dtype, self.device, kernels=self.backend.name)

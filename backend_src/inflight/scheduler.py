@@ -106,11 +106,26 @@ class Scheduler:
         for queue in self.waiting:
             yield from queue
 
-    def _peek_waiting(self) -> Request | None:
-        for queue in self.waiting:
-            if queue:
-                return queue[0]
-        return None
+    def _peek_waiting(self, passed: set[str] = frozenset()) -> Request | None:
+        """The first waiting request in (priority, arrival) order, past those in `passed`."""
+        return next((req for req in self._waiting_in_order() if req.request_id not in passed), None)
+
+    def _take_waiting(self, req: Request) -> None:
+        queue = self.waiting[req.priority]
+        if queue[0] is req:
+            queue.popleft()
+        else:
+            queue.remove(req)       # Request compares by identity
+
+    def _adapter_waits(self, req: Request) -> bool:
+        """Whether running the request would make more than max_loras distinct LoRA adapters run
+        at once (the device holds that many). As in vLLM, it then waits, and the requests behind
+        it may go first."""
+        if req.lora_id < 0:
+            return False
+        running = self.table.lora_id[self.running]
+        running = running[running >= 0]
+        return req.lora_id not in running and len(np.unique(running)) >= self.config.max_loras
 
     def _insert_running(self, req: Request) -> None:
         key = (req.priority << _PRIORITY_SHIFT) | req.arrival_seq
@@ -243,10 +258,14 @@ class Scheduler:
         taken out of this step (`rows`/`counts`: the running pass) and their budget is returned."""
         new_rows, new_counts, preempted = [], [], []
         computing: set[bytes] = set()       # the hashes of the blocks this step's admissions compute
+        passed: set[str] = set()            # requests whose adapter has no slot this step
         while budget > 0:
-            req = self._peek_waiting()
+            req = self._peek_waiting(passed)
             if req is None:
                 break
+            if self._adapter_waits(req):
+                passed.add(req.request_id)
+                continue
             hit, num_computed = self._prefix_hit(req)
             if self._computed_this_step(req, hit, computing):
                 break
@@ -265,7 +284,7 @@ class Scheduler:
             if count < remaining and not self.config.enable_chunked_prefill:
                 break
             row = self._start_running(req, hit, num_computed)
-            self.waiting[req.priority].popleft()        # once it runs: a failure leaves it abortable
+            self._take_waiting(req)                     # once it runs: a failure leaves it abortable
             need = -(-(num_computed + count) // self.block_size) - len(hit)
             self.table.append_blocks([row], [need], self.kv.allocate(need))
             computing.update(req.block_hashes[len(hit):(num_computed + count) // self.block_size])
@@ -342,8 +361,10 @@ class Scheduler:
                         // self.block_size)
             if reserve > self.kv.num_free_blocks or not self.table.num_free_rows:
                 break
+            if self._adapter_waits(req):
+                continue
             row = self._start_running(req, [], 0)
-            self.waiting[req.priority].remove(req)      # once it runs: a failure leaves it abortable
+            self._take_waiting(req)                     # once it runs: a failure leaves it abortable
             self.table.append_blocks([row], [reserve], self.kv.allocate(reserve))
 
     def _release_held(self) -> None:
@@ -468,3 +489,5 @@ class Scheduler:
             assert table.num_blocks[row] * self.block_size >= table.num_computed[row]
         keys = self._running_keys
         assert np.all(keys[:-1] <= keys[1:]), "running order broken"
+        adapters = np.unique(table.lora_id[self.running])
+        assert len(adapters[adapters >= 0]) <= self.config.max_loras, "more LoRA adapters running than max_loras"

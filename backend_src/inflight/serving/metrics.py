@@ -23,6 +23,7 @@ COUNTERS = {
     "computed_tokens": ("prompt_and_decode_tokens_total", "Tokens run through the model"),
     "prefix_cache_query_tokens": ("prefix_cache_queries_total", "Prompt tokens of new requests looked up in the prefix cache"),
     "prefix_cache_hit_tokens": ("prefix_cache_hits_total", "Prompt tokens found in the prefix cache"),
+    "lora_loads": ("lora_adapter_loads_total", "LoRA adapters copied into a slot (more adapters than max_loras)"),
 }
 # per LoRA adapter (label lora_name), counted when a request ends -> description
 LORA_COUNTERS = {
