@@ -506,7 +506,12 @@ def test_the_cpu_kv_pool_holds_what_max_num_seqs_full_sequences_use_within_the_b
     ('{"model": "x", "engine": {}', "is not valid JSON"),
     ('["x"]', "must hold a JSON object, got list"),
     ('{"engine": {}}', "'model' must name the checkpoint directory, got None"),
-    ('{"model": "x", "lora": {}}', "unknown key(s) ['lora']; known: ['enable_lora', 'engine', 'max_lora_rank', 'max_loras', 'model', 'reasoning_parser']"),
+    ('{"model": "x", "lora": {}}', "unknown key(s) ['lora']; known: ['block_size', 'disable_log_requests', "),
+    ('{"model": "x", "tensor_parallel_size": 2}', "'tensor_parallel_size' is 2: inflight runs each engine on one device"),
+    ('{"model": "x", "max_num_seqs": 8, "engine": {"max_num_seqs": 4}}',
+     "'max_num_seqs' is given both at the top level and in 'engine'"),
+    ('{"model": "x", "disable_log_stats": "yes"}', "'disable_log_stats' must be true or false, got 'yes'"),
+    ('{"model": "x", "dtype": "fp8"}', "'engine': 'dtype' must be one of"),
     ('{"model": "x", "reasoning_parser": "r1"}', "'reasoning_parser' must be one of ('deepseek_r1', 'qwen3', 'mistral') or None, got 'r1'"),
     ('{"model": "x", "engine": {"max_num_seqs": 0}}', "'engine': 'max_num_seqs' must be a positive integer"),
 ])
@@ -530,6 +535,29 @@ def test_enable_lora_may_be_a_string_as_the_vllm_backend_reads_it(tmp_path, flag
     # and, as there, the reasoning parser at the top level (or in "engine")
     (tmp_path / "model.json").write_text('{"model": "x", "reasoning_parser": "deepseek_r1"}')
     assert Settings.load(str(tmp_path)).engine.reasoning_parser == "deepseek_r1"
+
+
+def test_the_vllm_backends_model_json_loads_as_written(tmp_path, caplog):
+    """Its sample and its multi-LoRA tutorial's model.json (the checkpoint path aside): vLLM's
+    engine arguments at the top level, booleans as strings, arguments without effect logged."""
+    from inflight.serving.triton_models import Settings
+    (tmp_path / "model.json").write_text('{"model": "x", "gpu_memory_utilization": 0.1, "enforce_eager": true}')
+    engine = Settings.load(str(tmp_path)).engine
+    assert (engine.gpu_memory_utilization, engine.enforce_eager) == (0.1, True)
+    (tmp_path / "model.json").write_text(json.dumps({
+        "model": "x", "gpu_memory_utilization": 0.8, "tensor_parallel_size": 1, "block_size": 32,
+        "enforce_eager": "true", "enable_lora": "true", "max_lora_rank": 32, "max_loras": 2, "max_cpu_loras": 8,
+        "distributed_executor_backend": "ray", "disable_log_requests": True, "disable_log_stats": "True",
+        "dtype": "half", "max_model_len": 512, "max_num_seqs": 8, "enable_prefix_caching": "false"}))
+    with caplog.at_level("INFO", logger="inflight"):
+        settings = Settings.load(str(tmp_path))
+    engine = settings.engine
+    assert (engine.block_size, engine.enforce_eager, engine.enable_lora, engine.max_lora_rank, engine.max_loras,
+            engine.dtype, engine.max_model_len, engine.max_num_seqs, engine.enable_prefix_caching) == \
+        (32, True, True, 32, 2, "float16", 512, 8, False)
+    assert settings.vllm_metrics is False          # disable_log_stats: no vllm: metrics, as the backend does
+    assert "'max_cpu_loras' has no effect here (every adapter of multi_lora.json stays in host memory)" in caplog.text
+    assert "'disable_log_requests' has no effect here" in caplog.text
 
 
 def test_a_kind_gpu_instance_runs_on_the_gpu_triton_gives_it(tmp_path):

@@ -23,6 +23,7 @@ from ..config import MAX_BAD_WORDS, MAX_STOP_STRINGS, EngineConfig, usable_cpus
 from ..context_length import checkpoint_max_len
 from ..detokenizer import decode_delta
 from ..structured import json_value
+from . import vllm_settings
 from .metrics import EngineMetrics
 from .parent import when_parent_exits
 from .protocol import (BOOL_INPUTS, RequestError, bytes_per_token, check_count, check_text_size, ignored_parameter,
@@ -39,14 +40,11 @@ logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname
 LLM_INPUTS = ("text_input", "input_ids", "sampling_parameters", "priority", "cache_salt") + BOOL_INPUTS
 
 
-# model.json keys that may also sit at the top level, where the Triton vLLM backend puts them
-ENGINE_KEYS_AT_TOP = ("enable_lora", "max_loras", "max_lora_rank", "reasoning_parser")
-
-
 @dataclass(slots=True)
 class Settings:
-    """model.json beside the llm's model.py: the checkpoint and every EngineConfig field; with
-    enable_lora, multi_lora.json beside it names the adapters."""
+    """model.json beside the llm's model.py: the checkpoint and every EngineConfig field (under
+    "engine", or at the top level as the vLLM backend's model.json has vLLM's engine arguments:
+    vllm_settings.py); with enable_lora, multi_lora.json beside it names the adapters."""
     model_dir: str
     engine: EngineConfig
     path: str                   # the model.json, for start-up errors
@@ -54,8 +52,9 @@ class Settings:
     lora_file: str | None = None                                   # the multi_lora.json they came from
     labels: dict[str, str] = field(default_factory=dict)   # this instance's metrics labels, where there are several
     instances: int = 1          # how many Triton starts of this model (placed())
+    vllm_metrics: bool = True   # False: model.json's disable_log_stats turns off the vllm: metrics
 
-    KEYS = ("model", "engine", *ENGINE_KEYS_AT_TOP)      # model.json's keys
+    KEYS = ("model", "engine", *vllm_settings.KEYS)      # model.json's keys
 
     @classmethod
     def load(cls, version_dir: str) -> "Settings":
@@ -63,19 +62,16 @@ class Settings:
         raw = read_settings(path, cls.KEYS)
         model_dir = os.path.normpath(os.path.join(version_dir, os.path.expanduser(raw["model"])))
         engine = dict(raw.get("engine", {}))
-        for key in ENGINE_KEYS_AT_TOP:
-            if key in raw:
-                if key in engine:
-                    raise StartupError(f"{path}: '{key}' is given both at the top level and in 'engine'")
-                engine[key] = raw[key]
-        flag = engine.get("enable_lora")
-        if isinstance(flag, str):          # the vLLM backend's model.json takes "true" as well as true
-            engine["enable_lora"] = {"true": True, "false": False}.get(flag.lower(), flag)
+        top_level, vllm_metrics = vllm_settings.read_top_level(raw, path)
+        for key, value in top_level.items():
+            if key in engine:
+                raise StartupError(f"{path}: '{key}' is given both at the top level and in 'engine'")
+            engine[key] = value
         config = engine_config(engine, path)
         if not config.enable_lora:
-            return cls(model_dir, config, path)
+            return cls(model_dir, config, path, vllm_metrics=vllm_metrics)
         lora_file = os.path.join(version_dir, "multi_lora.json")
-        return cls(model_dir, config, path, read_multi_lora(lora_file), lora_file)
+        return cls(model_dir, config, path, read_multi_lora(lora_file), lora_file, vllm_metrics=vllm_metrics)
 
     def placed(self, args) -> "Settings":
         """These settings for one of the model's instances. Triton may start several, each in its
@@ -330,7 +326,7 @@ class LLMModel:
             except LoraError as exc:      # an adapter of multi_lora.json: name the file too
                 raise StartupError(f"{settings.lora_file}: {exc}") from None
         vllm_labels = {"model": args["model_name"], "version": args["model_version"]} \
-            if config_flag(args, "REPORT_CUSTOM_METRICS") else None
+            if config_flag(args, "REPORT_CUSTOM_METRICS") and settings.vllm_metrics else None
         self.metrics = EngineMetrics(self.pb, args["model_name"], lora_names=engine.lora_names,
                                      vllm_labels=vllm_labels, max_model_len=engine.max_model_len,
                                      labels=settings.labels)
