@@ -342,8 +342,15 @@ class LoraWeights:
 
     def activate(self, adapter_ids: np.ndarray) -> np.ndarray:
         """The slot of each of a step's adapter ids (-1 stays -1, the base model), loading the
-        adapters that are not in a slot into the least recently used slots no other adapter of the
-        step holds. The scheduler runs at most max_loras distinct adapters at once."""
+        adapters that are not in a slot first (only where there are more adapters than slots)."""
+        if self.host is not None:
+            self._load_missing(adapter_ids)
+        return np.where(adapter_ids >= 0, self.slot_of[np.maximum(adapter_ids, 0)], -1)
+
+    def _load_missing(self, adapter_ids: np.ndarray) -> None:
+        """Load the step's adapters that are not in a slot into the least recently used slots no
+        other adapter of the step holds. The scheduler runs at most max_loras distinct adapters at
+        once."""
         self.num_steps += 1
         wanted = np.unique(adapter_ids[adapter_ids >= 0])
         assert len(wanted) <= self.max_loras, f"{len(wanted)} adapters in one step, over max_loras {self.max_loras}"
@@ -356,7 +363,6 @@ class LoraWeights:
             for adapter_id, slot in zip(missing.tolist(), least_recent.tolist()):
                 self._load(adapter_id, slot)
         self.last_used[self.slot_of[wanted]] = self.num_steps
-        return np.where(adapter_ids >= 0, self.slot_of[np.maximum(adapter_ids, 0)], -1)
 
     def group_step(self, out: SchedulerOutput, table: BatchTable) -> tuple[SchedulerOutput, "LoraBatch | None",
                                                                              np.ndarray | None]:
