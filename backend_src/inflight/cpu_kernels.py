@@ -177,20 +177,30 @@ class CpuKernels:
                                                 out.shape[0], out.shape[1], torch.get_num_threads())
         return out
 
-    def lora_add(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, y: torch.Tensor, segments: np.ndarray,
-                 rank: int, module_cols: np.ndarray) -> None:
-        """y[t] += (x[t] a[s]) b[s] for the tokens t in [start, end) of each segment (s, start, end),
-        in place: a [slots, in, modules x rank], b [slots, modules x rank, y's columns], module m's
-        rank rows of b feeding only y's columns module_cols[m] (a (begin, end) pair; b is zero
-        elsewhere). rank % 16 == 0; x A is kept in float32 and y rounded once."""
-        assert x.dtype == a.dtype == b.dtype == y.dtype and a.is_contiguous() and b.is_contiguous()
-        assert x.stride(-1) == 1 and y.stride(-1) == 1 and rank % 16 == 0 and a.shape[2] % rank == 0
-        assert segments.dtype == module_cols.dtype == np.int32 and segments.flags.c_contiguous
-        assert module_cols.flags.c_contiguous and len(module_cols) == a.shape[2] // rank
-        self.fns["lora_add", x.dtype](x.data_ptr(), x.stride(0), a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0),
-                                      b.stride(1), y.data_ptr(), y.stride(0), segments.ctypes.data, len(segments),
-                                      a.shape[1], len(module_cols), rank, module_cols.ctypes.data,
-                                      torch.get_num_threads())
+    def lora_adder(self, a: torch.Tensor, b: torch.Tensor, rank: int, module_cols: np.ndarray, column: int):
+        """lora_add with one projection group's weights bound: add(x, y, segments, count) does y[t,
+        column:] += (x[t] a[s]) b[s] for the tokens t in [start, end) of each of `count` segments
+        (s, start, end; int32 at address `segments`), in place. a [slots, in, modules x rank], b [slots, modules x rank, cols], module m's
+        rank rows of b feeding only columns module_cols[m] (a (begin, end) pair; b is zero
+        elsewhere); rank % 16 == 0; x A is kept in float32 and y rounded once. The weights' checks
+        and arguments are done here once (a decode step calls it four times a layer, and those were
+        ~7 us of each call's ~10): the slots stay where they are, loading copies into them."""
+        assert a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype
+        assert rank % 16 == 0 and a.shape[2] % rank == 0
+        assert module_cols.dtype == np.int32 and module_cols.flags.c_contiguous
+        assert len(module_cols) == a.shape[2] // rank
+        fn = self.fns["lora_add", a.dtype]
+        weights = (a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), b.stride(1))
+        shape = (a.shape[1], len(module_cols), rank, module_cols.ctypes.data)
+        offset = column * a.element_size()
+
+        def add(x: torch.Tensor, y: torch.Tensor, segments: int, count: int) -> None:
+            assert x.dtype == y.dtype == a.dtype and x.stride(-1) == 1 and y.stride(-1) == 1
+            fn(x.data_ptr(), x.stride(0), *weights, y.data_ptr() + offset, y.stride(0), segments, count, *shape,
+               torch.get_num_threads())
+
+        add.module_cols = module_cols        # the kernel reads it through its address
+        return add
 
     def linear_small_rows(self, x: torch.Tensor, weight_ptr: int, bias: torch.Tensor | None,
                           out_features: int) -> torch.Tensor | None:

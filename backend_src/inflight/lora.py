@@ -252,6 +252,7 @@ class GroupWeights:
     start: int                  # the fused output columns the group's modules cover
     end: int
     module_cols: np.ndarray     # int32 [modules, 2]: each module's columns in b (begin, end)
+    cpu_add: object = None      # the compiled kernel bound to a and b (CpuKernels.lora_adder)
 
 
 class LoraWeights:
@@ -284,6 +285,10 @@ class LoraWeights:
             {group: GroupWeights(w.a.new_zeros((self.max_loras, *w.a.shape[1:]), device=device),
                                  w.b.new_zeros((self.max_loras, *w.b.shape[1:]), device=device),
                                  w.start, w.end, w.module_cols) for group, w in layer.items()} for layer in self.host]
+        if self.cpu_kernels is not None:
+            for layer in self.layers:
+                for w in layer.values():
+                    w.cpu_add = self.cpu_kernels.lora_adder(w.a, w.b, self.rank, w.module_cols, w.start)
         self.slot_of = np.full(len(adapters), -1, dtype=np.int32)    # adapter id -> its slot; -1: none
         self.held = np.full(self.max_loras, -1, dtype=np.int32)      # slot -> the adapter in it; -1: none
         self.last_used = np.zeros(self.max_loras, dtype=np.int64)    # slot -> the step that last used it
@@ -417,6 +422,7 @@ class LoraBatch:
     max_segment: int = field(init=False)
     # the CPU path: the runs the compiled kernel takes (int32 [n, 3], None: none) and the others
     short_segments: np.ndarray | None = field(init=False, default=None)
+    short_address: int = field(init=False, default=0)         # of short_segments' data, for the kernel
     long_segments: list[tuple[int, int, int]] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -429,6 +435,7 @@ class LoraBatch:
             short = merged_runs([r for r in self.requests if r[2] - r[1] <= CPU_KERNEL_MAX_TOKENS])
             if short:
                 self.short_segments = np.array(short, dtype=np.int32)
+                self.short_address = self.short_segments.ctypes.data
         if self.weights.use_kernels:
             device = self.weights.device
             tokens = np.concatenate([np.arange(start, end) for _, start, end in self.segments])
@@ -452,10 +459,9 @@ class LoraBatch:
     def _add_cpu(self, weights: GroupWeights, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += (x A) (scale B) into the group's columns, in place: the short runs in one call of
         the compiled kernel, the long ones (all of them on the torch path) one matmul pair each."""
-        out = y[:, weights.start:weights.end]
         if self.short_segments is not None:
-            self.weights.cpu_kernels.lora_add(x, weights.a, weights.b, out, self.short_segments, self.weights.rank,
-                                              weights.module_cols)
+            weights.cpu_add(x, y, self.short_address, len(self.short_segments))
+        out = y[:, weights.start:weights.end]
         for slot, start, end in self.long_segments:
             if self.weights.cpu_kernels is None:
                 out[start:end].addmm_(torch.mm(x[start:end], weights.a[slot]), weights.b[slot])
