@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,16 +106,15 @@ class Scheduler:
         for queue in self.waiting:
             yield from queue
 
-    def _peek_waiting(self, passed: set[str] = frozenset()) -> Request | None:
-        """The first waiting request in (priority, arrival) order, past those in `passed`."""
-        return next((req for req in self._waiting_in_order() if req.request_id not in passed), None)
-
-    def _take_waiting(self, req: Request) -> None:
-        queue = self.waiting[req.priority]
-        if queue[0] is req:
-            queue.popleft()
-        else:
-            queue.remove(req)       # Request compares by identity
+    def _peek_waiting(self, passed: Sequence[int] = (0, 0, 0)) -> Request | None:
+        """The first waiting request in (priority, arrival) order after the first passed[p] of
+        each class p (those let others go first this step; always a prefix of their class: what
+        admission passes comes before what it looks at next, and preemption puts requests back
+        only at the head of a lower class)."""
+        for queue, skip in zip(self.waiting, passed):
+            if len(queue) > skip:
+                return queue[skip]
+        return None
 
     def _adapter_waits(self, req: Request) -> bool:
         """Whether running the request would make more than max_loras distinct LoRA adapters run
@@ -258,13 +257,13 @@ class Scheduler:
         taken out of this step (`rows`/`counts`: the running pass) and their budget is returned."""
         new_rows, new_counts, preempted = [], [], []
         computing: set[bytes] = set()       # the hashes of the blocks this step's admissions compute
-        passed: set[str] = set()            # requests whose adapter has no slot this step
+        passed = [0] * len(self.waiting)    # per class: requests whose adapter has no slot this step
         while budget > 0:
             req = self._peek_waiting(passed)
             if req is None:
                 break
             if self._adapter_waits(req):
-                passed.add(req.request_id)
+                passed[req.priority] += 1
                 continue
             hit, num_computed = self._prefix_hit(req)
             if self._computed_this_step(req, hit, computing):
@@ -284,7 +283,9 @@ class Scheduler:
             if count < remaining and not self.config.enable_chunked_prefill:
                 break
             row = self._start_running(req, hit, num_computed)
-            self._take_waiting(req)                     # once it runs: a failure leaves it abortable
+            queue, index = self.waiting[req.priority], passed[req.priority]
+            assert queue[index] is req
+            del queue[index]                            # once it runs: a failure leaves it abortable
             need = -(-(num_computed + count) // self.block_size) - len(hit)
             self.table.append_blocks([row], [need], self.kv.allocate(need))
             computing.update(req.block_hashes[len(hit):(num_computed + count) // self.block_size])
@@ -364,7 +365,7 @@ class Scheduler:
             if self._adapter_waits(req):
                 continue
             row = self._start_running(req, [], 0)
-            self._take_waiting(req)                     # once it runs: a failure leaves it abortable
+            self.waiting[req.priority].remove(req)      # once it runs: a failure leaves it abortable
             self.table.append_blocks([row], [reserve], self.kv.allocate(reserve))
 
     def _release_held(self) -> None:
