@@ -82,8 +82,10 @@ class Stage:
     log: str = ""
 
 
-# the multi-LoRA SGMV kernels against the torch path (fp32, fp16, and bf16 where compiled)
-LORA_KERNEL_TESTS = ("test_sgmv_kernels_match_the_torch_path", "test_sgmv_kernels_gather_and_scatter_any_token_order")
+# the multi-LoRA SGMV kernels against the torch path (fp32, fp16, and bf16 where compiled), and the
+# adapter slots loaded from pinned host memory
+LORA_KERNEL_TESTS = ("test_sgmv_kernels_match_the_torch_path", "test_sgmv_kernels_gather_and_scatter_any_token_order",
+                     "test_a_missing_adapter_takes_the_least_recently_used_slot_of_an_adapter_not_in_the_step")
 
 
 def stages() -> list[Stage]:

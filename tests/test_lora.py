@@ -479,12 +479,15 @@ def test_rows_are_grouped_by_adapter_and_sampling_rows_mapped_back():
 
 
 def test_a_missing_adapter_takes_the_least_recently_used_slot_of_an_adapter_not_in_the_step():
-    weights = LoraWeights(synthetic_adapters(torch.float32), SPEC, torch.float32, torch.device("cpu"), "torch",
+    """On CUDA (make gpu-check) the slots are loaded from pinned host memory, asynchronously."""
+    weights = LoraWeights(synthetic_adapters(torch.float32), SPEC, torch.float32, KERNEL_DEVICE, "torch",
                           max_loras=2)
+    assert weights.layers[0]["qkv"].a.device.type == KERNEL_DEVICE.type
+    assert weights.host[0]["qkv"].a.is_pinned() == (KERNEL_DEVICE.type == "cuda")
 
     def holds(slot, adapter_id):        # the whole slot: a module the new adapter leaves alone is zero again
-        return all(torch.equal(w.a[slot], weights.host[0][group].a[adapter_id])
-                   and torch.equal(w.b[slot], weights.host[0][group].b[adapter_id])
+        return all(torch.equal(w.a[slot].cpu(), weights.host[0][group].a[adapter_id])
+                   and torch.equal(w.b[slot].cpu(), weights.host[0][group].b[adapter_id])
                    for group, w in weights.layers[0].items())
 
     assert weights.slot_of.tolist() == [0, 1, -1] and weights.num_loads == 0      # the first two fill the slots
