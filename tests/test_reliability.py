@@ -30,8 +30,12 @@ def start_server(tmp_path):
     """Start a server with engine overrides / env / flags; stopped at the end of the test."""
     servers = []
 
-    def start(engine: dict | None = None, env: dict | None = None, extra: list[str] = ()) -> ServerProcess:
+    def start(engine: dict | None = None, env: dict | None = None, extra: list[str] = (),
+              llm_config: str = "") -> ServerProcess:
+        """llm_config: text added to llm's config.pbtxt."""
         repo = make_repository(str(tmp_path / f"repo{len(servers)}"), DEFAULT_MODEL, {**TEST_ENGINE, **(engine or {})})
+        with open(os.path.join(repo, "llm", "config.pbtxt"), "a") as f:
+            f.write("\n" + llm_config)
         server = ServerProcess(repo, extra=list(extra), env=env)
         servers.append(server)
         return server.start()
@@ -273,6 +277,46 @@ def test_an_engine_failure_fails_requests_logs_the_cause_and_takes_the_server_ou
     assert s.process.wait(45) is not None, "the server exits within its exit timeout"
     log = open(s.log_path, errors="replace").read()
     assert "inflight engine thread failed" in log and "injected fault" in log and "Traceback" in log
+
+
+HEALTH_CHECK = 'parameters: { key: "ENABLE_VLLM_HEALTH_CHECK" value: { string_value: "true" } }'
+
+
+def model_ready(server, model: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=2) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_with_the_vllm_backends_health_check_a_failed_engine_unloads_its_model_and_the_server_goes_on(start_server):
+    """config.pbtxt's ENABLE_VLLM_HEALTH_CHECK, as the vLLM backend reads it: under explicit model
+    control the failed model is unloaded (not ready) while the server and its other models serve
+    on; where Triton refuses to unload (its default control mode) the server shuts down as without
+    the switch, never leaving a ready model that fails every request."""
+    s = start_server(env={"INFLIGHT_FAULT_AFTER_STEPS": "5"}, llm_config=HEALTH_CHECK,
+                     extra=["--model-control-mode=explicit", "--load-model=*"])
+    out = run_streams(s, [stream("Prompt", 50, ignore_eos=True)])[0]
+    assert "the engine failed: RuntimeError: injected fault after 5 steps" in out.error
+    deadline = time.monotonic() + 45
+    while model_ready(s, "llm") == 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert model_ready(s, "llm") != 200, "the failed model is no longer ready"
+    assert s.process.poll() is None and model_ready(s, "preprocessing") == 200, "the server and its other models go on"
+    with urllib.request.urlopen(f"http://{s.http_url}/v2/health/live", timeout=2) as response:
+        assert response.status == 200
+    unloaded = "successfully unloaded 'llm'"       # once its stub has finalized, after readiness went
+    while unloaded not in open(s.log_path, errors="replace").read() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = open(s.log_path, errors="replace").read()
+    assert "unloading model 'llm' (ENABLE_VLLM_HEALTH_CHECK)" in log and unloaded in log
+    assert s.process.poll() is None and model_ready(s, "preprocessing") == 200
+    refused = start_server(env={"INFLIGHT_FAULT_AFTER_STEPS": "5"}, llm_config=HEALTH_CHECK)
+    out = run_streams(refused, [stream("Prompt", 50, ignore_eos=True)])[0]
+    assert "the engine failed" in out.error
+    assert refused.process.wait(60) is not None, "default model control: the server shuts down instead"
+    assert "Triton did not unload 'llm'" in open(refused.log_path, errors="replace").read()
 
 
 def test_stopping_the_server_ends_every_in_flight_request_with_a_final_response(start_server):

@@ -7,6 +7,7 @@ postprocessing (context_ids, token_ids) from `llm` -> exactly the text those tok
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -288,6 +289,21 @@ def stop_server(reason: str) -> None:
     os.kill(SERVER_PID, signal.SIGTERM)
 
 
+def unload_model(pb_utils, model_name: str, reason: str) -> None:
+    """The engine failed and config.pbtxt's ENABLE_VLLM_HEALTH_CHECK is on: as the vLLM backend
+    does then, unload this model, so its readiness fails while the server and its other models go
+    on. Triton allows that only under --model-control-mode=explicit; where it refuses, the server
+    shuts down as without the switch (a model that stays ready while it fails every request would
+    keep getting traffic)."""
+    log.error("inflight: engine failure (%s); unloading model %r (ENABLE_VLLM_HEALTH_CHECK)", reason, model_name)
+    try:
+        pb_utils.unload_model(model_name)
+    except Exception as exc:
+        log.error("inflight: Triton did not unload %r (%s: %s); shutting the server down instead", model_name,
+                  type(exc).__name__, exc)
+        stop_server(reason)
+
+
 def exit_with_server() -> None:
     """End this stub the moment tritonserver is gone. The Python backend's own check misses a
     server that died and was not yet reaped (kill(pid, 0) succeeds on a zombie), and its exit can
@@ -331,7 +347,10 @@ class LLMModel:
                                      vllm_labels=vllm_labels, max_model_len=engine.max_model_len,
                                      labels=settings.labels)
         self.metrics.publish(self.metrics.snapshot(engine, force=True))      # before the loop's threads use it
-        self.loop = EngineLoop(engine, tokenizer, self.metrics, on_failure=stop_server,
+        on_failure = stop_server
+        if config_flag(args, "ENABLE_VLLM_HEALTH_CHECK"):
+            on_failure = functools.partial(unload_model, self.pb, args["model_name"])
+        self.loop = EngineLoop(engine, tokenizer, self.metrics, on_failure=on_failure,
                                heartbeat_share=1 / settings.instances).start()
 
     def execute(self, requests):
