@@ -262,11 +262,13 @@ class LoraWeights:
     def __init__(self, adapters: list[LoraAdapter], spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                  kernels: str = "torch", max_loras: int | None = None):
         """kernels: the attention backend's name ('triton', 'cpu' or 'torch'): which path computes
-        the adapters' terms where the dtype allows it. max_loras: the slots (default: one per adapter)."""
+        the adapters' terms where the dtype allows it. max_loras: how many adapters may run at once
+        (default: all); the device holds that many slots, or one per adapter where there are fewer."""
         self.ids = {adapter.name: i for i, adapter in enumerate(adapters)}
         self.keys = [adapter.key for adapter in adapters]
         self.max_loras = len(adapters) if max_loras is None else max_loras
         assert self.max_loras >= 1 or not adapters
+        num_slots = min(self.max_loras, len(adapters))
         self.rank = max((adapter.rank for adapter in adapters), default=0)
         self.device = device
         from . import cpu_kernels
@@ -282,22 +284,22 @@ class LoraWeights:
             self._stack_layer(layer, adapters, shapes, dtype, pin=device.type == "cuda")
             for layer in range(spec.num_layers)]
         self.layers: list[dict[str, GroupWeights]] = [
-            {group: GroupWeights(w.a.new_zeros((self.max_loras, *w.a.shape[1:]), device=device),
-                                 w.b.new_zeros((self.max_loras, *w.b.shape[1:]), device=device),
+            {group: GroupWeights(w.a.new_zeros((num_slots, *w.a.shape[1:]), device=device),
+                                 w.b.new_zeros((num_slots, *w.b.shape[1:]), device=device),
                                  w.start, w.end, w.module_cols) for group, w in layer.items()} for layer in self.host]
         if self.cpu_kernels is not None:
             for layer in self.layers:
                 for w in layer.values():
                     w.cpu_add = self.cpu_kernels.lora_adder(w.a, w.b, self.rank, w.module_cols, w.start)
         self.slot_of = np.full(len(adapters), -1, dtype=np.int32)    # adapter id -> its slot; -1: none
-        self.held = np.full(self.max_loras, -1, dtype=np.int32)      # slot -> the adapter in it; -1: none
-        self.last_used = np.zeros(self.max_loras, dtype=np.int64)    # slot -> the step that last used it
+        self.held = np.full(num_slots, -1, dtype=np.int32)           # slot -> the adapter in it; -1: none
+        self.last_used = np.zeros(num_slots, dtype=np.int64)         # slot -> the step that last used it
         self.num_steps = 0
         self.num_loads = 0       # adapters copied into a slot
-        for adapter_id in range(min(len(adapters), self.max_loras)):
+        for adapter_id in range(num_slots):
             self._load(adapter_id, adapter_id)
         self.num_loads = 0       # the first adapters fill the slots at start-up: not swaps
-        if len(adapters) <= self.max_loras:
+        if num_slots == len(adapters):
             self.host = None     # every adapter has a slot for good: nothing is ever copied again
 
     def _stack_layer(self, layer: int, adapters: list[LoraAdapter], shapes, dtype,
@@ -361,7 +363,7 @@ class LoraWeights:
         assert len(wanted) <= self.max_loras, f"{len(wanted)} adapters in one step, over max_loras {self.max_loras}"
         missing = wanted[self.slot_of[wanted] < 0]
         if len(missing):
-            in_use = np.zeros(self.max_loras, dtype=bool)
+            in_use = np.zeros(len(self.held), dtype=bool)
             in_use[self.slot_of[wanted[self.slot_of[wanted] >= 0]]] = True
             free = np.flatnonzero(~in_use)
             least_recent = free[np.argsort(self.last_used[free], kind="stable")]
