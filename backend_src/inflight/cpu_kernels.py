@@ -182,9 +182,10 @@ class CpuKernels:
         column:] += (x[t] a[s]) b[s] for the tokens t in [start, end) of each of `count` segments
         (s, start, end; int32 at address `segments`), in place. a [slots, in, modules x rank], b
         [slots, modules x rank, cols], module m's rank rows of b feeding only columns
-        module_cols[m] (a (begin, end) pair; b is zero elsewhere); rank % 16 == 0; x A is kept in float32 and y rounded once. The weights' checks
-        and arguments are done here once (a decode step calls it four times a layer, and those were
-        ~7 us of each call's ~10): the slots stay where they are, loading copies into them."""
+        module_cols[m] (a (begin, end) pair; b is zero elsewhere); rank % 16 == 0; x A is kept in
+        float32 and y rounded once. The weights' checks and arguments are done here once (a decode
+        step calls it four times a layer, and those were ~7 us of each call's ~10): the slots stay
+        where they are, loading copies into them."""
         assert a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype
         assert rank % 16 == 0 and a.shape[2] % rank == 0
         assert module_cols.dtype == np.int32 and module_cols.flags.c_contiguous
