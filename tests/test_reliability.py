@@ -250,9 +250,10 @@ def test_kv_exhaustion_completes_through_preemption_with_exact_outputs(start_ser
 
 
 # ---- engine failure and shutdown ------------------------------------------------------------------------
-def ready(server) -> int:
+def ready(server, path: str = "/v2/health/ready") -> int:
+    """The status of a readiness (or liveness) endpoint; 0 when the server no longer listens."""
     try:
-        with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=2) as response:
+        with urllib.request.urlopen(f"http://{server.http_url}{path}", timeout=2) as response:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -282,12 +283,7 @@ def test_an_engine_failure_fails_requests_logs_the_cause_and_takes_the_server_ou
 HEALTH_CHECK = 'parameters: { key: "ENABLE_VLLM_HEALTH_CHECK" value: { string_value: "true" } }'
 
 
-def model_ready(server, model: str) -> int:
-    try:
-        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=2) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
+LLM_READY, PREPROCESSING_READY = "/v2/models/llm/ready", "/v2/models/preprocessing/ready"
 
 
 def test_with_the_vllm_backends_health_check_a_failed_engine_unloads_its_model_and_the_server_goes_on(start_server):
@@ -300,18 +296,17 @@ def test_with_the_vllm_backends_health_check_a_failed_engine_unloads_its_model_a
     out = run_streams(s, [stream("Prompt", 50, ignore_eos=True)])[0]
     assert "the engine failed: RuntimeError: injected fault after 5 steps" in out.error
     deadline = time.monotonic() + 45
-    while model_ready(s, "llm") == 200 and time.monotonic() < deadline:
+    while ready(s, LLM_READY) == 200 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert model_ready(s, "llm") != 200, "the failed model is no longer ready"
-    assert s.process.poll() is None and model_ready(s, "preprocessing") == 200, "the server and its other models go on"
-    with urllib.request.urlopen(f"http://{s.http_url}/v2/health/live", timeout=2) as response:
-        assert response.status == 200
+    assert ready(s, LLM_READY) != 200, "the failed model is no longer ready"
+    assert s.process.poll() is None and ready(s, PREPROCESSING_READY) == 200, "the server and its other models go on"
+    assert ready(s, "/v2/health/live") == 200
     unloaded = "successfully unloaded 'llm'"       # once its stub has finalized, after readiness went
     while unloaded not in open(s.log_path, errors="replace").read() and time.monotonic() < deadline:
         time.sleep(0.2)
     log = open(s.log_path, errors="replace").read()
     assert "unloading model 'llm' (ENABLE_VLLM_HEALTH_CHECK)" in log and unloaded in log
-    assert s.process.poll() is None and model_ready(s, "preprocessing") == 200
+    assert s.process.poll() is None and ready(s, PREPROCESSING_READY) == 200
     refused = start_server(env={"INFLIGHT_FAULT_AFTER_STEPS": "5"}, llm_config=HEALTH_CHECK)
     out = run_streams(refused, [stream("Prompt", 50, ignore_eos=True)])[0]
     assert "the engine failed" in out.error

@@ -292,7 +292,6 @@ class LoraWeights:
                 for w in layer.values():
                     w.cpu_add = self.cpu_kernels.lora_adder(w.a, w.b, self.rank, w.module_cols, w.start)
         self.slot_of = np.full(len(adapters), -1, dtype=np.int32)    # adapter id -> its slot; -1: none
-        self.held = np.full(num_slots, -1, dtype=np.int32)           # slot -> the adapter in it; -1: none
         self.last_used = np.zeros(num_slots, dtype=np.int64)         # slot -> the step that last used it
         self.num_steps = 0
         self.num_loads = 0       # adapters copied into a slot
@@ -336,14 +335,11 @@ class LoraWeights:
     def _load(self, adapter_id: int, slot: int) -> None:
         """Copy an adapter's weights into a slot (in stream order on CUDA: the steps before that
         read the slot are done with it first)."""
-        evicted = self.held[slot]
-        if evicted >= 0:
-            self.slot_of[evicted] = -1
+        self.slot_of[self.slot_of == slot] = -1         # the adapter it held, if any
         for host, layer in zip(self.host, self.layers):
             for group, weights in layer.items():
                 weights.a[slot].copy_(host[group].a[adapter_id], non_blocking=True)
                 weights.b[slot].copy_(host[group].b[adapter_id], non_blocking=True)
-        self.held[slot] = adapter_id
         self.slot_of[adapter_id] = slot
         self.num_loads += 1
 
@@ -361,10 +357,11 @@ class LoraWeights:
         self.num_steps += 1
         wanted = np.unique(adapter_ids[adapter_ids >= 0])
         assert len(wanted) <= self.max_loras, f"{len(wanted)} adapters in one step, over max_loras {self.max_loras}"
-        missing = wanted[self.slot_of[wanted] < 0]
+        slots = self.slot_of[wanted]
+        missing = wanted[slots < 0]
         if len(missing):
-            in_use = np.zeros(len(self.held), dtype=bool)
-            in_use[self.slot_of[wanted[self.slot_of[wanted] >= 0]]] = True
+            in_use = np.zeros(len(self.last_used), dtype=bool)
+            in_use[slots[slots >= 0]] = True
             free = np.flatnonzero(~in_use)
             least_recent = free[np.argsort(self.last_used[free], kind="stable")]
             for adapter_id, slot in zip(missing.tolist(), least_recent.tolist()):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,7 +106,7 @@ class Scheduler:
         for queue in self.waiting:
             yield from queue
 
-    def _peek_waiting(self, passed: Sequence[int] = (0, 0, 0)) -> Request | None:
+    def _peek_waiting(self, passed: Iterable[int] = itertools.repeat(0)) -> Request | None:
         """The first waiting request in (priority, arrival) order after the first passed[p] of
         each class p (those let others go first this step; always a prefix of their class: what
         admission passes comes before what it looks at next, and preemption puts requests back
@@ -122,9 +122,13 @@ class Scheduler:
         it may go first."""
         if req.lora_id < 0:
             return False
-        running = self.table.lora_id[self.running]
-        running = running[running >= 0]
-        return req.lora_id not in running and len(np.unique(running)) >= self.config.max_loras
+        running = self._running_adapters()
+        return req.lora_id not in running and len(running) >= self.config.max_loras
+
+    def _running_adapters(self) -> np.ndarray:
+        """The distinct LoRA adapter ids of the running batch."""
+        adapters = np.unique(self.table.lora_id[self.running])
+        return adapters[adapters >= 0]
 
     def _insert_running(self, req: Request) -> None:
         key = (req.priority << _PRIORITY_SHIFT) | req.arrival_seq
@@ -490,5 +494,4 @@ class Scheduler:
             assert table.num_blocks[row] * self.block_size >= table.num_computed[row]
         keys = self._running_keys
         assert np.all(keys[:-1] <= keys[1:]), "running order broken"
-        adapters = np.unique(table.lora_id[self.running])
-        assert len(adapters[adapters >= 0]) <= self.config.max_loras, "more LoRA adapters running than max_loras"
+        assert len(self._running_adapters()) <= self.config.max_loras, "more LoRA adapters running than max_loras"

@@ -51,10 +51,10 @@ def read_top_level(raw: dict, path: str) -> tuple[dict, bool]:
     for key, why in WITHOUT_EFFECT.items():
         if key in raw:
             log.info("inflight: %s: '%s' has no effect here (%s)", path, key, why)
-    report_stats = values.pop("disable_log_stats", False)
-    if not isinstance(report_stats, bool):
-        raise StartupError(f"{path}: 'disable_log_stats' must be true or false, got {report_stats!r}")
-    return values, not report_stats
+    disable_stats = values.pop("disable_log_stats", False)
+    if not isinstance(disable_stats, bool):
+        raise StartupError(f"{path}: 'disable_log_stats' must be true or false, got {disable_stats!r}")
+    return values, not disable_stats
 
 
 def _boolean(value):
