@@ -250,9 +250,13 @@ def test_no_more_adapters_than_max_loras_run_at_once(tiny_checkpoint, adapters):
         table = engine.scheduler.table
         running = {table.requests[row].request_id for row in engine.scheduler.running.tolist()}
         if first_step is None:
-            first_step = running
+            first_step, first_stats = running, engine.stats()
         finished += list(step.finished)
     assert first_step == {"r0", "r2", "r3"}, "the qv-r8 and base requests run; the others wait for the slot"
+    # per adapter id (the order of lora_names): what the metrics' lora_requests_info is made from
+    ids = [engine.lora_names.index(name) for name in ("qv-r8", "ko-mlp-r4-rslora", "all-linear-patterns")]
+    assert first_stats["lora_running"][ids].tolist() == [2, 0, 0]
+    assert first_stats["lora_waiting"][ids].tolist() == [0, 2, 1]
     # one adapter at a time: ko-mlp's two requests come after qv-r8's, all-linear's after ko-mlp's
     assert finished.index("r1") > finished.index("r2") and finished.index("r4") > max(finished.index("r1"),
                                                                                        finished.index("r5"))

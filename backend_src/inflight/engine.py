@@ -358,7 +358,7 @@ class LLMEngine:
     def stats(self) -> dict:
         scheduler = self.scheduler
         live, allocated = scheduler.slot_usage()
-        return {
+        stats = {
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_used": self.kv.num_used_blocks,
             "kv_blocks_free": self.kv.num_free_blocks,
@@ -378,6 +378,9 @@ class LLMEngine:
             "prefix_cache_resumed_hit_tokens": scheduler.resumed_hit_tokens,
             "lora_loads": 0 if self.runner.lora is None else self.runner.lora.num_loads,
         }
+        if self.runner.lora is not None:
+            stats["lora_running"], stats["lora_waiting"] = scheduler.lora_requests(len(self.runner.lora.names))
+        return stats
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

@@ -130,6 +130,13 @@ class Scheduler:
         adapters = np.unique(self.table.lora_id[self.running])
         return adapters[adapters >= 0]
 
+    def lora_requests(self, num_adapters: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per LoRA adapter id, its requests running and waiting (what vLLM's lora_requests_info
+        reports)."""
+        running = self.table.lora_id[self.running]
+        waiting = np.fromiter((r.lora_id for queue in self.waiting for r in queue), dtype=np.int64)
+        return tuple(np.bincount(ids[ids >= 0], minlength=num_adapters) for ids in (running, waiting))
+
     def _insert_running(self, req: Request) -> None:
         key = (req.priority << _PRIORITY_SHIFT) | req.arrival_seq
         pos = int(np.searchsorted(self._running_keys, key))

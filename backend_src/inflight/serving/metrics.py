@@ -31,6 +31,11 @@ LORA_COUNTERS = {
     "lora_prompt_tokens_total": "Prompt tokens of ended requests, by LoRA adapter",
     "lora_generation_tokens_total": "Tokens generated, by LoRA adapter",
 }
+# per LoRA adapter (label lora_name), the engine's queues as each stats snapshot finds them -> description
+LORA_GAUGES = {
+    "lora_requests_running": "Requests running, by LoRA adapter",
+    "lora_requests_waiting": "Requests waiting, by LoRA adapter",
+}
 HISTOGRAMS = {
     "time_to_first_token_seconds": ("Time from arrival to the first generated token", LATENCY_BUCKETS),
     "time_per_output_token_seconds": ("Mean time between a request's generated tokens", STEP_BUCKETS),
@@ -72,10 +77,11 @@ def buckets_1_2_5(limit: int) -> list[int]:
 
 
 class EngineMetrics:
-    def __init__(self, pb_utils, model_name: str, min_interval_s: float = 0.05, lora_names=(),
+    def __init__(self, pb_utils, model_name: str, min_interval_s: float = 0.05, lora_names=(), max_loras: int = 0,
                  vllm_labels: dict | None = None, max_model_len: int = 0, labels: dict | None = None):
-        """vllm_labels ({model, version}): also export the vLLM backend's metrics. labels: where the
-        model has several instances, this one's (model_instance, gpu), on inflight's metrics.
+        """lora_names: the adapters served (max_loras of them run at once). vllm_labels ({model,
+        version}): also export the vLLM backend's metrics. labels: where the model has several
+        instances, this one's (model_instance, gpu), on inflight's metrics.
         Every series also carries this process's pid: Triton 2.51 counts a series' users per
         process, so one that two processes share (the old and new instance of a reload, or two
         instances) is freed under the other when the first lets it go, and tritonserver crashed."""
@@ -88,6 +94,8 @@ class EngineMetrics:
         self._counters = {key: self._metric(f"inflight_{name}", desc, "COUNTER")
                           for key, (name, desc) in COUNTERS.items()}
         self._generation = self._metric("inflight_generation_tokens_total", "Tokens generated and delivered", "COUNTER")
+        self._prompt = self._metric("inflight_prompt_tokens_total", "Prompt tokens of outputs begun (at their first "
+                                    "token)", "COUNTER")
         self._vllm = None if vllm_labels is None else self._vllm_metrics(vllm_labels, max_model_len)
         # tokens delivered since the last publish: generated, prompts of outputs begun, token gaps,
         # and the times to first token of requests (inflight's) and of outputs (vLLM's) begun
@@ -101,9 +109,15 @@ class EngineMetrics:
         self._requests = self._family("inflight_requests_total", "Requests ended, by how they ended", "COUNTER")
         self._by_reason: dict[str, object] = {}
         # one series per adapter served, made up front: a refused unknown name adds none
-        lora_families = {key: self._family(f"inflight_{key}", desc, "COUNTER") for key, desc in LORA_COUNTERS.items()}
+        lora_families = {key: self._family(f"inflight_{key}", desc, kind) for metrics, kind in
+                         ((LORA_COUNTERS, "COUNTER"), (LORA_GAUGES, "GAUGE")) for key, desc in metrics.items()}
         self._by_lora = {name: {key: family.Metric(labels={**self._labels, "lora_name": name})
                                 for key, family in lora_families.items()} for name in lora_names}
+        self._lora_queues = {name: dict.fromkeys(LORA_GAUGES, 0) for name in lora_names}   # as last published
+        if lora_names:      # held, as every metric here is, for as long as the model runs; set once
+            self._max_loras = self._metric("inflight_max_loras", "LoRA adapters that may run at once (max_loras)",
+                                           "GAUGE")
+            self._max_loras.set(max_loras)
         self._last_counts = dict.fromkeys(COUNTERS, 0)
         self._last_update = 0.0
         self._steps_seen = 0
@@ -128,11 +142,10 @@ class EngineMetrics:
         """Response thread: one token reached an output; gap: the time since that output's
         previous token (None for its first)."""
         self._new_tokens += 1
-        if self._vllm is not None:
-            if gap is None:
-                self._new_prompt_tokens += len(job.prompt_ids)
-            else:
-                self._gaps.append(gap)
+        if gap is None:
+            self._new_prompt_tokens += len(job.prompt_ids)
+        elif self._vllm is not None:
+            self._gaps.append(gap)
 
     def first_token(self, job, now: float) -> None:
         """Response thread: an output's first token, observed as it comes (as vLLM observes it),
@@ -177,6 +190,18 @@ class EngineMetrics:
             if delta:
                 metric.increment(delta)
                 self._last_counts[key] = stats[key]
+        if self._lora_queues:
+            self._publish_lora_queues(stats["lora_running"], stats["lora_waiting"])
+
+    def _publish_lora_queues(self, running, waiting) -> None:
+        """Each adapter's running and waiting requests (arrays by adapter id, in lora_names'
+        order), only those that changed: each set is a round trip to Triton."""
+        for name, *now in zip(self._lora_queues, running, waiting):
+            published = self._lora_queues[name]
+            for key, value in zip(LORA_GAUGES, now):
+                if published[key] != value:
+                    self._by_lora[name][key].set(int(value))
+                    published[key] = value
 
     def publish_delivered(self) -> None:
         """Response thread, after each step's responses: tokens counted as delivered, as vLLM
@@ -193,10 +218,12 @@ class EngineMetrics:
         for ttft in self._vllm_first_tokens:
             self._vllm["ttft"].observe(ttft)
         self._vllm_first_tokens.clear()
-        if self._vllm is not None:
-            if self._new_prompt_tokens:
+        if self._new_prompt_tokens:
+            self._prompt.increment(self._new_prompt_tokens)
+            if self._vllm is not None:
                 self._vllm["prompt_tokens"].increment(self._new_prompt_tokens)
-                self._new_prompt_tokens = 0
+            self._new_prompt_tokens = 0
+        if self._vllm is not None:
             for gap in self._gaps:
                 self._vllm["itl"].observe(gap)
             self._gaps.clear()
