@@ -16,6 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from inflight import SamplingParams
 from inflight.detokenizer import decode
@@ -38,7 +39,7 @@ PROMPTS = ["The assert statement", "A class definition defines a class object", 
 def api(server, tmp_path_factory):
     # constrained JSON without free whitespace: the tiny random test model would fill max_tokens with it
     with openai_server(server.http_url, tmp_path_factory.mktemp("openai"), "--disable-any-whitespace",
-                       "--lora-modules", ADAPTER) as process:
+                       "--lora-modules", ADAPTER, "--triton-metrics-url", server.metrics_url) as process:
         yield process
 
 
@@ -393,7 +394,7 @@ def test_api_keys_guard_every_route_but_the_probes_and_priority_can_be_refused(s
     monkeypatch.delenv("INFLIGHT_API_KEY")
     assert parse_args(["--model-dir", DEFAULT_MODEL])[0].api_keys == ()
     with openai_server(server.http_url, tmp_path, "--api-key", "first-key", "--api-key", "second-key",
-                       "--no-request-priority") as keyed:
+                       "--no-request-priority", "--triton-metrics-url", "http://127.0.0.1:9/metrics") as keyed:
         for key in ("first-key", "second-key"):
             keyed_client = openai.OpenAI(base_url=keyed.base_url, api_key=key, max_retries=0)
             assert keyed_client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2).usage.completion_tokens
@@ -406,6 +407,10 @@ def test_api_keys_guard_every_route_but_the_probes_and_priority_can_be_refused(s
         assert httpx.post(root + "/tokenize", json={"prompt": "x"}).status_code == 401
         assert httpx.get(keyed.base_url + "/models", headers={"Authorization": "Basic first-key"}).status_code == 401
         assert [httpx.get(root + path).status_code for path in ("/health", "/ping", "/version")] == [200] * 3
+        # /metrics is open too, as vLLM leaves it for scrapers; Triton's metrics unreadable: a 503 naming them
+        metrics = httpx.get(root + "/metrics")
+        assert metrics.status_code == 503 and "Triton's metrics at http://127.0.0.1:9/metrics cannot be read" \
+            in metrics.json()["error"]["message"]
         keyed_client = openai.OpenAI(base_url=keyed.base_url, api_key="first-key", max_retries=0)
         for priority in ("normal", 0):
             assert keyed_client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1,
@@ -1001,6 +1006,118 @@ def test_a_dropped_stream_frees_its_kv_blocks(api, client, server):
     assert all(c.choices[0].text is not None for c in chunks)
     assert_left_stream_cancelled(server, stream, cancelled, start)
     assert client.completions.create(model=MODEL, prompt="The", max_tokens=2).choices[0].text
+
+
+def vllm_metrics(api) -> dict:
+    """The server's /metrics as {(sample name, labels less model_name and engine): value}; every
+    sample but lora_requests_info's is labelled as vLLM labels it for this model."""
+    response = httpx.get(api.base_url.removesuffix("/v1") + "/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        assert family.name.startswith("vllm:"), family.name
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            if family.name != "vllm:lora_requests_info":
+                assert (labels.pop("model_name"), labels.pop("engine")) == (MODEL, "0"), sample
+            samples[sample.name, tuple(sorted(labels.items()))] = sample.value
+    return samples
+
+
+def until(read, holds, timeout_s: float = 10.0):
+    """read() until holds(value) (the engine publishes its metrics every 50 ms while it runs)."""
+    deadline = time.monotonic() + timeout_s
+    while not holds(value := read()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert holds(value), value
+    return value
+
+
+def test_metrics_as_vllms_server_names_them(api, client, server, tokenizer):
+    """GET /metrics: what dashboards, autoscalers and gateways (Gateway API inference extension,
+    llm-d) read from a vLLM server, under its names and labels, from the engine's own metrics."""
+    def value(metrics, name, **labels):
+        return metrics[name, tuple(sorted(labels.items()))]
+
+    before = vllm_metrics(api)
+    # at rest every counter is its inflight_ source, summed over the processes
+    for name, source in (("vllm:num_preemptions_total", "inflight_preemptions_total"),
+                         ("vllm:prefix_cache_queries_total", "inflight_prefix_cache_queries_total"),
+                         ("vllm:generation_tokens_total", "inflight_generation_tokens_total"),
+                         ("vllm:request_success_total", "inflight_requests_total")):
+        assert sum(v for (n, _), v in before.items() if n == name) == server.metric(source), name
+    assert {labels for (n, labels) in before if n == "vllm:request_success_total"} == \
+        {(("finished_reason", r),) for r in ("stop", "length", "abort", "error", "repetition")}
+    assert value(before, "vllm:num_requests_running") == value(before, "vllm:num_requests_waiting") == 0
+    assert value(before, "vllm:kv_cache_usage_perc") == 0
+
+    # a request to its length: its tokens, its end, its latencies
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, extra_body={"ignore_eos": True})
+    length = value(before, "vllm:request_success_total", finished_reason="length")
+    after = until(lambda: vllm_metrics(api), lambda m: value(m, "vllm:request_success_total",
+                                                              finished_reason="length") == length + 1)
+    after = until(lambda: vllm_metrics(api), lambda m: value(m, "vllm:generation_tokens_total") ==
+                  value(before, "vllm:generation_tokens_total") + 5)
+    assert value(after, "vllm:prompt_tokens_total") - value(before, "vllm:prompt_tokens_total") == \
+        len(tokenizer(PROMPTS[0]).input_ids)
+    for name in ("vllm:time_to_first_token_seconds", "vllm:request_time_per_output_token_seconds",
+                 "vllm:e2e_request_latency_seconds"):
+        assert value(after, f"{name}_count") == value(before, f"{name}_count") + 1, name
+        assert value(after, f"{name}_bucket", le="+Inf") == value(after, f"{name}_count"), name
+
+    # a stream held open through the adapter: it runs, holds KV blocks, and its adapter is listed
+    stream = client.completions.create(model=ADAPTER, prompt=PROMPTS[2], max_tokens=900, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    lora_labels = (("max_lora", str(int(server.metric("inflight_max_loras")))), ("running_lora_adapters", ADAPTER),
+                   ("waiting_lora_adapters", ""))
+    held = until(lambda: vllm_metrics(api), lambda m: ("vllm:lora_requests_info", lora_labels) in m)
+    assert value(held, "vllm:num_requests_running") == 1 and 0 < value(held, "vllm:kv_cache_usage_perc") < 1
+    assert abs(held["vllm:lora_requests_info", lora_labels] - time.time()) < 60     # vLLM's: the time it was set
+    stream.close()      # the client leaves: the request is aborted, its blocks freed
+    aborted = value(before, "vllm:request_success_total", finished_reason="abort")
+    done = until(lambda: vllm_metrics(api), lambda m: value(m, "vllm:request_success_total",
+                                                            finished_reason="abort") == aborted + 1)
+    done = until(lambda: vllm_metrics(api), lambda m: value(m, "vllm:kv_cache_usage_perc") == 0)
+    assert value(done, "vllm:num_requests_running") == 0
+    assert ("vllm:lora_requests_info", lora_labels[:1] + (("running_lora_adapters", ""),) + lora_labels[2:]) in done
+
+
+def test_metrics_sum_the_models_processes_and_list_waiting_adapters():
+    """Two instances of `llm` (a series per process) and another model on the same Triton page."""
+    from inflight_client.openai_server.metrics import translate
+    page = "\n".join([
+        "# TYPE inflight_requests_waiting gauge",
+        'inflight_requests_waiting{model="llm",pid="1"} 2', 'inflight_requests_waiting{model="llm",pid="2"} 3',
+        'inflight_requests_waiting{model="other",pid="3"} 50',
+        "# TYPE inflight_kv_blocks_used gauge",
+        'inflight_kv_blocks_used{model="llm",pid="1"} 10', 'inflight_kv_blocks_used{model="llm",pid="2"} 30',
+        "# TYPE inflight_kv_blocks_total gauge",
+        'inflight_kv_blocks_total{model="llm",pid="1"} 100', 'inflight_kv_blocks_total{model="llm",pid="2"} 100',
+        "# TYPE inflight_max_loras gauge",
+        'inflight_max_loras{model="llm",pid="1"} 2', 'inflight_max_loras{model="llm",pid="2"} 2',
+        "# TYPE inflight_lora_requests_running gauge",
+        'inflight_lora_requests_running{lora_name="b",model="llm",pid="1"} 1',
+        'inflight_lora_requests_running{lora_name="a",model="llm",pid="2"} 0',
+        "# TYPE inflight_lora_requests_waiting gauge",
+        'inflight_lora_requests_waiting{lora_name="a",model="llm",pid="1"} 0',
+        'inflight_lora_requests_waiting{lora_name="a",model="llm",pid="2"} 4',
+        'inflight_lora_requests_waiting{lora_name="c",model="llm",pid="2"} 1',
+        "# TYPE inflight_e2e_request_latency_seconds histogram",
+        *(f'inflight_e2e_request_latency_seconds_bucket{{le="{le}",model="llm",pid="{pid}"}} {n}'
+          for pid in (1, 2) for le, n in (("0.5", pid), ("10", 2 * pid), ("+Inf", 3 * pid))),
+        'inflight_e2e_request_latency_seconds_sum{model="llm",pid="1"} 4.5',
+        'inflight_e2e_request_latency_seconds_sum{model="llm",pid="2"} 1.5', ""])
+    families = {f.name: f for f in translate(page, "llm", [MODEL, "0"])}
+    assert families["vllm:num_requests_waiting"].samples[0].value == 5
+    assert families["vllm:kv_cache_usage_perc"].samples[0].value == 0.2
+    [info] = families["vllm:lora_requests_info"].samples
+    assert info.labels == {"max_lora": "2", "running_lora_adapters": "b", "waiting_lora_adapters": "a,c"}
+    e2e = {(s.name, s.labels.get("le")): s.value for s in families["vllm:e2e_request_latency_seconds"].samples}
+    assert [e2e["vllm:e2e_request_latency_seconds_bucket", le] for le in ("0.5", "10", "+Inf")] == [3, 6, 9]
+    assert e2e["vllm:e2e_request_latency_seconds_count", None] == 9
+    assert e2e["vllm:e2e_request_latency_seconds_sum", None] == 6
+    assert translate(page.replace('model="llm"', 'model="vllm_model"'), "llm", [MODEL, "0"]) == []
 
 
 def test_a_client_that_leaves_a_request_not_streamed_frees_its_kv_blocks(api, server):

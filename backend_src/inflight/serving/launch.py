@@ -551,7 +551,8 @@ def start_openai_server(children: Children, model_repository: str, endpoints: En
         from inflight_client.openai_server.process import OpenAIServerProcess      # absent from a backend-only image
         settings = llm_settings(os.path.join(model_repository, "llm"))
         lora_names = sorted(settings.lora_modules)      # each adapter of multi_lora.json is a model id
-        extra = [*endpoints.openai_args, *(["--lora-modules", *lora_names] if lora_names else [])]
+        extra = [*endpoints.openai_args, *(["--lora-modules", *lora_names] if lora_names else []),
+                 "--triton-metrics-url", f"http://localhost:{endpoints.metrics_port}/metrics"]
         engine = settings.engine
         if engine.max_model_len:
             extra += ["--max-model-len", str(engine.max_model_len)]

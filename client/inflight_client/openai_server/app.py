@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -31,6 +32,7 @@ from .completions import create_completion
 from .context import LARGE_BODY_BYTES, Context
 from .errors import APIError
 from .generation_config import sampling_defaults
+from .metrics import VllmMetrics
 from .models import ServedModels
 from .reasoning import markers
 from .responses import create_response
@@ -61,6 +63,7 @@ class Settings:
     tool_call_parser: str | None = None     # set: tool_choice "auto" reads calls in this format (tool_parsers.py)
     reasoning_parser: str | None = None     # set: chat replies split into reasoning and content (reasoning.py)
     prompt_tokens_details: bool = False     # usage's prompt_tokens_details.cached_tokens (vLLM's flag)
+    triton_metrics_url: str = "http://localhost:8002/metrics"   # read for /metrics (metrics.py)
 
 
 def _members(annotation) -> list:
@@ -184,10 +187,12 @@ def create_app(settings: Settings) -> FastAPI:
                   settings.default_max_tokens, settings.disable_any_whitespace, settings.tool_call_parser,
                   sampling_defaults(settings.tokenizer_dir, settings.generation_config),
                   reasoning=reasoning, prompt_tokens_details=settings.prompt_tokens_details)
+    metrics = VllmMetrics(settings.triton_metrics_url, settings.triton_model, settings.served_model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await ctx.triton.start()
+        await metrics.start()
         # what start-up built (transformers, the tokenizer, the app's models) lives as long as the
         # server: frozen, the garbage collector's full passes stop walking it over and over (they
         # were a tenth of this server's CPU when streaming to 64 clients)
@@ -195,6 +200,7 @@ def create_app(settings: Settings) -> FastAPI:
         gc.freeze()
         yield
         await ctx.triton.close()
+        await metrics.close()
         ctx.large_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="inflight OpenAI-compatible server", lifespan=lifespan)
@@ -230,6 +236,10 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/version")
     async def version():
         return JSONResponse({"version": importlib.metadata.version("inflight")})
+
+    @app.get("/metrics")
+    async def metrics_page():
+        return Response(await metrics.page(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():

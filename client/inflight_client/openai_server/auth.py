@@ -1,7 +1,8 @@
 """API keys, as vLLM's server takes them (`--api-key`, or an environment variable): every route
-but the probes (/health, /ping, /version) needs `Authorization: Bearer <key>`, else a 401 in
-OpenAI's error shape, the one the `openai` SDK raises as AuthenticationError. Probes stay open so
-that a load balancer or Kubernetes needs no key; vLLM also leaves /tokenize open, guarded here.
+but the probes (/health, /ping, /version) and /metrics needs `Authorization: Bearer <key>`, else a
+401 in OpenAI's error shape, the one the `openai` SDK raises as AuthenticationError. Probes and
+metrics stay open, as vLLM leaves them, so that a load balancer, Kubernetes or a Prometheus scraper
+needs no key; vLLM also leaves /tokenize open, guarded here.
 A pure ASGI middleware: the streamed responses pass through untouched."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from starlette.responses import JSONResponse
 from .errors import APIError
 
 API_KEY_ENV = "INFLIGHT_API_KEY"
-OPEN_PATHS = ("/health", "/ping", "/version")
+OPEN_PATHS = ("/health", "/ping", "/version", "/metrics")
 
 
 def _digest(key: str) -> bytes:

@@ -26,6 +26,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--triton-url", default="localhost:8000", help="Triton's HTTP address (host:port)")
     parser.add_argument("--triton-model", default="llm", help="the Triton model with the vLLM backend's tensors")
+    parser.add_argument("--triton-metrics-url",
+                        help="Triton's metrics endpoint, which /metrics reads (default: http://<--triton-url's "
+                             "host>:8002/metrics, Triton's default port)")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model-dir", help="the checkpoint directory Triton serves (its tokenizer; its name "
                                             "is the model id)")
@@ -116,12 +119,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                      "--max-model-len, the max_model_len `llm` runs with (it bounds prompts and max_tokens)")
     if max_model_len < 2:
         parser.error(f"--max-model-len must be at least 2 (a prompt token and an output token), got {max_model_len}")
+    triton_host = args.triton_url.rpartition(":")[0] or args.triton_url
     settings = Settings(args.triton_url, directory, name, max_model_len, args.triton_model, args.chat_template,
                         args.default_max_tokens, tuple(args.lora_modules), args.disable_any_whitespace,
                         args.trust_request_chat_template, args.max_triton_requests, args.generation_config,
                         tuple(args.api_key) or tuple(filter(None, [os.environ.get(API_KEY_ENV)])),
                         args.request_priority, args.tool_call_parser if args.enable_auto_tool_choice else None,
-                        args.reasoning_parser, args.enable_prompt_tokens_details)
+                        args.reasoning_parser, args.enable_prompt_tokens_details,
+                        args.triton_metrics_url or f"http://{triton_host}:8002/metrics")
     return settings, args
 
 
