@@ -438,19 +438,21 @@ def test_compose_openai_service_talks_to_the_triton_service():
     settings, args = openai_args(shlex.split(command), {"/models/inflight-tiny": SHIPPED_MODEL})
     triton = compose["services"]["inflight"]
     assert args.triton_url == "inflight:8000" and "8000:8000" in triton["ports"]
+    # its /metrics reads Triton's metrics port by default
+    assert settings.triton_metrics_url == "http://inflight:8002/metrics" and "8002:8002" in triton["ports"]
     assert args.port == OPENAI_PORT
     loras, max_triton = make_serve_openai_flags(os.path.join(REPO, "model_repository", "llm", "1", "model.json"))
     assert sorted(args.lora_modules) == loras and args.max_triton_requests == max_triton
 
 
-def test_compose_prometheus_scrapes_the_metrics_port():
+def test_compose_prometheus_scrapes_the_metrics_port_and_the_openai_servers_metrics():
     (compose,) = load_yaml(os.path.join(DOCKER, "compose.yaml"))
     prometheus = compose["services"]["prometheus"]
     assert prometheus["profiles"] == ["monitoring"]
     assert not prometheus["image"].endswith(":latest") and ":" in prometheus["image"]
     (config,) = load_yaml(os.path.join(DOCKER, "prometheus.yml"))
     targets = [t for job in config["scrape_configs"] for s in job["static_configs"] for t in s["targets"]]
-    assert targets == ["inflight:8002"]
+    assert targets == ["inflight:8002", f"openai:{OPENAI_PORT}"]
 
 
 # ---- Kubernetes -------------------------------------------------------------------------------------
