@@ -1009,13 +1009,18 @@ def test_a_dropped_stream_frees_its_kv_blocks(api, client, server):
 
 
 def vllm_metrics(api) -> dict:
-    """The server's /metrics as {(sample name, labels less model_name and engine): value}; every
-    sample but lora_requests_info's is labelled as vLLM labels it for this model."""
+    """The server's /metrics — Triton's page, then vLLM's families — as {(sample name, labels less
+    model_name and engine): value} of vLLM's; every sample but lora_requests_info's is labelled as
+    vLLM labels it for this model."""
     response = httpx.get(api.base_url.removesuffix("/v1") + "/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    families = list(text_string_to_metric_families(response.text))
+    names = [family.name for family in families]
+    assert "nv_inference_request_success" in names and len(set(names)) == len(names)
     samples = {}
-    for family in text_string_to_metric_families(response.text):
-        assert family.name.startswith("vllm:"), family.name
+    for family in families:
+        if not family.name.startswith("vllm:"):
+            continue
         for sample in family.samples:
             labels = dict(sample.labels)
             if family.name != "vllm:lora_requests_info":
@@ -1084,9 +1089,11 @@ def test_metrics_as_vllms_server_names_them(api, client, server, tokenizer):
 
 
 def test_metrics_sum_the_models_processes_and_list_waiting_adapters():
-    """Two instances of `llm` (a series per process) and another model on the same Triton page."""
-    from inflight_client.openai_server.metrics import translate
+    """Two instances of `llm` (a series per process) and another model on the same Triton page; a
+    vLLM family Triton's page has already (REPORT_CUSTOM_METRICS) stays as it is there."""
+    from inflight_client.openai_server.metrics import combined
     page = "\n".join([
+        "# TYPE vllm:generation_tokens_total counter", 'vllm:generation_tokens_total{model="llm",version="1"} 7',
         "# TYPE inflight_requests_waiting gauge",
         'inflight_requests_waiting{model="llm",pid="1"} 2', 'inflight_requests_waiting{model="llm",pid="2"} 3',
         'inflight_requests_waiting{model="other",pid="3"} 50',
@@ -1108,7 +1115,12 @@ def test_metrics_sum_the_models_processes_and_list_waiting_adapters():
           for pid in (1, 2) for le, n in (("0.5", pid), ("10", 2 * pid), ("+Inf", 3 * pid))),
         'inflight_e2e_request_latency_seconds_sum{model="llm",pid="1"} 4.5',
         'inflight_e2e_request_latency_seconds_sum{model="llm",pid="2"} 1.5', ""])
-    families = {f.name: f for f in translate(page, "llm", [MODEL, "0"])}
+    out = combined(page, "llm", [MODEL, "0"]).decode()
+    assert out.startswith(page)
+    families = {f.name: f for f in text_string_to_metric_families(out)}
+    [tokens] = families["vllm:generation_tokens"].samples
+    assert tokens.labels == {"model": "llm", "version": "1"} and tokens.value == 7
+    assert out.count("# TYPE vllm:generation_tokens") == 1 and "vllm:prompt_tokens_total{" in out
     assert families["vllm:num_requests_waiting"].samples[0].value == 5
     assert families["vllm:kv_cache_usage_perc"].samples[0].value == 0.2
     [info] = families["vllm:lora_requests_info"].samples
@@ -1117,7 +1129,8 @@ def test_metrics_sum_the_models_processes_and_list_waiting_adapters():
     assert [e2e["vllm:e2e_request_latency_seconds_bucket", le] for le in ("0.5", "10", "+Inf")] == [3, 6, 9]
     assert e2e["vllm:e2e_request_latency_seconds_count", None] == 9
     assert e2e["vllm:e2e_request_latency_seconds_sum", None] == 6
-    assert translate(page.replace('model="llm"', 'model="vllm_model"'), "llm", [MODEL, "0"]) == []
+    other = page.replace('model="llm"', 'model="vllm_model"')
+    assert combined(other, "llm", [MODEL, "0"]).decode() == other        # no inflight_ series of `llm`: none
 
 
 def test_a_client_that_leaves_a_request_not_streamed_frees_its_kv_blocks(api, server):

@@ -1,11 +1,12 @@
-"""GET /metrics: vLLM's server metrics for the model this server fronts, under vLLM 0.32's names and
-labels (`model_name`, `engine`), read from Triton's metrics endpoint, where inflight's `llm`
-publishes its engine's (`inflight_*`, one series per process: summed here). Dashboards,
-autoscalers and gateways written for a vLLM server scrape its /metrics — Gateway API inference
-extension and llm-d pick an endpoint by vllm:num_requests_waiting, vllm:kv_cache_usage_perc and
-vllm:lora_requests_info — and so read this server as one. Each scrape reads Triton's endpoint once;
-nothing is kept between scrapes. Against a model that publishes no `inflight_*` metrics (the vLLM
-backend itself) the page has none of these."""
+"""GET /metrics: Triton's metrics page as it is (what Triton's own OpenAI frontend serves there),
+then vLLM's server metrics for the model this server fronts, under vLLM 0.32's names and labels
+(`model_name`, `engine`), made from the engine's metrics that inflight's `llm` publishes on that
+page (`inflight_*`, one series per process: summed here). Dashboards, autoscalers and gateways
+written for a vLLM server scrape its /metrics — Gateway API inference extension and llm-d pick an
+endpoint by vllm:num_requests_waiting, vllm:kv_cache_usage_perc and vllm:lora_requests_info — and
+so read this server as one. A `vllm:` family already on Triton's page (`llm`'s, or the vLLM
+backend's, with REPORT_CUSTOM_METRICS) is left as it is there. Each scrape reads Triton's page
+once; nothing is kept between scrapes."""
 from __future__ import annotations
 
 import time
@@ -70,7 +71,7 @@ class VllmMetrics:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise APIError(503, f"Triton's metrics at {self.url} cannot be read "
                                 f"({type(exc).__name__}: {exc})") from None
-        return generate_latest(_Page(translate(text, self.triton_model, self.labels)))
+        return combined(text, self.triton_model, self.labels)
 
 
 class _Page:
@@ -82,10 +83,18 @@ class _Page:
         return self.families
 
 
-def translate(text: str, triton_model: str, labels: list[str]) -> list[Metric]:
-    """vLLM's families from Triton's metrics page: the series of `triton_model`, summed over its
-    processes and instances."""
-    samples = _samples(text, triton_model)
+def combined(text: str, triton_model: str, labels: list[str]) -> bytes:
+    """Triton's page, then the vLLM families it lacks (a name twice would make the page invalid)."""
+    families = list(text_string_to_metric_families(text))
+    taken = {family.name for family in families}
+    added = [family for family in translate(families, triton_model, labels) if family.name not in taken]
+    return text.encode() + (b"\n" if text and not text.endswith("\n") else b"") + generate_latest(_Page(added))
+
+
+def translate(triton: list[Metric], triton_model: str, labels: list[str]) -> list[Metric]:
+    """vLLM's families from Triton's: the series of `triton_model`, summed over its processes and
+    instances; none where it publishes no `inflight_*` metrics."""
+    samples = _samples(triton, triton_model)
     if not any(name.startswith("inflight_") for name in samples):
         return []
     families = []
@@ -130,10 +139,10 @@ def _lora_info(samples: dict) -> GaugeMetricFamily:
     return info
 
 
-def _samples(text: str, triton_model: str) -> dict[str, list]:
+def _samples(triton: list[Metric], triton_model: str) -> dict[str, list]:
     """The model's samples by sample name (a counter's with _total; a histogram's _bucket, _sum, _count)."""
     samples = defaultdict(list)
-    for family in text_string_to_metric_families(text):
+    for family in triton:
         for sample in family.samples:
             if sample.labels.get("model") == triton_model:
                 samples[sample.name].append(sample)
