@@ -205,7 +205,7 @@ def test_a_step_whose_forward_raises_can_be_stepped_again_with_the_same_outputs(
     requests.append(engine.add_request("high", high, params, priority="high"))
     forward = engine.runner.execute
 
-    def fails(*args):
+    def fails(*args, **kwargs):
         monkeypatch.setattr(engine.runner, "execute", forward)
         raise RuntimeError("a transient device error")
     monkeypatch.setattr(engine.runner, "execute", fails)

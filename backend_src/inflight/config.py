@@ -10,6 +10,7 @@ from .reasoning import MARKERS as REASONING_MARKERS
 from .structured import GrammarSpec, parse_spec
 
 POLICIES = ("continuous", "dynamic", "static")
+RUNNERS = ("generate", "pooling")     # vLLM's: a model generates, or serves embeddings (pooling.py)
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
@@ -109,6 +110,7 @@ class EngineConfig:
     max_loras: int = 4                        # distinct adapters running at once (the device's adapter slots)
     max_lora_rank: int = 16                   # the largest adapter rank accepted
     reasoning_parser: str | None = None       # vLLM's: structured outputs wait for the end of reasoning (reasoning.py)
+    runner: str = "generate"                  # vLLM's: "pooling" serves embeddings instead (pooling.py)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "dynamic_length_window", "stream_interval",
@@ -132,6 +134,7 @@ class EngineConfig:
         _check(_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         _check(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
+        _check(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}, got {self.runner!r}")
         _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

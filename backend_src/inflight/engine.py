@@ -17,6 +17,7 @@ import torch
 from .config import EngineConfig, SamplingParams, parse_priority
 from .kv_cache import KVCacheManager
 from .logprobs import PromptPositions, TokenLogprobs, prompt_logprobs
+from .pooling import ONE_TOKEN, Pooler, PoolingParams
 from .reasoning import Reasoning
 from .request import Request, RequestOutput, Status, StepOutput
 from .runner import ModelRunner
@@ -32,9 +33,10 @@ class QueueFullError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, config: EngineConfig, eos_token_ids: tuple[int, ...],
-                 model_key: bytes, tokenizer=None):
+                 model_key: bytes, tokenizer=None, pooler: Pooler | None = None):
         """tokenizer: the checkpoint's transformers tokenizer, or None for one without (structured
-        outputs need it)."""
+        outputs need it). pooler: with config.runner "pooling", the checkpoint's (pooling.py)."""
+        assert (pooler is not None) == (config.runner == "pooling"), "a pooling engine has its checkpoint's pooler"
         self.config = config
         self.runner = runner
         self.max_model_len = runner.max_model_len
@@ -51,6 +53,8 @@ class LLMEngine:
                                             runner.device, self.reasoning)
         self.num_constrained = 0                     # unfinished requests with structured outputs
         self.num_budgeted = 0                        # unfinished requests with a thinking_token_budget
+        self.pooler = pooler
+        self.num_pooling = 0                         # unfinished embedding requests
         self.requests: dict[str, Request] = {}       # unfinished requests by id
         self._arrivals = itertools.count()
         self._displaced: dict[str, str] = {}         # requests a higher priority took the place of -> error
@@ -85,21 +89,23 @@ class LLMEngine:
             eos_ids = (tokenizer.eos_token_id, *eos_ids)        # vLLM's EOS set: the tokenizer's and the configs'
         runner = ModelRunner(model_dir, hf_config, config, lora_modules)
         model_key = hashlib.blake2b(f"{os.path.realpath(model_dir)}|{runner.dtype}".encode(), digest_size=16).digest()
-        return cls(runner, config, eos_ids, model_key, tokenizer=tokenizer)
+        pooler = Pooler(hf_config, runner.spec.hidden_size) if config.runner == "pooling" else None
+        return cls(runner, config, eos_ids, model_key, tokenizer=tokenizer, pooler=pooler)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     priority: str | int = "normal", cache_salt: str | None = None,
                     arrival_time: float | None = None, grammar=None, group: list[Request] | None = None,
-                    room_for: int = 1) -> Request:
+                    room_for: int = 1, pooling: PoolingParams | None = None) -> Request:
         """Queue a request; raises ValueError (naming the field) for anything that could never run,
         QueueFullError when the waiting queue is full. Returns the request's (read-only) state.
         With structured outputs, `grammar` is its grammar compiled ahead (self.structured.compile,
         on another thread); without it the grammar is compiled here. The outputs of one n > 1
         request pass the same `group` list, which each joins: the queue timeout treats them as one
         request; the first passes `room_for` n, so that the queue makes room for all n at once or
-        refuses them before any is added."""
-        params = params or SamplingParams()
+        refuses them before any is added. An engine with runner "pooling" takes embedding requests
+        only: `pooling` given, `params` ignored (pooling.py)."""
+        params = self._check_runner(params, pooling)
         if not isinstance(params, SamplingParams):
             raise TypeError("'params' must be a SamplingParams")
         if request_id in self.requests:
@@ -108,7 +114,8 @@ class LLMEngine:
         self._check_token_params(params)
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + at least one output token exceeds max_model_len "
-                             f"({self.max_model_len})")
+                             f"({self.max_model_len})" if pooling is None else
+                             f"prompt ({len(prompt)} tokens) must be shorter than max_model_len ({self.max_model_len})")
         # a longer max_tokens is capped: the output ends with "length" at max_model_len, as in vLLM
         # (the pool holds a whole max_model_len sequence: the runner refuses a smaller one at load)
         priority = parse_priority(priority)
@@ -135,16 +142,31 @@ class LLMEngine:
                       cache_key=hashlib.blake2b(self.model_key + salt + lora_key, digest_size=16).digest(),
                       matcher=matcher, reasoning=not params.reasoning_ended and self.structured.waits(matcher, prompt),
                       lora_id=lora_id,
-                      group=group)
+                      group=group, pooling=pooling)
         if params.thinking_token_budget is not None:
             req.thinking_left = self.reasoning.budget_left(prompt, params.thinking_token_budget)
             self.num_budgeted += 1
         if group is not None:
             group.append(req)
         self.num_constrained += matcher is not None
+        self.num_pooling += pooling is not None
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _check_runner(self, params: SamplingParams | None, pooling: PoolingParams | None) -> SamplingParams:
+        """The request's kind against the engine's runner (vLLM's rule: a pooling model embeds, a
+        generating one generates); a pooling request's checks, and the step it runs as."""
+        if pooling is None:
+            if self.pooler is not None:
+                raise ValueError("this model runs as an embedding model ('runner': 'pooling'): it serves embedding "
+                                 "requests, not generation")
+            return params or SamplingParams()
+        if self.pooler is None:
+            raise ValueError("embeddings need a model run as an embedding model ('runner': 'pooling', vLLM's "
+                             "setting); this one generates")
+        self.pooler.check(pooling)
+        return ONE_TOKEN
 
     def _make_room(self, priority: int, count: int) -> None:
         """Room in the queue for `count` requests of this priority class, or QueueFullError. A full
@@ -241,11 +263,12 @@ class LLMEngine:
         self._displaced.clear()
         scheduler, table = self.scheduler, self.scheduler.table
         out = scheduler.schedule()
-        request_ids, token_ids, logprobs, prompt_entries = [], [], None, {}
+        request_ids, token_ids, logprobs, prompt_entries, pooled = [], [], None, {}, {}
         if len(out):
-            logits, prompt = self.runner.execute(out, table)
+            logits, prompt, hidden = self.runner.execute(out, table, keep_hidden=self.num_pooling > 0)
             scored = self._score_prompt(prompt, table) if prompt is not None else []
             sample_rows = out.sample_rows
+            pooled = self._pool(hidden, table, sample_rows) if hidden is not None else {}
             mask = self.structured.step_mask(table, sample_rows) if self.num_constrained else None
             forced = self._reasoning_ends(table, sample_rows) if self.num_budgeted else None
             tokens, step_logprobs = self.sampler(logits, table, sample_rows, mask, forced)
@@ -264,6 +287,10 @@ class LLMEngine:
             if mask is not None and mask.rejected:
                 request_ids, token_ids, logprobs = self._fail_rejected(mask.rejected, request_ids, token_ids,
                                                                        logprobs, errors)
+            if pooled:      # an embedding request's token goes to nobody; it ends with its prompt, as vLLM's: "stop"
+                request_ids, token_ids, logprobs = _without(pooled, request_ids, token_ids, logprobs)
+                for request_id in pooled:
+                    self.requests[request_id].finish_reason = scheduler.finished[request_id] = "stop"
             self.num_computed_tokens += out.num_tokens
             self.num_padding_tokens += out.num_padding_tokens
             self.num_generated_tokens += len(token_ids)
@@ -275,9 +302,24 @@ class LLMEngine:
                 self.num_constrained -= 1
             if req is not None and req.params.thinking_token_budget is not None:
                 self.num_budgeted -= 1
+            if req is not None and req.pooling is not None:
+                self.num_pooling -= 1
         self.last_step_s = time.perf_counter() - started
         admitted, scheduler.admitted = scheduler.admitted, {}
-        return StepOutput(request_ids, token_ids, logprobs, finished, errors, prompt_entries, admitted)
+        return StepOutput(request_ids, token_ids, logprobs, finished, errors, prompt_entries, admitted, pooled)
+
+    def _pool(self, hidden: torch.Tensor, table, sample_rows: np.ndarray) -> dict[str, list[float]]:
+        """The embeddings of the pooling requests among the sampling rows (their prompts' last
+        tokens), kept on their requests too."""
+        reqs = [(i, table.requests[row]) for i, row in enumerate(sample_rows.tolist())]
+        reqs = [(i, req) for i, req in reqs if req.pooling is not None]
+        if not reqs:
+            return {}
+        index = torch.tensor([i for i, _ in reqs], device=hidden.device)
+        vectors = self.pooler.pool(hidden[index], [req.pooling for _, req in reqs])
+        for (_, req), vector in zip(reqs, vectors):
+            req.embedding = vector
+        return {req.request_id: vector for (_, req), vector in zip(reqs, vectors)}
 
     def _reasoning_ends(self, table, sample_rows: np.ndarray) -> dict[int, int]:
         """The sampling positions whose thinking_token_budget is spent: the end marker is forced."""
@@ -323,9 +365,7 @@ class LLMEngine:
             req.error = errors[req.request_id] = (
                 "'structured_outputs': no token allowed by the grammar was left to sample (the grammar "
                 "admits no continuation of the output so far, or bans such as 'bad_words' removed every one)")
-        keep = sorted(set(range(len(request_ids))) - set(rejected))
-        return ([request_ids[i] for i in keep], [token_ids[i] for i in keep],
-                None if logprobs is None else [logprobs[i] for i in keep])
+        return _without({request_ids[i] for i in rejected}, request_ids, token_ids, logprobs)
 
     def _expire_waiting(self) -> dict[str, str]:
         limit = self.config.max_queue_wait_s
@@ -344,7 +384,17 @@ class LLMEngine:
         if len(params) != len(prompt_token_ids):
             raise ValueError("'params' must be one SamplingParams or one per prompt")
         base = next(self._arrivals)
-        reqs = [self.add_request(f"generate-{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompt_token_ids, params))]
+        return self._run([self.add_request(f"generate-{base}-{i}", p, sp)
+                          for i, (p, sp) in enumerate(zip(prompt_token_ids, params))])
+
+    def embed(self, prompt_token_ids: Sequence[Sequence[int]],
+              pooling: PoolingParams | None = None) -> list[RequestOutput]:
+        """Offline embeddings (runner "pooling"): each prompt's in RequestOutput.embedding, in prompt order."""
+        base = next(self._arrivals)
+        return self._run([self.add_request(f"embed-{base}-{i}", p, pooling=pooling or PoolingParams())
+                          for i, p in enumerate(prompt_token_ids)])
+
+    def _run(self, reqs: list[Request]) -> list[RequestOutput]:
         while any(r.status != Status.FINISHED for r in reqs):
             self.step()
         return [to_output(r) for r in reqs]
@@ -386,8 +436,16 @@ class LLMEngine:
         self.scheduler.check_invariants()
 
 
+def _without(dropped, request_ids: list[str], token_ids: list[int], logprobs: list | None):
+    """The step's parallel lists less the requests in `dropped`."""
+    keep = [i for i, request_id in enumerate(request_ids) if request_id not in dropped]
+    return ([request_ids[i] for i in keep], [token_ids[i] for i in keep],
+            None if logprobs is None else [logprobs[i] for i in keep])
+
+
 def to_output(req: Request) -> RequestOutput:
     asked = req.params.prompt_logprobs is not None
-    return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids, req.finish_reason,
+    generated = req.output_token_ids if req.pooling is None else []     # a pooling request's token is nobody's
+    return RequestOutput(req.request_id, req.prompt_token_ids, generated, req.finish_reason,
                          list(req.logprobs) if req.params.logprobs is not None else None, req.num_preemptions,
-                         [None, *req.prompt_logprobs] if asked else None)
+                         [None, *req.prompt_logprobs] if asked else None, req.embedding)

@@ -44,6 +44,8 @@ class Request:
     thinking_left: int | None = None  # thinking_token_budget: reasoning tokens left (None: not reasoning)
     lora_id: int = -1                 # the adapter's id in the runner's LoRA weights; -1: base model
     group: list[Request] | None = None    # the outputs of one n > 1 request, this one among them
+    pooling: object | None = None     # an embedding request's PoolingParams (pooling.py); None: it generates
+    embedding: list[float] | None = None      # a pooling request's result, once its prompt has run
 
     @property
     def started(self) -> bool:
@@ -69,6 +71,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None   # per token: {token id: Logprob}, sampled token first
     num_preemptions: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None    # per prompt token, None first (vLLM)
+    embedding: list[float] | None = None      # a pooling request's (then token_ids is empty)
 
 
 @dataclass(slots=True)
@@ -87,6 +90,8 @@ class StepOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # request id -> the prompt tokens found in the prefix cache, for each request first admitted this step
     cached: dict[str, int] = field(default_factory=dict)
+    # request id -> the embedding of each pooling request whose prompt this step finished (it ends too)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
     def __iter__(self):
         """(request_id, token_id, logprob | None, finish_reason | None) per advancing request."""

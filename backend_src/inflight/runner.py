@@ -301,20 +301,23 @@ class ModelRunner:
                           lora)
 
     @torch.no_grad()
-    def execute(self, out: SchedulerOutput, table: BatchTable) -> tuple[torch.Tensor, PromptPositions | None]:
+    def execute(self, out: SchedulerOutput, table: BatchTable,
+                keep_hidden: bool = False) -> tuple[torch.Tensor, PromptPositions | None, torch.Tensor | None]:
         """Forward one scheduled step: logits [num_sampling_rows, vocab] for the rows that sample,
-        and the hidden states of the positions that score prompt tokens (None: nobody asked)."""
+        the hidden states of the positions that score prompt tokens (None: nobody asked), and with
+        keep_hidden those of the sampling rows (an embedding's: pooling.py), else None."""
         lora = sample_order = None
         if self.lora is not None:      # rows grouped by adapter; lora is None when no row has one
             out, lora, sample_order = self.lora.group_step(out, table)
         step = pack_step(out, table, self.block_size, self.bucket)
-        if self.graphs is not None and step.prompt is None and self.graphs.fits(step):
-            return self.graphs.run(step), None
+        if self.graphs is not None and step.prompt is None and not keep_hidden and self.graphs.fits(step):
+            return self.graphs.run(step), None, None
         input_ids, positions, meta, logits_index, prompt = self.prepare(step, sample_order)
         hidden = self.forward(input_ids, positions, meta, lora)
         if prompt is not None:
             prompt.hidden = hidden[self.to_device(prompt.index)]
-        return self.compute_logits(hidden[logits_index]), prompt
+        sampled = hidden[logits_index]
+        return self.compute_logits(sampled), prompt, sampled if keep_hidden else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's logits of these rows (sampled rows, or scored prompt positions: any count);
