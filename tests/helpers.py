@@ -21,10 +21,10 @@ def openai_server(triton_url: str, tmp_path, *extra) -> OpenAIServerProcess:
 
 
 # Triton's vLLM backend's tensors (src/model.py there, _auto_complete_inputs_and_outputs), less the
-# image and embedding_request inputs, which `llm` does not serve
+# image input, which `llm` does not serve
 VLLM_BACKEND_INPUTS = ("text_input", "stream", "sampling_parameters", "exclude_input_in_output", "return_finish_reason",
                        "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
-                       "return_num_output_tokens")
+                       "return_num_output_tokens", "embedding_request")
 VLLM_BACKEND_OUTPUTS = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
                         "num_output_tokens")
 

@@ -558,6 +558,15 @@ def test_the_vllm_backends_model_json_loads_as_written(tmp_path, caplog):
     assert settings.vllm_metrics is False          # disable_log_stats: no vllm: metrics, as the backend does
     assert "'max_cpu_loras' has no effect here (every adapter of multi_lora.json stays in host memory)" in caplog.text
     assert "'disable_log_requests' has no effect here" in caplog.text
+    # an embedding model's: vLLM's runner (auto: generate, for the checkpoints served here) and convert
+    for runner, convert, expected in (("pooling", "auto", "pooling"), ("pooling", "embed", "pooling"),
+                                      ("auto", "auto", "generate")):
+        (tmp_path / "model.json").write_text(json.dumps({"model": "x", "runner": runner, "convert": convert}))
+        assert Settings.load(str(tmp_path)).engine.runner == expected
+    from inflight.serving.startup import StartupError
+    (tmp_path / "model.json").write_text('{"model": "x", "runner": "pooling", "convert": "classify"}')
+    with pytest.raises(StartupError, match=r"model.json: 'convert' is 'classify': inflight serves a checkpoint"):
+        Settings.load(str(tmp_path))
 
 
 def test_a_kind_gpu_instance_runs_on_the_gpu_triton_gives_it(tmp_path):

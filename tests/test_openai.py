@@ -1133,6 +1133,12 @@ def test_metrics_sum_the_models_processes_and_list_waiting_adapters():
     assert combined(other, "llm", [MODEL, "0"]).decode() == other        # no inflight_ series of `llm`: none
 
 
+def test_embeddings_from_a_generating_model_are_refused(client):
+    """/v1/embeddings needs `llm` run as an embedding model (tests/test_embeddings_server.py)."""
+    with pytest.raises(openai.BadRequestError, match="embeddings need a model run as an embedding model"):
+        client.embeddings.create(model=MODEL, input="The assert statement")
+
+
 def test_a_client_that_leaves_a_request_not_streamed_frees_its_kv_blocks(api, server):
     """Triton sees a closed connection only when it writes a response: the server asks `llm` for
     one per step even when its client does not stream, so the request is cancelled, not run to

@@ -73,7 +73,7 @@ def test_matryoshka_dimensions_as_vllm_allows_them(tiny_checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"'dimensions' \(8\): this model does not support Matryoshka"):
         plain.embed([[1, 2, 3]], PoolingParams(dimensions=8))
     unnormalized = plain.embed([[1, 2, 3]], PoolingParams(normalize=False))[0].embedding
-    assert abs(torch.tensor(unnormalized).norm().item() - 1) > 1e-3        # the raw state, as vLLM's use_activation false
+    assert abs(torch.tensor(unnormalized).norm().item() - 1) > 1e-3    # the raw state (use_activation false)
     listed = str(tmp_path / "matryoshka")
     shutil.copytree(tiny_checkpoint, listed)
     with open(os.path.join(listed, "config.json")) as f:
@@ -93,14 +93,15 @@ def test_matryoshka_dimensions_as_vllm_allows_them(tiny_checkpoint, tmp_path):
 
 def test_each_runner_refuses_the_other_kind_of_request(tiny_checkpoint):
     pooling = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(runner="pooling", num_kv_blocks=64))
-    with pytest.raises(ValueError, match=r"runs as an embedding model \('runner': 'pooling'\): it serves embedding "
-                                         "requests, not generation"):
+    with pytest.raises(ValueError, match=r'runs as an embedding model \(its engine\'s runner is "pooling"\): it serves '
+                                         "embedding requests, not generation"):
         pooling.generate([[1, 2, 3]])
     generating = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(num_kv_blocks=64))
-    with pytest.raises(ValueError, match=r"embeddings need a model run as an embedding model \('runner': 'pooling'"):
+    with pytest.raises(ValueError, match=r'embeddings need a model run as an embedding model \(the engine setting '
+                                         'runner "pooling"'):
         generating.embed([[1, 2, 3]])
     with pytest.raises(ValueError, match="'runner' must be one of"):
         EngineConfig(runner="embed")
-    with pytest.raises(ValueError, match=r"prompt \(4 tokens\) must be shorter than max_model_len \(4\)"):
+    with pytest.raises(ValueError, match=r"'prompt_token_ids' \(4 tokens\) must be shorter than max_model_len \(4\)"):
         LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(runner="pooling", num_kv_blocks=64,
                                                                 max_model_len=4)).embed([[1, 2, 3, 4]])

@@ -115,7 +115,8 @@ class LLMEngine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + at least one output token exceeds max_model_len "
                              f"({self.max_model_len})" if pooling is None else
-                             f"prompt ({len(prompt)} tokens) must be shorter than max_model_len ({self.max_model_len})")
+                             f"'prompt_token_ids' ({len(prompt)} tokens) must be shorter than max_model_len "
+                             f"({self.max_model_len})")
         # a longer max_tokens is capped: the output ends with "length" at max_model_len, as in vLLM
         # (the pool holds a whole max_model_len sequence: the runner refuses a smaller one at load)
         priority = parse_priority(priority)
@@ -159,12 +160,12 @@ class LLMEngine:
         generating one generates); a pooling request's checks, and the step it runs as."""
         if pooling is None:
             if self.pooler is not None:
-                raise ValueError("this model runs as an embedding model ('runner': 'pooling'): it serves embedding "
-                                 "requests, not generation")
+                raise ValueError('this model runs as an embedding model (its engine\'s runner is "pooling"): it serves '
+                                 "embedding requests, not generation")
             return params or SamplingParams()
         if self.pooler is None:
-            raise ValueError("embeddings need a model run as an embedding model ('runner': 'pooling', vLLM's "
-                             "setting); this one generates")
+            raise ValueError('embeddings need a model run as an embedding model (the engine setting runner "pooling", '
+                             "as vLLM's); this one generates")
         self.pooler.check(pooling)
         return ONE_TOKEN
 

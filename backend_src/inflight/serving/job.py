@@ -138,6 +138,7 @@ class Job:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)   # from the second prompt token on
     num_responses: int = 0
     last_response: float = 0.0              # when its latest response or heartbeat went out (monotonic)
+    embedding: list[float] | None = None    # an embedding request's, from the step that ran its prompt's end
 
     @property
     def finished(self) -> bool:

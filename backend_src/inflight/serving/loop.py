@@ -24,7 +24,7 @@ from ..engine import LLMEngine, QueueFullError
 from ..reasoning import ReasoningTokens
 from .grammar_seats import GrammarSeats, SeatsTaken
 from .job import Job, ResponseSink, Sample
-from .outputs import response_outputs
+from .outputs import embedding_outputs, response_outputs
 from .protocol import GenerateRequest, RequestError, bytes_per_token, check_text_size
 
 log = logging.getLogger("inflight")
@@ -186,10 +186,11 @@ class EngineLoop:
         if request.prompt_ids is not None:
             prompt_ids = request.prompt_ids
         else:
-            check_text_size(request.prompt_text, self.engine.max_model_len, self.bytes_per_token)
+            field = _prompt_field(request)
+            check_text_size(request.prompt_text, self.engine.max_model_len, self.bytes_per_token, field)
             prompt_ids = self.tokenizer(request.prompt_text)["input_ids"]
             if not prompt_ids:
-                raise RequestError("input 'text_input' is empty, and this tokenizer adds no BOS to start from")
+                raise RequestError(f"input '{field}' is empty, and this tokenizer adds no BOS to start from")
         params = request.params
         if request.bad_words:
             params = _replace(params, bad_words_ids=params.bad_words_ids + self._bad_words_ids(request.bad_words))
@@ -307,12 +308,13 @@ class EngineLoop:
                 for sample in job.samples:
                     self.engine.add_request(sample.request_id, job.prompt_ids, sample.params, job.request.priority,
                                             job.request.cache_salt, arrival_time=job.enqueued,
-                                            grammar=job.grammar, group=group, room_for=len(job.samples) - len(added))
+                                            grammar=job.grammar, group=group, room_for=len(job.samples) - len(added),
+                                            pooling=job.request.pooling)
                     added.append(sample)
             except (ValueError, QueueFullError) as exc:
                 for sample in added:
                     self.engine.abort(sample.request_id)
-                name = "input_ids" if job.request.prompt_ids is not None else "text_input"
+                name = _prompt_field(job.request)
                 self.outbox.put(("error", (job, str(exc).replace("'prompt_token_ids'", f"'{name}'"))))
         elif kind == "abort":
             self.engine.abort(payload)
@@ -430,6 +432,10 @@ class EngineLoop:
             sample = samples.get(request_id)
             if sample is not None:
                 sample.num_cached_tokens = cached
+        for request_id, vector in out.embeddings.items():
+            job = owner.get(request_id)
+            if job is not None:
+                job.embedding = vector
         logprobs = out.logprobs or itertools.repeat(None)
         now = time.monotonic()
         for request_id, token, entry in zip(out.request_ids, out.token_ids, logprobs):
@@ -478,6 +484,11 @@ class EngineLoop:
             if job.num_responses and not any(s.finished or s.pending_tokens >= interval for s in ready):
                 return                      # fewer than stream_interval tokens to send yet
         elif not job.finished:
+            return
+        if request.pooling is not None:     # an embedding: ready only at its end, one response
+            assert job.finished and job.embedding is not None, "an embedding request ends with its vector"
+            self._record(job, job.samples[0].finish_reason)
+            self._send(job, embedding_outputs(job), final=True)
             return
         prompt = None
         if not request.exclude_input_in_output:
@@ -607,6 +618,13 @@ class EngineLoop:
     def _record(self, job: Job, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.after_request(job, reason, time.monotonic())
+
+
+def _prompt_field(request: GenerateRequest) -> str:
+    """The input a request's prompt came in, as its errors name it."""
+    if request.pooling is not None:
+        return "embedding_request.input"
+    return "input_ids" if request.prompt_ids is not None else "text_input"
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:

@@ -92,3 +92,14 @@ def response_outputs(job: Job, pieces: list[Piece], decoded_token: Callable[[int
         outputs["token_ids"] = np.asarray(ids, dtype=np.int32)
         outputs["context_ids"] = np.asarray(context, dtype=np.int32)
     return outputs
+
+
+def embedding_outputs(job: Job) -> dict[str, np.ndarray]:
+    """An embedding request's one response, as the vLLM backend builds it: the vector's JSON in
+    text_output, and where asked the prompt's tokens and 0 generated."""
+    outputs = {"text_output": _strings([json.dumps(job.embedding)])}
+    if job.request.return_num_input_tokens:
+        outputs["num_input_tokens"] = np.array([len(job.prompt_ids)], dtype=np.uint32)
+    if job.request.return_num_output_tokens:
+        outputs["num_output_tokens"] = np.array([0], dtype=np.uint32)
+    return outputs

@@ -7,6 +7,10 @@ sends every knob both ways). Clients such as genai-perf send
 numbers as strings ({"max_tokens": "128"}), so numeric strings are accepted; anything else that
 does not fit raises RequestError with a message naming the field. A JSON null means "not given".
 Triton's OpenAI frontend always sends `n`, `frequency_penalty` and `presence_penalty` (1, 0, 0).
+
+An embedding request (an `llm` whose engine has runner "pooling") is the vLLM backend's
+`embedding_request` input, the JSON Triton's OpenAI frontend sends for /v1/embeddings:
+{"input": text or token ids, "pooling_params": {"dimensions": [n]}}.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import NoReturn
 import numpy as np
 
 from ..config import MAX_BAD_WORDS, PRIORITIES, SamplingParams, parse_priority
+from ..pooling import ONE_TOKEN, PoolingParams
 from ..structured import json_value, parse_spec
 
 
@@ -86,6 +91,7 @@ class GenerateRequest:
     queue_heartbeat: bool = False             # inflight's: an empty response after each second without one (a stream)
     return_num_reasoning_tokens: bool = False  # inflight's: num_reasoning_tokens (an engine with a reasoning_parser)
     return_num_cached_tokens: bool = False    # inflight's: num_cached_tokens, the prompt's prefix-cache hit
+    pooling: PoolingParams | None = None      # an embedding request's (embedding_request): no generation
 
 
 def one_value(name: str, array: np.ndarray):
@@ -294,6 +300,8 @@ def _knobs(sampling_parameters: str | None, parameters: dict) -> dict:
 
 def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRequest:
     """inputs: name -> numpy array of the tensors present; parameters: the request's parameters."""
+    if "embedding_request" in inputs:
+        return _embedding_request(inputs, parameters)
     text = inputs.get("text_input")
     ids = inputs.get("input_ids")
     if text is not None and ids is not None:
@@ -346,6 +354,64 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
     return GenerateRequest(prompt_text, prompt_ids, params, priority or "normal", cache_salt,
                            bad_words=bad_words, n=n, include_stop_str_in_output=include_stop,
                            stream_interval=stream_interval, **flags)
+
+
+def _embedding_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRequest:
+    """The vLLM backend's embedding_request: its input (text, or token ids) and pooling_params;
+    of the other inputs, the token counts and the request's priority are read (the others are
+    generation's, and are refused rather than ignored)."""
+    name = "embedding_request"
+    others = sorted(set(inputs) - {name, "return_num_input_tokens", "return_num_output_tokens", "stream",
+                                   "priority"} | {key for key in parameters if not ignored_parameter(key)})
+    if others:
+        raise RequestError(f"'{name}' is a request of its own: give it without {others}")
+    try:
+        request = json_value(string_input(name, inputs[name]), name)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+    if not isinstance(request, dict) or "input" not in request:
+        raise RequestError(f"'{name}' must be a JSON object with an 'input'")
+    unknown = sorted(set(request) - {"input", "pooling_params"})
+    if unknown:
+        raise RequestError(f"'{name}': unknown key(s) {unknown}; known: ['input', 'pooling_params']")
+    prompt = request["input"]
+    if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+        text, ids = None, [int(t) for t in prompt]
+    elif isinstance(prompt, str):
+        text, ids = prompt, None
+    else:
+        raise RequestError(f"'{name}.input' must be a string or a non-empty list of token ids (one prompt)")
+    flags = {key: _bool_input(key, inputs[key]) for key in ("return_num_input_tokens", "return_num_output_tokens",
+                                                              "stream") if key in inputs}
+    priority = _coerce("priority", "priority", string_input("priority", inputs["priority"])) \
+        if "priority" in inputs else "normal"
+    return GenerateRequest(text, ids, ONE_TOKEN, priority, pooling=_pooling_params(request.get("pooling_params")),
+                           **flags)
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _pooling_params(value) -> PoolingParams:
+    """vLLM's PoolingParams for an embedding: dimensions (Triton's OpenAI frontend sends [n]) and
+    use_activation (false: not normalized)."""
+    name = "embedding_request.pooling_params"
+    value = {} if value is None else value
+    if not isinstance(value, dict):
+        raise RequestError(f"'{name}' must be an object")
+    unknown = sorted(set(value) - {"dimensions", "use_activation"})
+    if unknown:
+        raise RequestError(f"'{name}': unknown key(s) {unknown}; known: ['dimensions', 'use_activation']")
+    dims = value.get("dimensions")
+    if isinstance(dims, list) and len(dims) == 1:
+        dims = dims[0]
+    if dims is not None and not _is_token_id(dims):
+        raise RequestError(f"'{name}.dimensions' must be an integer (or a list of one), got {value['dimensions']!r}")
+    normalize = value.get("use_activation", True)
+    if not isinstance(normalize, bool):
+        raise RequestError(f"'{name}.use_activation' must be a boolean, got {normalize!r}")
+    return PoolingParams(dims, normalize)
 
 
 def _resolve_exclude_input(flags: dict) -> None:

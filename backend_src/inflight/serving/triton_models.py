@@ -38,7 +38,8 @@ if TYPE_CHECKING:       # the loop imports the engine and torch: only the llm mo
 log = logging.getLogger("inflight")
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-LLM_INPUTS = ("text_input", "input_ids", "sampling_parameters", "priority", "cache_salt") + BOOL_INPUTS
+LLM_INPUTS = ("text_input", "input_ids", "sampling_parameters", "priority", "cache_salt",
+              "embedding_request") + BOOL_INPUTS
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ log = logging.getLogger("inflight")
 # vLLM engine arguments EngineConfig has with the same name and meaning
 ENGINE_ARGS = ("block_size", "dtype", "enable_chunked_prefill", "enable_lora", "enable_prefix_caching",
                "enforce_eager", "gpu_memory_utilization", "max_lora_rank", "max_loras", "max_model_len",
-               "max_num_batched_tokens", "max_num_seqs", "reasoning_parser", "seed")
+               "max_num_batched_tokens", "max_num_seqs", "reasoning_parser", "runner", "seed")
 BOOLEAN_ARGS = ("enable_chunked_prefill", "enable_lora", "enable_prefix_caching", "enforce_eager",
                 "disable_log_stats")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}        # vLLM's --dtype names
@@ -31,7 +31,11 @@ WITHOUT_EFFECT = {
     "max_cpu_loras": "every adapter of multi_lora.json stays in host memory",
 }
 PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size")
-KEYS = (*ENGINE_ARGS, "disable_log_stats", *WITHOUT_EFFECT, *PARALLEL_SIZES)
+# vLLM's runner "auto" generates with the *ForCausalLM checkpoints served here; its convert "auto"
+# or "embed" is what a pooling runner makes of them (LAST pooling, normalized: pooling.py)
+RUNNER_AUTO = {"auto": "generate"}
+CONVERTS = ("auto", "embed")
+KEYS = (*ENGINE_ARGS, "disable_log_stats", "convert", *WITHOUT_EFFECT, *PARALLEL_SIZES)
 
 
 def read_top_level(raw: dict, path: str) -> tuple[dict, bool]:
@@ -43,6 +47,11 @@ def read_top_level(raw: dict, path: str) -> tuple[dict, bool]:
             values[key] = _boolean(raw[key]) if key in BOOLEAN_ARGS else raw[key]
     if isinstance(values.get("dtype"), str):
         values["dtype"] = DTYPE_ALIASES.get(values["dtype"], values["dtype"])
+    if isinstance(values.get("runner"), str):
+        values["runner"] = RUNNER_AUTO.get(values["runner"], values["runner"])
+    if "convert" in raw and raw["convert"] not in CONVERTS:
+        raise StartupError(f"{path}: 'convert' is {raw['convert']!r}: inflight serves a checkpoint as it is "
+                           f"(runner 'generate') or as an embedding model (runner 'pooling'); one of {CONVERTS}")
     for key in PARALLEL_SIZES:
         if key in raw and (isinstance(raw[key], bool) or raw[key] not in (1, "1")):
             raise StartupError(f"{path}: '{key}' is {raw[key]!r}: inflight runs each engine on one device; to serve "

@@ -30,13 +30,15 @@ from .chat_completions import create_chat_completion
 from .chat_template import ChatTemplate
 from .completions import create_completion
 from .context import LARGE_BODY_BYTES, Context
+from .embeddings import create_embedding
 from .errors import APIError
 from .generation_config import sampling_defaults
 from .metrics import VllmMetrics
 from .models import ServedModels
 from .reasoning import markers
 from .responses import create_response
-from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest
+from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, ResponsesRequest,
+                      TokenizeRequest)
 from .tokenization import detokenize, tokenize
 from .tool_parsers import check_tokenizer
 from .triton import TritonLLM
@@ -272,6 +274,10 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/responses")
     async def responses(request: Request):
         return await generate(request, ResponsesRequest, create_response)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await generate(request, EmbeddingRequest, create_embedding)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):

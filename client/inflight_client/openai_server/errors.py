@@ -33,7 +33,7 @@ class APIError(Exception):
 
 
 # `llm` input names -> the OpenAI parameter they came from
-PARAMS = {"text_input": "prompt", "input_ids": "prompt"}
+PARAMS = {"text_input": "prompt", "input_ids": "prompt", "embedding_request.input": "input"}
 
 
 def _named_field(message: str) -> str | None:

@@ -229,6 +229,45 @@ class CompletionRequest(SamplingFields):
         return list(prompt)
 
 
+class EmbeddingRequest(Body):
+    """POST /v1/embeddings: OpenAI's fields, and vLLM's extras for a text input (its chat-message
+    form is not served: messages are refused as an unknown field)."""
+    UNSERVED = {"padding": " (prompts are not padded)", "mm_processor_kwargs": " (text models only)"}
+    model: str | None = None
+    input: str | list[str] | list[Int] | list[list[Int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = Field(None, ge=1)
+    user: str | None = None
+    truncate_prompt_tokens: Int | None = None    # vLLM's, as for completions
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool = True
+    use_activation: bool | None = None           # vLLM's: false returns the vector unnormalized
+    embed_dtype: Literal["float32"] = "float32"  # vLLM's base64 encodings of other dtypes are not served
+    endianness: Literal["native", "little"] = "native"     # float32 bytes as little-endian (this host's too)
+    priority: Literal["high", "normal", "low"] | Int | None = None
+    request_id: str | None = None
+    padding: str | None = None
+    mm_processor_kwargs: Any = None
+
+    @model_validator(mode="after")
+    def _check_input(self):
+        inputs = self.inputs()
+        if not inputs or any(p == [] for p in inputs):
+            raise APIError(400, "'input' must not be empty", "input")
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens == -1
+                                                             or self.truncate_prompt_tokens >= 1):
+            raise APIError(400, f"'truncate_prompt_tokens' must be -1 (the context length) or a positive number of "
+                           f"tokens, got {self.truncate_prompt_tokens}", "truncate_prompt_tokens")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input forms the OpenAI spec allows, as a list of inputs."""
+        given = self.input
+        if isinstance(given, str) or (given and all(isinstance(t, int) for t in given)):
+            return [given]
+        return list(given)
+
+
 class ChatMessage(BaseModel):
     """Any role (templates have their own, such as Llama 3.1's ipython); other keys (name,
     tool_call_id, tool_calls, ...) are handed to the template, which reads its own."""

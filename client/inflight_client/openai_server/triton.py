@@ -15,6 +15,7 @@ a small host takes from the engine, and that caps what one server process can fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import json
@@ -248,12 +249,38 @@ class TritonLLM:
     async def generate(self, prompt: Prompt, sampling: dict) -> AsyncIterator[LLMResponse]:
         """The request's responses; raises APIError for an error response or a failed call.
         Closing the iterator early cancels the request."""
-        taken = await self.slots.take(sampling.get("n", 1), parse_priority(sampling.get("priority", "normal")))
+        # closed with this iterator, at once: closing the request's connection is what cancels it
+        async with contextlib.aclosing(self._request(sampling.get("n", 1), sampling.get("priority", "normal"),
+                                                     lambda: self.payload(prompt, sampling))) as events:
+            async for event in events:
+                yield parse_event(event)
+
+    async def embed(self, prompt_ids: list[int], pooling: dict, priority: str | int | None) -> tuple[list[float], int]:
+        """One prompt's embedding and its token count: the vLLM backend's `embedding_request` (what
+        Triton's OpenAI frontend sends), answered where `llm`'s engine runs as an embedding model."""
+        def payload() -> dict:
+            inputs = {"embedding_request": json.dumps({"input": prompt_ids, "pooling_params": pooling}),
+                      "stream": True, "return_num_input_tokens": True}
+            if priority is not None:
+                if not self._takes("priority"):
+                    raise APIError(400, f"'priority': Triton's model '{self.model}' has the vLLM backend's tensors, "
+                                   "which take no priority", "priority")
+                inputs["priority"] = str(priority)
+            return inputs
+        async with contextlib.aclosing(self._request(1, priority or "normal", payload)) as events:
+            async for event in events:
+                return json.loads(_elements(event["text_output"])[0]), int(event["num_input_tokens"])
+        raise APIError(500, f"Triton's model '{self.model}' ended an embedding request without its vector")
+
+    async def _request(self, outputs: int, priority: str | int, payload) -> AsyncIterator[dict]:
+        """One request's response events with outputs (payload() builds its inputs once the
+        model's are known); raises APIError for an error response or a failed call. Closing the
+        iterator early cancels the request."""
+        taken = await self.slots.take(outputs, parse_priority(priority))
         try:
             if self.inputs is None:
                 await self._check_inputs()
-            async with self.session.post(f"/v2/models/{self.model}/generate_stream",
-                                         json=self.payload(prompt, sampling)) as response:
+            async with self.session.post(f"/v2/models/{self.model}/generate_stream", json=payload()) as response:
                 try:
                     if response.status != 200 and response.content_type != "text/event-stream":
                         body = await response.text()
@@ -262,7 +289,7 @@ class TritonLLM:
                         if "error" in event:
                             raise from_triton(event["error"])
                         if "text_output" in event:      # not a heartbeat
-                            yield parse_event(event)
+                            yield event
                 except APIError as exc:
                     if exc.status == 503:       # Triton stopping (or failed): the connection goes, not back to the pool
                         response.close()

@@ -1,0 +1,68 @@
+"""POST /v1/embeddings: one `llm` request per input, each the vLLM backend's `embedding_request`
+(what Triton's OpenAI frontend sends it), which `llm` answers where its engine runs as an
+embedding model (runner "pooling"; otherwise its refusal is the answer). Inputs are tokenized
+here (add_special_tokens, truncate_prompt_tokens, the context length checked) and sent as token
+ids; the vectors come back as lists of floats, or with encoding_format "base64" as their
+little-endian float32 bytes, which the `openai` SDK asks for and decodes by default."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import numpy as np
+from starlette.responses import JSONResponse
+
+from .context import Context
+from .errors import APIError
+from .schemas import EmbeddingRequest
+
+
+async def create_embedding(body: EmbeddingRequest, ctx: Context, request_id: str, large: bool):
+    if ctx.models.check(body.model) is not None:
+        raise APIError(400, f"'model' {body.model!r} is a LoRA adapter: embeddings come from the base model "
+                       f"'{ctx.models.name}'", "model")
+    prompts = await ctx.offload(large, _prompts, body, ctx)
+    pooling = {} if body.dimensions is None else {"dimensions": [body.dimensions]}
+    if body.use_activation is not None:
+        pooling["use_activation"] = body.use_activation
+    try:
+        async with asyncio.TaskGroup() as group:      # one refused: the others are cancelled
+            calls = [group.create_task(ctx.triton.embed(ids, pooling, body.priority)) for ids in prompts]
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    results = [call.result() for call in calls]
+    tokens = sum(count for _, count in results)
+    data = [{"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)}
+            for i, (vector, _) in enumerate(results)]
+    return JSONResponse({"id": f"embd-{request_id}", "object": "list", "created": int(time.time()),
+                         "model": body.model or ctx.models.name, "data": data,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                                   "prompt_tokens_details": None}})
+
+
+def _prompts(body: EmbeddingRequest, ctx: Context) -> list[list[int]]:
+    """Each input's token ids, cut as asked; one the context cannot hold is refused in vLLM's words."""
+    prompts = []
+    for given in body.inputs():
+        if body.truncate_prompt_tokens is not None:
+            ids = ctx.truncate(given, body.truncate_prompt_tokens, body.truncation_side, body.add_special_tokens)
+        else:
+            ctx.check_size(given, "input")
+            ids = ctx.tokenize(given, body.add_special_tokens)
+        if not ids:
+            raise APIError(400, "'input' is empty, and without a BOS ('add_special_tokens' false, or a tokenizer "
+                           "that adds none) there is no token to embed", "input")
+        limit = ctx.models.max_model_len
+        if len(ids) >= limit:       # `llm` runs an embedding as a step of one token after its prompt
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                           f"{len(ids)} tokens in the input for embedding generation. Please reduce the length of "
+                           "the input.", "input", "context_length_exceeded")
+        prompts.append(ids)
+    return prompts
+
+
+def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")

@@ -1,0 +1,118 @@
+"""Embeddings served: `llm` with runner "pooling" behind a real tritonserver answers the vLLM
+backend's `embedding_request` exactly as Triton's OpenAI frontend sends it, and the OpenAI
+server's /v1/embeddings through the official `openai` SDK (base64, as the SDK asks by default,
+and floats); both equal the engine's own vectors; every refusal names its field; KV blocks go back."""
+import json
+
+import httpx
+import openai
+import pytest
+
+from inflight import EngineConfig, LLMEngine
+from inflight.pooling import PoolingParams
+from inflight.serving.launch import ServerProcess, make_repository
+from inflight_client.streams import http_generate
+
+from .conftest import DEFAULT_MODEL, TEST_ENGINE
+from .helpers import openai_server
+
+pytestmark = pytest.mark.server
+
+POOLING_ENGINE = {**TEST_ENGINE, "runner": "pooling", "max_model_len": 64}
+TEXTS = ["The assert statement", "A class definition defines a class object", "x"]
+
+
+@pytest.fixture(scope="module")
+def pooling_server(tmp_path_factory):
+    repo = make_repository(str(tmp_path_factory.mktemp("pooling")), DEFAULT_MODEL, POOLING_ENGINE)
+    with ServerProcess(repo) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(pooling_server, tmp_path_factory):
+    with openai_server(pooling_server.http_url, tmp_path_factory.mktemp("openai"), "--max-model-len", "64") as api:
+        yield openai.OpenAI(base_url=api.base_url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(**POOLING_ENGINE))
+
+
+def test_the_openai_frontends_embedding_request_gets_the_engines_vector(pooling_server, engine, tokenizer):
+    """The inputs Triton's OpenAI frontend sends the vLLM backend (embedding_request's JSON, the
+    two counts), and what it reads back (text_output's JSON, num_input_tokens)."""
+    ids = tokenizer(TEXTS[0]).input_ids
+    [want] = engine.embed([ids])
+    reply = http_generate(pooling_server.http_url, "llm", {
+        "embedding_request": json.dumps({"input": TEXTS[0], "pooling_params": {}}),
+        "return_num_input_tokens": True, "return_num_output_tokens": True})
+    assert json.loads(reply["text_output"]) == want.embedding
+    assert (reply["num_input_tokens"], reply["num_output_tokens"]) == (len(ids), 0)
+    reply = http_generate(pooling_server.http_url, "llm", {"embedding_request": json.dumps({"input": ids})})
+    assert json.loads(reply["text_output"]) == want.embedding
+    for request, message in (
+            ({"input": []}, "'embedding_request.input' must be a string or a non-empty list of token ids"),
+            ({"input": "x", "pooling_params": {"dimensions": [8]}}, "'dimensions' (8): this model does not support "
+                                                                     "Matryoshka embeddings"),
+            ({"input": "x", "pooling_params": {"normalize": False}}, "unknown key(s) ['normalize']"),
+            ({"text": "x"}, "'embedding_request' must be a JSON object with an 'input'")):
+        assert message in http_generate(pooling_server.http_url, "llm",
+                                        {"embedding_request": json.dumps(request)})["error"]
+    too_long = http_generate(pooling_server.http_url, "llm", {"embedding_request": json.dumps({"input": [5] * 64})})
+    assert "'embedding_request.input' (64 tokens) must be shorter than max_model_len (64)" in too_long["error"]
+    assert "give it without ['text_input']" in http_generate(pooling_server.http_url, "llm", {
+        "embedding_request": json.dumps({"input": "x"}), "text_input": "x"})["error"]
+    assert "it serves embedding requests, not generation" in http_generate(
+        pooling_server.http_url, "llm", {"text_input": "x", "max_tokens": 2})["error"]
+    assert pooling_server.metric("inflight_kv_blocks_used") == 0
+
+
+def test_a_generating_llm_refuses_an_embedding_request(server):
+    reply = http_generate(server.http_url, "llm", {"embedding_request": json.dumps({"input": "x"})})
+    assert 'embeddings need a model run as an embedding model (the engine setting runner "pooling"' in reply["error"]
+
+
+def test_openai_sdk_embeddings_equal_the_engines(client, engine, tokenizer):
+    ids = [tokenizer(text).input_ids for text in TEXTS]
+    want = [out.embedding for out in engine.embed(ids)]
+    default = client.embeddings.create(model="inflight-tiny", input=TEXTS)       # the SDK asks for base64
+    floats = client.embeddings.create(model="inflight-tiny", input=TEXTS, encoding_format="float")
+    assert [d.index for d in floats.data] == [0, 1, 2] and floats.object == "list"
+    assert [d.embedding for d in floats.data] == want
+    as_ids = client.embeddings.create(model="inflight-tiny", input=ids, encoding_format="float")
+    assert [d.embedding for d in as_ids.data] == want
+    assert all(abs(a - b) < 1e-6 for d, w in zip(default.data, want) for a, b in zip(d.embedding, w))
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(map(len, ids))
+    raw = client.embeddings.create(model="inflight-tiny", input=ids[1], extra_body={"use_activation": False})
+    assert abs(sum(v * v for v in raw.data[0].embedding) - 1) > 1e-3          # the hidden state itself
+    [unit] = engine.embed([ids[1]], PoolingParams(normalize=True))
+    norm = sum(v * v for v in raw.data[0].embedding) ** 0.5
+    assert all(abs(v / norm - u) < 1e-6 for v, u in zip(raw.data[0].embedding, unit.embedding))     # float32
+    cut = client.embeddings.create(model="inflight-tiny", input=TEXTS[1], encoding_format="float",
+                                   extra_body={"truncate_prompt_tokens": 3})
+    assert cut.usage.prompt_tokens == 3
+
+
+@pytest.mark.parametrize("kwargs, status, param, message", [
+    (dict(input=[]), 400, "input", "'input' must not be empty"),
+    (dict(input="x", dimensions=8), 400, "dimensions", "does not support Matryoshka embeddings"),
+    (dict(input=[1, 10**6]), 400, "input", "'input': token id 1000000 at position 1 is outside the vocabulary"),
+    (dict(input="word " * 80), 400, "input", "This model's maximum context length is 64 tokens. However, you "
+                                              "requested"),
+    (dict(input="x", model="other"), 404, "model", "The model 'other' does not exist"),
+    (dict(input="x", extra_body={"embed_dtype": "float16"}), 400, "embed_dtype", "'embed_dtype'"),
+])
+def test_embedding_errors_name_their_field(client, pooling_server, kwargs, status, param, message):
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.embeddings.create(**{"model": "inflight-tiny", "encoding_format": "float", **kwargs})
+    error = caught.value
+    assert (error.status_code, error.body["param"]) == (status, param) and message in error.body["message"]
+    assert pooling_server.metric("inflight_kv_blocks_used") == 0
+
+
+def test_completions_on_an_embedding_model_are_refused(client):
+    base = str(client.base_url)
+    reply = httpx.post(base + "completions", json={"model": "inflight-tiny", "prompt": "x"})
+    assert reply.status_code == 400 and "it serves embedding requests, not generation" in reply.json()["error"]["message"]
