@@ -115,4 +115,5 @@ def test_embedding_errors_name_their_field(client, pooling_server, kwargs, statu
 def test_completions_on_an_embedding_model_are_refused(client):
     base = str(client.base_url)
     reply = httpx.post(base + "completions", json={"model": "inflight-tiny", "prompt": "x"})
-    assert reply.status_code == 400 and "it serves embedding requests, not generation" in reply.json()["error"]["message"]
+    assert reply.status_code == 400
+    assert "it serves embedding requests, not generation" in reply.json()["error"]["message"]
