@@ -506,7 +506,7 @@ def test_the_cpu_kv_pool_holds_what_max_num_seqs_full_sequences_use_within_the_b
     ('{"model": "x", "engine": {}', "is not valid JSON"),
     ('["x"]', "must hold a JSON object, got list"),
     ('{"engine": {}}', "'model' must name the checkpoint directory, got None"),
-    ('{"model": "x", "lora": {}}', "unknown key(s) ['lora']; known: ['block_size', 'disable_log_requests', "),
+    ('{"model": "x", "lora": {}}', "unknown key(s) ['lora']; known: ['block_size', 'convert', "),
     ('{"model": "x", "tensor_parallel_size": 2}', "'tensor_parallel_size' is 2: inflight runs each engine on one device"),
     ('{"model": "x", "max_num_seqs": 8, "engine": {"max_num_seqs": 4}}',
      "'max_num_seqs' is given both at the top level and in 'engine'"),

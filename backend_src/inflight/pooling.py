@@ -5,12 +5,11 @@ an embedding model (its `as_embedding_model`: LAST pooling, normalized), such as
 
 The request runs through the scheduler as a one-token generation: its prompt is prefilled as any
 other (chunked, prefix-cached, preempted and recomputed), and the step that samples its token
-hands back the pooled hidden state; the token itself goes to nobody."""
+hands back the pooled hidden state; the token itself goes to nobody. Importable without torch:
+the request parsing of the tokenizing models and of the OpenAI server's image reads its params."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from .config import SamplingParams
 
@@ -47,8 +46,9 @@ class Pooler:
             raise ValueError(f"'dimensions' must be one of {list(self.matryoshka_dimensions)}, got {dims}")
 
     @staticmethod
-    def pool(hidden: torch.Tensor, params: list[PoolingParams]) -> list[list[float]]:
-        """hidden [rows, hidden_size]: each row's last-token state -> its embedding (float32)."""
+    def pool(hidden, params: list[PoolingParams]) -> list[list[float]]:
+        """hidden [rows, hidden_size] (a tensor): each row's last-token state -> its embedding (float32)."""
+        import torch
         out = []
         for row, p in zip(hidden.float(), params):
             vector = row[:p.dimensions] if p.dimensions is not None else row
