@@ -25,7 +25,8 @@ def _check(ok: bool, name: str, message: str) -> None:
         raise ValueError(f"'{name}' {message}")
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An integer, not a boolean (JSON's true is not 1 here)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -35,7 +36,7 @@ def _is_sequence(value) -> bool:
 
 def _is_seed(value) -> bool:
     """torch's generators take 64 bits, signed (vLLM's API) or not (TensorRT-LLM's random_seed)."""
-    return _is_int(value) and -2**63 <= value < 2**64
+    return is_int(value) and -2**63 <= value < 2**64
 
 
 def _is_number(value) -> bool:
@@ -58,7 +59,7 @@ def parse_priority(value: str | int) -> int:
             value = int(value.strip())
         except ValueError:
             pass
-    if _is_int(value):
+    if is_int(value):
         return 1 + (value > 0) - (value < 0)
     raise ValueError(f"'priority' must be 'high', 'normal', 'low' or an integer (vLLM's: lower runs sooner, "
                      f"0 normal), got {value!r}")
@@ -116,10 +117,10 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "dynamic_length_window", "stream_interval",
                      "engines_per_device"):
             value = getattr(self, name)
-            _check(_is_int(value) and value > 0, name, f"must be a positive integer, got {value!r}")
+            _check(is_int(value) and value > 0, name, f"must be a positive integer, got {value!r}")
         for name in ("num_kv_blocks", "max_model_len", "static_batch_size", "max_queue_size", "cpu_threads"):
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and value > 0), name,
+            _check(value is None or (is_int(value) and value > 0), name,
                    f"must be a positive integer or None, got {value!r}")
         # more threads than cores only contend (a million never got a step done)
         cpus = usable_cpus()
@@ -149,7 +150,7 @@ class EngineConfig:
         _check(self.reasoning_parser in (None, *REASONING_PARSERS), "reasoning_parser",
                f"must be one of {REASONING_PARSERS} or None, got {self.reasoning_parser!r}")
         for name in ("max_loras", "max_lora_rank"):
-            _check(_is_int(getattr(self, name)) and getattr(self, name) > 0, name,
+            _check(is_int(getattr(self, name)) and getattr(self, name) > 0, name,
                    f"must be a positive integer, got {getattr(self, name)!r}")
 
     @classmethod
@@ -193,27 +194,27 @@ class SamplingParams:
     reasoning_ended: bool = False
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        _check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
                f"must be a finite number >= 0, got {self.temperature!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be an integer >= -1, got {self.top_k!r}")
+        _check(is_int(self.top_k) and self.top_k >= -1, "top_k", f"must be an integer >= -1, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
         if isinstance(self.logit_bias, dict):
             self.logit_bias = tuple(self.logit_bias.items())
         _check(isinstance(self.logit_bias, tuple) and all(
-            isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and e[0] >= 0 and _is_number(e[1])
+            isinstance(e, tuple) and len(e) == 2 and is_int(e[0]) and e[0] >= 0 and _is_number(e[1])
             for e in self.logit_bias), "logit_bias", "must map token ids to numbers")
         # OpenAI's range; vLLM's SamplingParams clamps to it rather than refuse. A token given twice
         # ("5" and "05" in JSON) once, the last bias winning as in vLLM's dict (a repeated index
         # in one tensor write is undefined on CUDA)
         self.logit_bias = tuple({int(token): min(100.0, max(-100.0, float(bias)))
                                  for token, bias in self.logit_bias}.items())
-        if self.seed == -1 and _is_int(self.seed):
+        if self.seed == -1 and is_int(self.seed):
             self.seed = None
         _check(self.seed is None or _is_seed(self.seed), "seed",
                f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
@@ -223,17 +224,17 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):       # vLLM's and OpenAI's range
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, f"must be a number in [-2, 2], got {value!r}")
-        _check(_is_sequence(self.stop_token_ids) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+        _check(_is_sequence(self.stop_token_ids) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", "must be a list of non-negative integers")
         self.stop_token_ids = tuple(self.stop_token_ids)
         # once each: the batch table is as wide as the longest list of the requests it holds
         self.stop_token_ids = tuple(dict.fromkeys(self.stop_token_ids))
         _check(_is_sequence(self.bad_words_ids) and all(
-            _is_sequence(w) and w and all(_is_int(t) and t >= 0 for t in w) for w in self.bad_words_ids),
+            _is_sequence(w) and w and all(is_int(t) and t >= 0 for t in w) for w in self.bad_words_ids),
             "bad_words_ids", "must be a list of non-empty lists of non-negative integers")
         self.bad_words_ids = tuple(tuple(w) for w in self.bad_words_ids)
         if self.allowed_token_ids is not None:
-            _check(_is_sequence(self.allowed_token_ids) and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+            _check(_is_sequence(self.allowed_token_ids) and all(is_int(t) and t >= 0 for t in self.allowed_token_ids),
                    "allowed_token_ids", "must be a list of non-negative integers")
             # once each: the sampler spreads them into a mask every step (at most the vocabulary)
             self.allowed_token_ids = tuple(dict.fromkeys(self.allowed_token_ids))
@@ -249,7 +250,7 @@ class SamplingParams:
             _check(isinstance(getattr(self, name), bool), name, "must be a boolean")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+            _check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
                    f"must be None or an integer in [0, {MAX_LOGPROBS}] (the number of top tokens), got {value!r}")
         if self.structured_outputs is not None:
             self.structured_outputs = parse_spec(self.structured_outputs)
@@ -257,7 +258,7 @@ class SamplingParams:
             _check(self.min_tokens == 0, "min_tokens", "cannot be combined with 'structured_outputs'")
         _check(self.lora_name is None or (isinstance(self.lora_name, str) and self.lora_name != ""), "lora_name",
                f"must be a non-empty string or None, got {self.lora_name!r}")
-        _check(self.thinking_token_budget is None or (_is_int(self.thinking_token_budget)
+        _check(self.thinking_token_budget is None or (is_int(self.thinking_token_budget)
                                                       and self.thinking_token_budget >= -1),
                "thinking_token_budget", f"must be an integer >= 0, or -1 for none, got {self.thinking_token_budget!r}")
         if self.thinking_token_budget == -1:

@@ -422,6 +422,7 @@ class LLMEngine:
             "last_step_s": self.last_step_s,
             "computed_tokens": self.num_computed_tokens,
             "prefill_tokens": scheduler.num_prefill_tokens,
+            "prompt_tokens": scheduler.num_prompt_tokens,
             "padding_tokens": self.num_padding_tokens,
             "generated_tokens": self.num_generated_tokens,
             "prefix_cache_query_tokens": scheduler.prefix_query_tokens,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import SamplingParams
+from .config import SamplingParams, is_int
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)     # what a pooling request runs as
 
@@ -40,7 +40,7 @@ class Pooler:
         if not self.matryoshka:
             raise ValueError(f"'dimensions' ({dims}): this model does not support Matryoshka embeddings "
                              "(its config.json sets neither is_matryoshka nor matryoshka_dimensions)")
-        if isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= self.hidden_size:
+        if not is_int(dims) or not 1 <= dims <= self.hidden_size:
             raise ValueError(f"'dimensions' must be an integer in [1, {self.hidden_size}], got {dims!r}")
         if self.matryoshka_dimensions is not None and dims not in self.matryoshka_dimensions:
             raise ValueError(f"'dimensions' must be one of {list(self.matryoshka_dimensions)}, got {dims}")

@@ -72,6 +72,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0          # of which found cached
         self.resumed_hit_tokens = 0         # tokens resumed requests found cached (their own blocks, mostly)
         self.num_prefill_tokens = 0         # prompt positions computed (cache hits excluded)
+        self.num_prompt_tokens = 0          # the prompts of requests admitted (once each, cache hits included)
 
     # ---- queues -------------------------------------------------------------------------
     @property
@@ -325,6 +326,7 @@ class Scheduler:
         else:
             req.first_scheduled_time = time.monotonic()
             self.admitted[req.request_id] = num_computed       # vLLM's num_cached_tokens: the first admission's
+            self.num_prompt_tokens += req.num_prompt_tokens
             if self._looks_up(req):
                 # new requests that looked up, as vLLM counts them (not those that skip the lookup)
                 self.prefix_query_tokens += len(req.token_ids)

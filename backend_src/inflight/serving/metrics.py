@@ -21,6 +21,10 @@ GAUGES = {
 COUNTERS = {
     "preemptions": ("preemptions_total", "Requests preempted (recompute) for lack of KV blocks or for priority"),
     "computed_tokens": ("prompt_and_decode_tokens_total", "Tokens run through the model"),
+    # from the engine's stats, not counted as first tokens reach the responses: a metric update is a
+    # round trip to Triton, and the response thread makes those before it sends the step's responses
+    "prompt_tokens": ("prompt_tokens_total", "Prompt tokens of requests admitted (each output's, cache hits "
+                      "included)"),
     "prefix_cache_query_tokens": ("prefix_cache_queries_total", "Prompt tokens of new requests looked up in the prefix cache"),
     "prefix_cache_hit_tokens": ("prefix_cache_hits_total", "Prompt tokens found in the prefix cache"),
     "lora_loads": ("lora_adapter_loads_total", "LoRA adapters copied into a slot (more adapters than max_loras)"),
@@ -94,8 +98,6 @@ class EngineMetrics:
         self._counters = {key: self._metric(f"inflight_{name}", desc, "COUNTER")
                           for key, (name, desc) in COUNTERS.items()}
         self._generation = self._metric("inflight_generation_tokens_total", "Tokens generated and delivered", "COUNTER")
-        self._prompt = self._metric("inflight_prompt_tokens_total", "Prompt tokens of outputs begun (at their first "
-                                    "token)", "COUNTER")
         self._vllm = None if vllm_labels is None else self._vllm_metrics(vllm_labels, max_model_len)
         # tokens delivered since the last publish: generated, prompts of outputs begun, token gaps,
         # and the times to first token of requests (inflight's) and of outputs (vLLM's) begun
@@ -142,10 +144,11 @@ class EngineMetrics:
         """Response thread: one token reached an output; gap: the time since that output's
         previous token (None for its first)."""
         self._new_tokens += 1
-        if gap is None:
-            self._new_prompt_tokens += len(job.prompt_ids)
-        elif self._vllm is not None:
-            self._gaps.append(gap)
+        if self._vllm is not None:
+            if gap is None:
+                self._new_prompt_tokens += len(job.prompt_ids)
+            else:
+                self._gaps.append(gap)
 
     def first_token(self, job, now: float) -> None:
         """Response thread: an output's first token, observed as it comes (as vLLM observes it),
@@ -218,12 +221,10 @@ class EngineMetrics:
         for ttft in self._vllm_first_tokens:
             self._vllm["ttft"].observe(ttft)
         self._vllm_first_tokens.clear()
-        if self._new_prompt_tokens:
-            self._prompt.increment(self._new_prompt_tokens)
-            if self._vllm is not None:
-                self._vllm["prompt_tokens"].increment(self._new_prompt_tokens)
-            self._new_prompt_tokens = 0
         if self._vllm is not None:
+            if self._new_prompt_tokens:
+                self._vllm["prompt_tokens"].increment(self._new_prompt_tokens)
+                self._new_prompt_tokens = 0
             for gap in self._gaps:
                 self._vllm["itl"].observe(gap)
             self._gaps.clear()

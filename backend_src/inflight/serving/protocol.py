@@ -21,7 +21,7 @@ from typing import NoReturn
 
 import numpy as np
 
-from ..config import MAX_BAD_WORDS, PRIORITIES, SamplingParams, parse_priority
+from ..config import MAX_BAD_WORDS, PRIORITIES, SamplingParams, is_int, parse_priority
 from ..pooling import ONE_TOKEN, PoolingParams
 from ..structured import json_value, parse_spec
 
@@ -375,7 +375,7 @@ def _embedding_request(inputs: dict[str, np.ndarray], parameters: dict) -> Gener
     if unknown:
         raise RequestError(f"'{name}': unknown key(s) {unknown}; known: ['input', 'pooling_params']")
     prompt = request["input"]
-    if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         text, ids = None, [int(t) for t in prompt]
     elif isinstance(prompt, str):
         text, ids = prompt, None
@@ -387,10 +387,6 @@ def _embedding_request(inputs: dict[str, np.ndarray], parameters: dict) -> Gener
         if "priority" in inputs else "normal"
     return GenerateRequest(text, ids, ONE_TOKEN, priority, pooling=_pooling_params(request.get("pooling_params")),
                            **flags)
-
-
-def _is_token_id(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _pooling_params(value) -> PoolingParams:
@@ -406,7 +402,7 @@ def _pooling_params(value) -> PoolingParams:
     dims = value.get("dimensions")
     if isinstance(dims, list) and len(dims) == 1:
         dims = dims[0]
-    if dims is not None and not _is_token_id(dims):
+    if dims is not None and not is_int(dims):
         raise RequestError(f"'{name}.dimensions' must be an integer (or a list of one), got {value['dimensions']!r}")
     normalize = value.get("use_activation", True)
     if not isinstance(normalize, bool):
