@@ -55,19 +55,11 @@ async def create_completion(body: CompletionRequest, ctx: Context, request_id: s
 def _prompts(body: CompletionRequest, ctx: Context) -> tuple[list[Prompt], list[str]]:
     """The prompts as `llm` gets them, and what each echoes."""
     given = body.prompts()
-    if body.truncate_prompt_tokens is not None:
-        prompts = [ctx.truncate(p, body.truncate_prompt_tokens, body.truncation_side, body.add_special_tokens)
-                   for p in given]
-    else:
-        for prompt in given:
-            ctx.check_size(prompt, "prompt")
-        prompts = given
-    # with return_token_ids the prompt comes back as prompt_token_ids, not as text (vLLM's rule)
-    echoes = [ctx.prompt_text(prompt) if body.echo and not body.return_token_ids else "" for prompt in prompts]
-    ids = [ctx.tokenize(p, body.add_special_tokens) for p in prompts]
-    if not all(ids):
-        raise APIError(400, "'prompt' is empty, and without a BOS ('add_special_tokens' false, or a tokenizer "
-                       "that adds none) there is no token to start from", "prompt")
+    ids = ctx.prompts_ids(given, "prompt", body.add_special_tokens, body.truncate_prompt_tokens, body.truncation_side)
+    # echoed as cut; with return_token_ids the prompt comes back as prompt_token_ids, not as text (vLLM's rule)
+    cut = body.truncate_prompt_tokens is not None
+    echoes = [ctx.prompt_text(i if cut else g) if body.echo and not body.return_token_ids else ""
+              for g, i in zip(given, ids)]
     return [_as_sent(body, g, i) for g, i in zip(given, ids)], echoes
 
 

@@ -85,6 +85,22 @@ class Context:
         except RequestError as exc:
             raise APIError(400, str(exc), field, "context_length_exceeded") from None
 
+    def prompts_ids(self, prompts: list[str | list[int]], field: str, add_special_tokens: bool = True,
+                    truncate: int | None = None, side: str | None = None) -> list[list[int]]:
+        """Prompts as completions and embeddings take them (text or token ids) as token ids: cut
+        where `truncate` (vLLM's truncate_prompt_tokens) asks, else every one size-checked before
+        any is tokenized; an empty one is refused, naming `field`."""
+        if truncate is not None:
+            ids = [self.truncate(p, truncate, side, add_special_tokens) for p in prompts]
+        else:
+            for prompt in prompts:
+                self.check_size(prompt, field)
+            ids = [self.tokenize(p, add_special_tokens) for p in prompts]
+        if not all(ids):
+            raise APIError(400, f"'{field}' is empty, and without a BOS ('add_special_tokens' false, or a tokenizer "
+                           "that adds none) there is no token to start from", field)
+        return ids
+
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """A prompt's token ids (a token prompt is already its ids)."""
         if isinstance(prompt, list):

@@ -43,22 +43,14 @@ async def create_embedding(body: EmbeddingRequest, ctx: Context, request_id: str
 
 def _prompts(body: EmbeddingRequest, ctx: Context) -> list[list[int]]:
     """Each input's token ids, cut as asked; one the context cannot hold is refused in vLLM's words."""
-    prompts = []
-    for given in body.inputs():
-        if body.truncate_prompt_tokens is not None:
-            ids = ctx.truncate(given, body.truncate_prompt_tokens, body.truncation_side, body.add_special_tokens)
-        else:
-            ctx.check_size(given, "input")
-            ids = ctx.tokenize(given, body.add_special_tokens)
-        if not ids:
-            raise APIError(400, "'input' is empty, and without a BOS ('add_special_tokens' false, or a tokenizer "
-                           "that adds none) there is no token to embed", "input")
-        limit = ctx.models.max_model_len
+    prompts = ctx.prompts_ids(body.inputs(), "input", body.add_special_tokens, body.truncate_prompt_tokens,
+                              body.truncation_side)
+    limit = ctx.models.max_model_len
+    for ids in prompts:
         if len(ids) >= limit:       # `llm` runs an embedding as a step of one token after its prompt
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{len(ids)} tokens in the input for embedding generation. Please reduce the length of "
                            "the input.", "input", "context_length_exceeded")
-        prompts.append(ids)
     return prompts
 
 
