@@ -297,12 +297,50 @@ def unload_model(pb_utils, model_name: str, reason: str) -> None:
     shuts down as without the switch (a model that stays ready while it fails every request would
     keep getting traffic)."""
     log.error("inflight: engine failure (%s); unloading model %r (ENABLE_VLLM_HEALTH_CHECK)", reason, model_name)
-    try:
-        pb_utils.unload_model(model_name)
-    except Exception as exc:
-        log.error("inflight: Triton did not unload %r (%s: %s); shutting the server down instead", model_name,
-                  type(exc).__name__, exc)
+    mode = model_control_mode()
+    if mode not in ("explicit", None):
+        # Asked anyway, Triton 2.51 refuses, but its reply to the stub is sometimes lost and the
+        # call never returns: the server then neither unloads the model nor shuts down.
+        log.error("inflight: Triton did not unload %r (it unloads a model only under --model-control-mode=explicit, "
+                  "this server's is %s); shutting the server down instead", model_name, mode)
         stop_server(reason)
+        return
+    outcome: list[BaseException | None] = []
+
+    def unload() -> None:
+        try:
+            pb_utils.unload_model(model_name)
+            outcome.append(None)
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=unload, name="inflight-unload", daemon=True)
+    thread.start()
+    thread.join(UNLOAD_REPLY_S)
+    if not outcome or outcome[0] is not None:
+        why = f"{type(outcome[0]).__name__}: {outcome[0]}" if outcome else f"no reply in {UNLOAD_REPLY_S:.0f} s"
+        log.error("inflight: Triton did not unload %r (%s); shutting the server down instead", model_name, why)
+        stop_server(reason)
+
+
+UNLOAD_REPLY_S = 30.0      # Triton answers an unload request at once; a lost reply must not leave the model ready
+
+
+def model_control_mode() -> str | None:
+    """tritonserver's --model-control-mode ("none" unless given), read from its command line;
+    None where that cannot be read."""
+    try:
+        with open(f"/proc/{SERVER_PID}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    mode = "none"
+    for i, arg in enumerate(argv):
+        if arg.startswith("--model-control-mode="):
+            mode = arg.split("=", 1)[1]
+        elif arg == "--model-control-mode" and i + 1 < len(argv):
+            mode = argv[i + 1]
+    return mode
 
 
 def exit_with_server() -> None:
