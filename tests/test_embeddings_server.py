@@ -117,3 +117,65 @@ def test_completions_on_an_embedding_model_are_refused(client):
     reply = httpx.post(base + "completions", json={"model": "inflight-tiny", "prompt": "x"})
     assert reply.status_code == 400
     assert "it serves embedding requests, not generation" in reply.json()["error"]["message"]
+
+
+def cosine(a, b) -> float:
+    return sum(x * y for x, y in zip(a, b)) / (sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5
+
+
+def test_score_and_rerank_are_the_cosines_of_the_engines_embeddings(client, engine, tokenizer, pooling_server):
+    """vLLM's /score and /rerank for an embedding model: each text embedded once, a pair scored by
+    the cosine of its vectors, 1:N and N:N, under every pair of field names vLLM takes."""
+    base = str(client.base_url).removesuffix("v1/")
+    query, documents = "What is an assert statement?", TEXTS
+    vectors = [out.embedding for out in engine.embed([tokenizer(t).input_ids for t in [query, *documents]])]
+    want = [cosine(vectors[0], v) for v in vectors[1:]]
+    tokens = sum(len(tokenizer(t).input_ids) for t in [query, *documents])
+    for path, sides in (("score", ("queries", "documents")), ("v1/score", ("queries", "items")),
+                        ("score", ("data_1", "data_2")), ("score", ("text_1", "text_2"))):
+        reply = httpx.post(base + path, json={"model": "inflight-tiny", sides[0]: query, sides[1]: documents}).json()
+        assert [d["index"] for d in reply["data"]] == [0, 1, 2] and reply["object"] == "list"
+        assert all(abs(d["score"] - w) < 1e-6 for d, w in zip(reply["data"], want)), (reply, want)
+        assert reply["usage"]["prompt_tokens"] == reply["usage"]["total_tokens"] == tokens
+        assert reply["id"].startswith("score-")
+    pairs = httpx.post(base + "score", json={"queries": documents[::-1], "documents": documents}).json()
+    by_position = [cosine(a, b) for a, b in zip(vectors[1:][::-1], vectors[1:])]
+    assert all(abs(d["score"] - w) < 1e-6 for d, w in zip(pairs["data"], by_position))
+    order = sorted(range(3), key=lambda i: want[i], reverse=True)
+    for path in ("rerank", "v1/rerank", "v2/rerank"):
+        reply = httpx.post(base + path, json={"model": "inflight-tiny", "query": query, "documents": documents}).json()
+        assert [r["index"] for r in reply["results"]] == order
+        assert [r["document"]["text"] for r in reply["results"]] == [documents[i] for i in order]
+        assert all(abs(r["relevance_score"] - want[r["index"]]) < 1e-6 for r in reply["results"])
+        assert reply["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    best = httpx.post(base + "rerank", json={"query": query, "documents": documents, "top_n": 2}).json()
+    assert [r["index"] for r in best["results"]] == order[:2]
+    cut = httpx.post(base + "score", json={"queries": query, "documents": documents, "max_tokens_per_doc": 2,
+                                           "max_tokens_per_query": 3}).json()
+    short = [tokenizer(t).input_ids[:4] for t in [query]] + [tokenizer(t).input_ids[:3] for t in documents]
+    cut_vectors = [out.embedding for out in engine.embed(short)]
+    assert all(abs(d["score"] - cosine(cut_vectors[0], v)) < 1e-6 for d, v in zip(cut["data"], cut_vectors[1:]))
+    assert cut["usage"]["prompt_tokens"] == sum(map(len, short))
+    assert pooling_server.metric("inflight_kv_blocks_used") == 0
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("score", {"queries": ["a", "b"], "documents": ["a", "b", "c"]}, "documents",
+     "Input lengths must be either 1:1, 1:N or N:N (got 2 'queries' and 3 'documents')"),
+    ("score", {"text_1": "a", "documents": ["b"]}, "queries", "give one pair of sides to score"),
+    ("score", {"queries": "a", "documents": []}, "documents", "'documents' must hold at least one text"),
+    ("score", {"queries": "a", "documents": "b", "max_tokens_per_doc": 64}, "max_tokens_per_doc",
+     "'max_tokens_per_doc' (64) must be less than max_model_len (64)"),
+    ("score", {"queries": "a", "documents": ["word " * 80]}, "documents",
+     "This model's maximum context length is 64 tokens"),
+    ("rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", "greater than or equal to 0"),
+    ("rerank", {"query": "a", "documents": [{"content": [{"type": "text", "text": "b"}]}]}, "documents",
+     "'documents': Input should be a valid string"),         # multimodal parts: text models only
+    ("rerank", {"query": "a", "documents": ["b"], "model": "other"}, "model", "The model 'other' does not exist"),
+])
+def test_score_and_rerank_errors_name_their_field(client, pooling_server, path, body, param, message):
+    reply = httpx.post(str(client.base_url).removesuffix("v1/") + path, json=body)
+    assert reply.status_code == (404 if param == "model" else 400)
+    error = reply.json()["error"]
+    assert param in error["param"] and message in error["message"], error
+    assert pooling_server.metric("inflight_kv_blocks_used") == 0

@@ -1135,9 +1135,13 @@ def test_metrics_sum_the_models_processes_and_list_waiting_adapters():
 
 
 def test_embeddings_from_a_generating_model_are_refused(client):
-    """/v1/embeddings needs `llm` run as an embedding model (tests/test_embeddings_server.py)."""
+    """/v1/embeddings, /score and /rerank need `llm` run as an embedding model (tests/test_embeddings_server.py)."""
     with pytest.raises(openai.BadRequestError, match="embeddings need a model run as an embedding model"):
         client.embeddings.create(model=MODEL, input="The assert statement")
+    base = str(client.base_url).removesuffix("v1/")
+    for path, body in (("score", {"queries": "a", "documents": ["b"]}), ("rerank", {"query": "a", "documents": "b"})):
+        reply = httpx.post(base + path, json=body)
+        assert reply.status_code == 400 and "embeddings need a model run as an embedding model" in reply.text
 
 
 def test_a_client_that_leaves_a_request_not_streamed_frees_its_kv_blocks(api, server):

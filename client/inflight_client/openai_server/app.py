@@ -37,8 +37,9 @@ from .metrics import VllmMetrics
 from .models import ServedModels
 from .reasoning import markers
 from .responses import create_response
-from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, ResponsesRequest,
-                      TokenizeRequest)
+from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, RerankRequest,
+                      ResponsesRequest, ScoreRequest, TokenizeRequest)
+from .score import create_rerank, create_score
 from .tokenization import detokenize, tokenize
 from .tool_parsers import check_tokenizer
 from .triton import TritonLLM
@@ -278,6 +279,17 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         return await generate(request, EmbeddingRequest, create_embedding)
+
+    @app.post("/score")
+    @app.post("/v1/score")           # vLLM's paths: it moved /v1/score to /score, and keeps both
+    async def score(request: Request):
+        return await generate(request, ScoreRequest, create_score)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")          # Jina's path
+    @app.post("/v2/rerank")          # Cohere's
+    async def rerank(request: Request):
+        return await generate(request, RerankRequest, create_rerank)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):

@@ -15,43 +15,52 @@ from starlette.responses import JSONResponse
 
 from .context import Context
 from .errors import APIError
-from .schemas import EmbeddingRequest
+from .schemas import EmbeddingRequest, PoolingFields
 
 
 async def create_embedding(body: EmbeddingRequest, ctx: Context, request_id: str, large: bool):
-    if ctx.models.check(body.model) is not None:
-        raise APIError(400, f"'model' {body.model!r} is a LoRA adapter: embeddings come from the base model "
-                       f"'{ctx.models.name}'", "model")
     prompts = await ctx.offload(large, _prompts, body, ctx)
     pooling = {} if body.dimensions is None else {"dimensions": [body.dimensions]}
-    if body.use_activation is not None:
-        pooling["use_activation"] = body.use_activation
-    try:
-        async with asyncio.TaskGroup() as group:      # one refused: the others are cancelled
-            calls = [group.create_task(ctx.triton.embed(ids, pooling, body.priority)) for ids in prompts]
-    except ExceptionGroup as failed:
-        raise failed.exceptions[0] from None
-    results = [call.result() for call in calls]
-    tokens = sum(count for _, count in results)
+    vectors = await embed(body, ctx, prompts, pooling)
+    tokens = sum(map(len, prompts))
     data = [{"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)}
-            for i, (vector, _) in enumerate(results)]
+            for i, vector in enumerate(vectors)]
     return JSONResponse({"id": f"embd-{request_id}", "object": "list", "created": int(time.time()),
                          "model": body.model or ctx.models.name, "data": data,
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
                                    "prompt_tokens_details": None}})
 
 
+async def embed(body: PoolingFields, ctx: Context, prompts: list[list[int]], pooling: dict) -> list[list[float]]:
+    """Each prompt's vector from `llm`, all asked at once (one refused: the others are cancelled)."""
+    if ctx.models.check(body.model) is not None:
+        raise APIError(400, f"'model' {body.model!r} is a LoRA adapter: embeddings come from the base model "
+                       f"'{ctx.models.name}'", "model")
+    if body.use_activation is not None:
+        pooling = {**pooling, "use_activation": body.use_activation}
+    try:
+        async with asyncio.TaskGroup() as group:
+            calls = [group.create_task(ctx.triton.embed(ids, pooling, body.priority)) for ids in prompts]
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [call.result() for call in calls]
+
+
 def _prompts(body: EmbeddingRequest, ctx: Context) -> list[list[int]]:
-    """Each input's token ids, cut as asked; one the context cannot hold is refused in vLLM's words."""
     prompts = ctx.prompts_ids(body.inputs(), "input", body.add_special_tokens, body.truncate_prompt_tokens,
                               body.truncation_side)
+    check_fits(prompts, ctx, "input")
+    return prompts
+
+
+def check_fits(prompts: list[list[int]], ctx: Context, field: str) -> None:
+    """A prompt the context cannot hold is refused in vLLM's words."""
     limit = ctx.models.max_model_len
     for ids in prompts:
         if len(ids) >= limit:       # `llm` runs an embedding as a step of one token after its prompt
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                            f"{len(ids)} tokens in the input for embedding generation. Please reduce the length of "
-                           "the input.", "input", "context_length_exceeded")
-    return prompts
+                           "the input.", field, "context_length_exceeded")
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:

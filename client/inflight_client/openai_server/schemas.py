@@ -229,35 +229,43 @@ class CompletionRequest(SamplingFields):
         return list(prompt)
 
 
-class EmbeddingRequest(Body):
-    """POST /v1/embeddings: OpenAI's fields, and vLLM's extras for a text input (its chat-message
-    form is not served: messages are refused as an unknown field)."""
+class PoolingFields(Body):
+    """The fields vLLM's pooling requests (embeddings, score, rerank) share."""
     UNSERVED = {"padding": " (prompts are not padded)", "mm_processor_kwargs": " (text models only)"}
     model: str | None = None
-    input: str | list[str] | list[Int] | list[list[Int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Int | None = Field(None, ge=1)
     user: str | None = None
     truncate_prompt_tokens: Int | None = None    # vLLM's, as for completions
     truncation_side: Literal["left", "right"] | None = None
-    add_special_tokens: bool = True
     use_activation: bool | None = None           # vLLM's: false returns the vector unnormalized
-    embed_dtype: Literal["float32"] = "float32"  # vLLM's base64 encodings of other dtypes are not served
-    endianness: Literal["native", "little"] = "native"     # float32 bytes as little-endian (this host's too)
     priority: Literal["high", "normal", "low"] | Int | None = None
     request_id: str | None = None
     padding: str | None = None
     mm_processor_kwargs: Any = None
 
     @model_validator(mode="after")
-    def _check_input(self):
-        inputs = self.inputs()
-        if not inputs or any(p == [] for p in inputs):
-            raise APIError(400, "'input' must not be empty", "input")
+    def _check_truncation(self):
         if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens == -1
                                                              or self.truncate_prompt_tokens >= 1):
             raise APIError(400, f"'truncate_prompt_tokens' must be -1 (the context length) or a positive number of "
                            f"tokens, got {self.truncate_prompt_tokens}", "truncate_prompt_tokens")
+        return self
+
+
+class EmbeddingRequest(PoolingFields):
+    """POST /v1/embeddings: OpenAI's fields, and vLLM's extras for a text input (its chat-message
+    form is not served: messages are refused as an unknown field)."""
+    input: str | list[str] | list[Int] | list[list[Int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = Field(None, ge=1)
+    add_special_tokens: bool = True
+    embed_dtype: Literal["float32"] = "float32"  # vLLM's base64 encodings of other dtypes are not served
+    endianness: Literal["native", "little"] = "native"     # float32 bytes as little-endian (this host's too)
+
+    @model_validator(mode="after")
+    def _check_input(self):
+        inputs = self.inputs()
+        if not inputs or any(p == [] for p in inputs):
+            raise APIError(400, "'input' must not be empty", "input")
         return self
 
     def inputs(self) -> list[str | list[int]]:
@@ -266,6 +274,51 @@ class EmbeddingRequest(Body):
         if isinstance(given, str) or (given and all(isinstance(t, int) for t in given)):
             return [given]
         return list(given)
+
+
+class ScoringFields(PoolingFields):
+    """vLLM's fields for scoring text pairs: each side's texts cut to a number of tokens (0: not
+    cut); `instruction` and `chat_template_kwargs` feed a cross-encoder's template, which an
+    embedding model has none of (accepted, as vLLM accepts them for one)."""
+    max_tokens_per_query: Int = Field(0, ge=0)
+    max_tokens_per_doc: Int = Field(0, ge=0)
+    instruction: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ScoreRequest(ScoringFields):
+    """POST /score: two sides of texts under any of vLLM's pairs of names, 1:1, 1:N or N:N."""
+    SIDES: ClassVar[tuple[tuple[str, str], ...]] = (("queries", "documents"), ("queries", "items"),
+                                                    ("data_1", "data_2"), ("text_1", "text_2"))
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+
+    def sides(self) -> tuple[tuple[str, list[str]], tuple[str, list[str]]]:
+        """The two sides given, each as its field's name and its texts."""
+        given = [(first, second) for first, second in self.SIDES
+                 if getattr(self, first) is not None and getattr(self, second) is not None]
+        names = {name for pair in self.SIDES for name in pair if getattr(self, name) is not None}
+        if len(given) != 1 or names != set(given[0]):
+            pairs = ", ".join(f"'{first}' and '{second}'" for first, second in self.SIDES)
+            raise APIError(400, f"give one pair of sides to score: {pairs} (got {sorted(names) or 'none'})",
+                           "queries")
+        return tuple((name, _as_list(getattr(self, name))) for name in given[0])
+
+
+class RerankRequest(ScoringFields):
+    """POST /rerank (Jina's and Cohere's shape, as vLLM serves it): documents ordered by relevance."""
+    query: str
+    documents: str | list[str]
+    top_n: Int = Field(0, ge=0)      # 0: every document
+
+
+def _as_list(texts: str | list[str]) -> list[str]:
+    return [texts] if isinstance(texts, str) else list(texts)
 
 
 class ChatMessage(BaseModel):

@@ -255,12 +255,12 @@ class TritonLLM:
             async for event in events:
                 yield parse_event(event)
 
-    async def embed(self, prompt_ids: list[int], pooling: dict, priority: str | int | None) -> tuple[list[float], int]:
-        """One prompt's embedding and its token count: the vLLM backend's `embedding_request` (what
-        Triton's OpenAI frontend sends), answered where `llm`'s engine runs as an embedding model."""
+    async def embed(self, prompt_ids: list[int], pooling: dict, priority: str | int | None) -> list[float]:
+        """One prompt's embedding: the vLLM backend's `embedding_request` (what Triton's OpenAI
+        frontend sends), answered where `llm`'s engine runs as an embedding model."""
         def payload() -> dict:
             inputs = {"embedding_request": json.dumps({"input": prompt_ids, "pooling_params": pooling}),
-                      "stream": True, "return_num_input_tokens": True}
+                      "stream": True}
             if priority is not None:
                 if not self._takes("priority"):
                     raise APIError(400, f"'priority': Triton's model '{self.model}' has the vLLM backend's tensors, "
@@ -269,7 +269,7 @@ class TritonLLM:
             return inputs
         async with contextlib.aclosing(self._request(1, priority or "normal", payload)) as events:
             async for event in events:
-                return json.loads(_elements(event["text_output"])[0]), int(event["num_input_tokens"])
+                return json.loads(_elements(event["text_output"])[0])
         raise APIError(500, f"Triton's model '{self.model}' ended an embedding request without its vector")
 
     async def _request(self, outputs: int, priority: str | int, payload) -> AsyncIterator[dict]:

@@ -1,0 +1,83 @@
+"""POST /score and /rerank (and vLLM's other paths to them): vLLM's scoring API as it serves an
+embedding model (its "bi-encoder" scoring). Each query and each document is embedded once, by
+the same `llm` requests as /v1/embeddings, and a pair's score is the cosine similarity of the
+two vectors. Pairs go 1:1, 1:N (one query against every document) or N:N (by position); rerank
+orders the documents by score and keeps the best `top_n`."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from starlette.responses import JSONResponse
+
+from .context import Context
+from .embeddings import check_fits, embed
+from .errors import APIError
+from .schemas import RerankRequest, ScoreRequest, ScoringFields
+
+
+async def create_score(body: ScoreRequest, ctx: Context, request_id: str, large: bool):
+    scores, tokens = await _scores(body, ctx, large, *body.sides())
+    data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
+    return JSONResponse({"id": f"score-{request_id}", "object": "list", "created": int(time.time()),
+                         "model": body.model or ctx.models.name, "data": data,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                                   "prompt_tokens_details": None}})
+
+
+async def create_rerank(body: RerankRequest, ctx: Context, request_id: str, large: bool):
+    documents = [body.documents] if isinstance(body.documents, str) else body.documents
+    scores, tokens = await _scores(body, ctx, large, ("query", [body.query]), ("documents", documents))
+    results = sorted(({"index": i, "document": {"text": text, "multi_modal": None}, "relevance_score": score}
+                      for i, (text, score) in enumerate(zip(documents, scores))),
+                     key=lambda result: result["relevance_score"], reverse=True)
+    return JSONResponse({"id": f"score-{request_id}", "model": body.model or ctx.models.name,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                         "results": results[:body.top_n or None]})
+
+
+Side = tuple[str, list[str]]        # a side's field name, and its texts
+
+
+async def _scores(body: ScoringFields, ctx: Context, large: bool, first: Side, second: Side) -> tuple[list[float], int]:
+    """Each pair's cosine similarity, and the tokens of every text embedded."""
+    (first_name, queries), (second_name, documents) = first, second
+    for name, texts in (first, second):
+        if not texts:
+            raise APIError(400, f"'{name}' must hold at least one text", name)
+    if len(queries) > 1 and len(queries) != len(documents):
+        raise APIError(400, f"Input lengths must be either 1:1, 1:N or N:N (got {len(queries)} '{first_name}' and "
+                       f"{len(documents)} '{second_name}')", second_name)
+    prompts = await ctx.offload(large, _prompts, body, ctx, first, second)
+    vectors = np.asarray(await embed(body, ctx, prompts, {}), dtype=np.float64)
+    firsts, seconds = vectors[:len(queries)], vectors[len(queries):]
+    firsts = np.broadcast_to(firsts, seconds.shape)
+    norms = np.maximum(np.linalg.norm(firsts, axis=1), EPS) * np.maximum(np.linalg.norm(seconds, axis=1), EPS)
+    return (np.einsum("ij,ij->i", firsts, seconds) / norms).tolist(), sum(map(len, prompts))
+
+
+EPS = 1e-8      # torch's cosine_similarity, which vLLM scores with: a zero vector scores 0
+
+
+def _prompts(body: ScoringFields, ctx: Context, first: Side, second: Side) -> list[list[int]]:
+    """Every query's then every document's token ids: each side's texts first cut to their
+    max_tokens_per_* (the text's own tokens, not counting the special ones the tokenizer adds),
+    then as truncate_prompt_tokens asks, and the context length checked."""
+    prompts = []
+    for (name, texts), limit, field in ((first, body.max_tokens_per_query, "max_tokens_per_query"),
+                                        (second, body.max_tokens_per_doc, "max_tokens_per_doc")):
+        if limit >= ctx.models.max_model_len:
+            raise APIError(400, f"'{field}' ({limit}) must be less than max_model_len ({ctx.models.max_model_len})",
+                           field)
+        cut = [_first_tokens(ctx, text, limit) if limit else text for text in texts]
+        ids = ctx.prompts_ids(cut, name, True, body.truncate_prompt_tokens, body.truncation_side)
+        check_fits(ids, ctx, name)
+        prompts += ids
+    return prompts
+
+
+def _first_tokens(ctx: Context, text: str, limit: int) -> list[int]:
+    """The text's first `limit` tokens, with the special tokens the tokenizer adds around them
+    (at most max_model_len in all: a longer prompt is refused as any other)."""
+    specials = len(ctx.tokenize(text)) - len(ctx.tokenize(text, add_special_tokens=False))
+    return ctx.truncate(text, min(limit + specials, ctx.models.max_model_len), "right")
