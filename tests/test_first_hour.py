@@ -558,12 +558,18 @@ def test_the_vllm_backends_model_json_loads_as_written(tmp_path, caplog):
     assert settings.vllm_metrics is False          # disable_log_stats: no vllm: metrics, as the backend does
     assert "'max_cpu_loras' has no effect here (every adapter of multi_lora.json stays in host memory)" in caplog.text
     assert "'disable_log_requests' has no effect here" in caplog.text
-    # an embedding model's: vLLM's runner (auto: generate, for the checkpoints served here) and convert
-    for runner, convert, expected in (("pooling", "auto", "pooling"), ("pooling", "embed", "pooling"),
-                                      ("auto", "auto", "generate")):
-        (tmp_path / "model.json").write_text(json.dumps({"model": "x", "runner": runner, "convert": convert}))
+    # an embedding model's: vLLM's runner (auto: the engine looks for a sentence-transformers checkpoint) and
+    # convert ("embed" asks for the pooling runner)
+    for given, expected in (({"runner": "pooling", "convert": "auto"}, "pooling"), ({"convert": "embed"}, "pooling"),
+                            ({"runner": "pooling", "convert": "embed"}, "pooling"), ({"runner": "auto"}, "auto"),
+                            ({"runner": "auto", "convert": "embed"}, "pooling")):
+        (tmp_path / "model.json").write_text(json.dumps({"model": "x", **given}))
         assert Settings.load(str(tmp_path)).engine.runner == expected
     from inflight.serving.startup import StartupError
+    (tmp_path / "model.json").write_text('{"model": "x", "runner": "generate", "convert": "embed"}')
+    with pytest.raises(StartupError, match=r"model.json: 'convert' 'embed' makes an embedding model, which runner "
+                                           r"'generate' does not serve"):
+        Settings.load(str(tmp_path))
     (tmp_path / "model.json").write_text('{"model": "x", "runner": "pooling", "convert": "classify"}')
     with pytest.raises(StartupError, match=r"model.json: 'convert' is 'classify': inflight serves a checkpoint"):
         Settings.load(str(tmp_path))

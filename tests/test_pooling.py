@@ -105,3 +105,46 @@ def test_each_runner_refuses_the_other_kind_of_request(tiny_checkpoint):
     with pytest.raises(ValueError, match=r"'prompt_token_ids' \(4 tokens\) must be shorter than max_model_len \(4\)"):
         LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(runner="pooling", num_kv_blocks=64,
                                                                 max_model_len=4)).embed([[1, 2, 3, 4]])
+
+
+def sentence_transformers_checkpoint(tiny_checkpoint, path, pooling: dict, normalize: bool) -> str:
+    """The checkpoint as sentence-transformers saves an embedding model: modules.json, the Pooling
+    module's config.json, and a Normalize module where it normalizes."""
+    shutil.copytree(tiny_checkpoint, path)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    with open(os.path.join(path, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    os.makedirs(os.path.join(path, "1_Pooling"))
+    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": 64, "include_prompt": True, **pooling}, f)
+    return str(path)
+
+
+def test_runner_auto_pools_a_sentence_transformers_checkpoint_as_its_modules_say(tiny_checkpoint, tmp_path):
+    """vLLM's runner "auto": a checkpoint with a sentence-transformers modules.json is an embedding
+    model (Qwen3-Embedding is a *ForCausalLM saved so), normalized only where it has a Normalize
+    module; any other checkpoint generates."""
+    config = EngineConfig(dtype="float64", num_kv_blocks=64)
+    assert config.runner == "auto"
+    normalized = sentence_transformers_checkpoint(tiny_checkpoint, tmp_path / "normalized", {
+        "pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}, normalize=True)
+    engine = LLMEngine.from_pretrained(normalized, config)
+    assert engine.config.runner == "pooling"
+    assert_close([out.embedding for out in engine.embed([[1, 2, 3]])], hf_embeddings(normalized, [[1, 2, 3]]))
+    raw = sentence_transformers_checkpoint(tiny_checkpoint, tmp_path / "raw", {"pooling_mode": "lasttoken"},
+                                           normalize=False)
+    engine = LLMEngine.from_pretrained(raw, config)
+    [unnormalized] = engine.embed([[1, 2, 3]])
+    assert abs(torch.tensor(unnormalized.embedding).norm().item() - 1) > 1e-3         # vLLM's use_activation false
+    assert_close([out.embedding for out in engine.embed([[1, 2, 3]], PoolingParams(normalize=True))],
+                 hf_embeddings(raw, [[1, 2, 3]]))
+    mean = sentence_transformers_checkpoint(tiny_checkpoint, tmp_path / "mean", {"pooling_mode_mean_tokens": True},
+                                            normalize=True)
+    with pytest.raises(ValueError, match="its sentence-transformers pooling is MEAN .modules.json.; inflight "
+                                         "serves LAST pooling .lasttoken. only"):
+        LLMEngine.from_pretrained(mean, config)
+    generating = LLMEngine.from_pretrained(tiny_checkpoint, config)
+    assert generating.config.runner == "generate" and len(generating.generate([[1, 2, 3]])[0].token_ids) > 0

@@ -10,7 +10,7 @@ from .reasoning import MARKERS as REASONING_MARKERS
 from .structured import GrammarSpec, parse_spec
 
 POLICIES = ("continuous", "dynamic", "static")
-RUNNERS = ("generate", "pooling")     # vLLM's: a model generates, or serves embeddings (pooling.py)
+RUNNERS = ("auto", "generate", "pooling")    # vLLM's: a model generates, or serves embeddings (pooling.py)
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
@@ -111,7 +111,7 @@ class EngineConfig:
     max_loras: int = 4                        # distinct adapters running at once (the device's adapter slots)
     max_lora_rank: int = 16                   # the largest adapter rank accepted
     reasoning_parser: str | None = None       # vLLM's: structured outputs wait for the end of reasoning (reasoning.py)
-    runner: str = "generate"                  # vLLM's: "pooling" serves embeddings instead (pooling.py)
+    runner: str = "auto"                      # vLLM's: "pooling" serves embeddings instead; "auto" as vLLM (pooling.py)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "dynamic_length_window", "stream_interval",

@@ -5,6 +5,7 @@ so from its engine thread). Nothing here knows about Triton.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -17,7 +18,7 @@ import torch
 from .config import EngineConfig, SamplingParams, parse_priority
 from .kv_cache import KVCacheManager
 from .logprobs import PromptPositions, TokenLogprobs, prompt_logprobs
-from .pooling import ONE_TOKEN, Pooler, PoolingParams
+from .pooling import ONE_TOKEN, Pooler, PoolingParams, resolve_runner
 from .reasoning import Reasoning
 from .request import Request, RequestOutput, Status, StepOutput
 from .runner import ModelRunner
@@ -77,6 +78,7 @@ class LLMEngine:
             raise ValueError(f"'lora_modules' {sorted(lora_modules)} given but 'enable_lora' is false")
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
+        config = dataclasses.replace(config, runner=resolve_runner(config.runner, model_dir))
         hf_config = AutoConfig.from_pretrained(model_dir)
         eos = getattr(hf_config, "eos_token_id", None)
         if os.path.exists(os.path.join(model_dir, "generation_config.json")):
@@ -89,7 +91,7 @@ class LLMEngine:
             eos_ids = (tokenizer.eos_token_id, *eos_ids)        # vLLM's EOS set: the tokenizer's and the configs'
         runner = ModelRunner(model_dir, hf_config, config, lora_modules)
         model_key = hashlib.blake2b(f"{os.path.realpath(model_dir)}|{runner.dtype}".encode(), digest_size=16).digest()
-        pooler = Pooler(hf_config, runner.spec.hidden_size) if config.runner == "pooling" else None
+        pooler = Pooler(hf_config, runner.spec.hidden_size, model_dir) if config.runner == "pooling" else None
         return cls(runner, config, eos_ids, model_key, tokenizer=tokenizer, pooler=pooler)
 
     # ---- requests ----------------------------------------------------------------------------

@@ -1,7 +1,10 @@
-"""Embeddings: an engine with `runner` "pooling" (vLLM's setting) serves embedding requests
-instead of generation. A prompt's embedding is the model's final hidden state (after its last
-norm) at the prompt's last token, L2-normalized: what vLLM gives a *ForCausalLM checkpoint run as
-an embedding model (its `as_embedding_model`: LAST pooling, normalized), such as Qwen3-Embedding.
+"""Embeddings: an engine with `runner` "pooling" (vLLM's setting; "auto" picks it for a
+sentence-transformers checkpoint, as vLLM's does) serves embedding requests instead of
+generation. A prompt's embedding is the model's final hidden state (after its last norm) at the
+prompt's last token, L2-normalized: what vLLM gives a *ForCausalLM checkpoint run as an embedding
+model (its `as_embedding_model`: LAST pooling, normalized), such as Qwen3-Embedding. A
+sentence-transformers checkpoint's modules.json says whether it normalizes (its Normalize module)
+and how it pools (only LAST, its "lasttoken", is served).
 
 The request runs through the scheduler as a one-token generation: its prompt is prefilled as any
 other (chunked, prefix-cached, preempted and recomputed), and the step that samples its token
@@ -9,6 +12,8 @@ hands back the pooled hidden state; the token itself goes to nobody. Importable 
 the request parsing of the tokenizing models and of the OpenAI server's image reads its params."""
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 from .config import SamplingParams, is_int
@@ -19,19 +24,66 @@ ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)     # what a pooling r
 @dataclass(slots=True, frozen=True)
 class PoolingParams:
     dimensions: int | None = None     # Matryoshka: the first n values, then normalized (models trained for it)
-    normalize: bool = True            # vLLM's use_activation: the vector L2-normalized
+    normalize: bool | None = None     # vLLM's use_activation: the vector L2-normalized (None: as the model does)
+
+
+@dataclass(slots=True, frozen=True)
+class SentenceTransformers:
+    """A sentence-transformers checkpoint's modules.json: its pooling and whether it normalizes."""
+    pooling: str | None               # vLLM's name for it ("LAST", "MEAN", "CLS"), None where not given
+    normalize: bool
+
+    @classmethod
+    def read(cls, model_dir: str) -> SentenceTransformers | None:
+        """None without a modules.json; as vLLM reads one: the Pooling module's config.json names its
+        mode ("pooling_mode": "lasttoken", or a "pooling_mode_<name>": true key)."""
+        path = os.path.join(model_dir, "modules.json")
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            modules = json.load(f)
+        types = {module.get("type", "").rsplit(".", 1)[-1]: module for module in modules}
+        pooling = None
+        if "Pooling" in types:
+            with open(os.path.join(model_dir, types["Pooling"].get("path", ""), "config.json")) as f:
+                for key, value in json.load(f).items():
+                    if key == "pooling_mode" and isinstance(value, str):
+                        pooling = _pooling_name(value) or pooling
+                    elif key.startswith("pooling_mode_") and value is True:
+                        pooling = _pooling_name(key) or pooling
+        return cls(pooling, "Normalize" in types)
+
+
+def _pooling_name(mode: str) -> str | None:
+    """vLLM's name for a sentence-transformers pooling mode ("pooling_mode_mean_tokens" -> "MEAN")."""
+    name = mode.removeprefix("pooling_mode_").split("_", 1)[0]
+    name = "LAST" if "lasttoken" in name else name.upper()
+    return name if name in ("CLS", "LAST", "MEAN") else None
+
+
+def resolve_runner(runner: str, model_dir: str) -> str:
+    """vLLM's runner "auto": pooling for a sentence-transformers checkpoint (some are *ForCausalLM,
+    as Qwen3-Embedding), generation otherwise (the architectures served here generate)."""
+    if runner != "auto":
+        return runner
+    return "pooling" if os.path.exists(os.path.join(model_dir, "modules.json")) else "generate"
 
 
 class Pooler:
-    """The checkpoint's pooling facts: its hidden size, and which dimensions it may be cut to
-    (vLLM's rule: only a Matryoshka model's config allows `dimensions`, its matryoshka_dimensions
-    if it lists them, else any from 1 to the hidden size)."""
+    """The checkpoint's pooling facts: its hidden size, which dimensions it may be cut to (vLLM's
+    rule: only a Matryoshka model's config allows `dimensions`, its matryoshka_dimensions if it
+    lists them, else any from 1 to the hidden size), and whether it normalizes by default."""
 
-    def __init__(self, hf_config, hidden_size: int):
+    def __init__(self, hf_config, hidden_size: int, model_dir: str):
         self.hidden_size = hidden_size
         listed = getattr(hf_config, "matryoshka_dimensions", None)
         self.matryoshka_dimensions = tuple(listed) if listed else None
         self.matryoshka = bool(listed) or bool(getattr(hf_config, "is_matryoshka", False))
+        st = SentenceTransformers.read(model_dir)
+        if st is not None and st.pooling not in (None, "LAST"):
+            raise ValueError(f"{model_dir}: its sentence-transformers pooling is {st.pooling} (modules.json); "
+                             "inflight serves LAST pooling (lasttoken) only")
+        self.normalize = True if st is None else st.normalize
 
     def check(self, params: PoolingParams) -> None:
         dims = params.dimensions
@@ -45,14 +97,13 @@ class Pooler:
         if self.matryoshka_dimensions is not None and dims not in self.matryoshka_dimensions:
             raise ValueError(f"'dimensions' must be one of {list(self.matryoshka_dimensions)}, got {dims}")
 
-    @staticmethod
-    def pool(hidden, params: list[PoolingParams]) -> list[list[float]]:
+    def pool(self, hidden, params: list[PoolingParams]) -> list[list[float]]:
         """hidden [rows, hidden_size] (a tensor): each row's last-token state -> its embedding (float32)."""
         import torch
         out = []
         for row, p in zip(hidden.float(), params):
             vector = row[:p.dimensions] if p.dimensions is not None else row
-            if p.normalize:
+            if self.normalize if p.normalize is None else p.normalize:
                 vector = torch.nn.functional.normalize(vector, dim=-1)
             out.append(vector.tolist())
         return out

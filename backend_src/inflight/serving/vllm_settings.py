@@ -31,9 +31,8 @@ WITHOUT_EFFECT = {
     "max_cpu_loras": "every adapter of multi_lora.json stays in host memory",
 }
 PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size")
-# vLLM's runner "auto" generates with the *ForCausalLM checkpoints served here; its convert "auto"
-# or "embed" is what a pooling runner makes of them (LAST pooling, normalized: pooling.py)
-RUNNER_AUTO = {"auto": "generate"}
+# vLLM's convert "auto" or "embed": what a pooling runner makes of the *ForCausalLM checkpoints served
+# here (LAST pooling: pooling.py); "embed" with runner "auto" (or none) asks for the pooling runner
 CONVERTS = ("auto", "embed")
 KEYS = (*ENGINE_ARGS, "disable_log_stats", "convert", *WITHOUT_EFFECT, *PARALLEL_SIZES)
 
@@ -47,11 +46,14 @@ def read_top_level(raw: dict, path: str) -> tuple[dict, bool]:
             values[key] = _boolean(raw[key]) if key in BOOLEAN_ARGS else raw[key]
     if isinstance(values.get("dtype"), str):
         values["dtype"] = DTYPE_ALIASES.get(values["dtype"], values["dtype"])
-    if isinstance(values.get("runner"), str):
-        values["runner"] = RUNNER_AUTO.get(values["runner"], values["runner"])
     if "convert" in raw and raw["convert"] not in CONVERTS:
         raise StartupError(f"{path}: 'convert' is {raw['convert']!r}: inflight serves a checkpoint as it is "
                            f"(runner 'generate') or as an embedding model (runner 'pooling'); one of {CONVERTS}")
+    if raw.get("convert") == "embed":
+        if values.get("runner", "auto") not in ("auto", "pooling"):
+            raise StartupError(f"{path}: 'convert' 'embed' makes an embedding model, which runner "
+                               f"{values['runner']!r} does not serve: give runner 'pooling' or 'auto'")
+        values["runner"] = "pooling"
     for key in PARALLEL_SIZES:
         if key in raw and (isinstance(raw[key], bool) or raw[key] not in (1, "1")):
             raise StartupError(f"{path}: '{key}' is {raw[key]!r}: inflight runs each engine on one device; to serve "
