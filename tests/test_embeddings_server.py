@@ -64,6 +64,8 @@ def test_the_openai_frontends_embedding_request_gets_the_engines_vector(pooling_
     assert "'embedding_request.input' (64 tokens) must be shorter than max_model_len (64)" in too_long["error"]
     assert "give it without ['text_input']" in http_generate(pooling_server.http_url, "llm", {
         "embedding_request": json.dumps({"input": "x"}), "text_input": "x"})["error"]
+    assert "'queue_heartbeat' needs 'stream' = true" in http_generate(pooling_server.http_url, "llm", {
+        "embedding_request": json.dumps({"input": "x"}), "queue_heartbeat": True})["error"]
     assert "it serves embedding requests, not generation" in http_generate(
         pooling_server.http_url, "llm", {"text_input": "x", "max_tokens": 2})["error"]
     assert pooling_server.metric("inflight_kv_blocks_used") == 0
@@ -92,7 +94,12 @@ def test_openai_sdk_embeddings_equal_the_engines(client, engine, tokenizer):
     assert all(abs(v / norm - u) < 1e-6 for v, u in zip(raw.data[0].embedding, unit.embedding))     # float32
     cut = client.embeddings.create(model="inflight-tiny", input=TEXTS[1], encoding_format="float",
                                    extra_body={"truncate_prompt_tokens": 3})
-    assert cut.usage.prompt_tokens == 3
+    [first] = engine.embed([ids[1][:3]])       # a pooling model's prompt keeps its first tokens, as in vLLM
+    assert cut.usage.prompt_tokens == 3 and cut.data[0].embedding == first.embedding
+    tail = client.embeddings.create(model="inflight-tiny", input=TEXTS[1], encoding_format="float",
+                                    extra_body={"truncate_prompt_tokens": 3, "truncation_side": "left"})
+    [last] = engine.embed([ids[1][:1] + ids[1][-2:]])       # the BOS the tokenizer adds stays
+    assert tail.data[0].embedding == last.embedding
 
 
 @pytest.mark.parametrize("kwargs, status, param, message", [

@@ -347,8 +347,7 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
     except ValueError as exc:
         raise RequestError(str(exc)) from None
     _resolve_exclude_input(flags)
-    if flags.get("queue_heartbeat") and not flags.get("stream"):
-        raise RequestError("'queue_heartbeat' needs 'stream' = true: a request that is not streamed gets one response")
+    _check_heartbeat(flags)
     if n > 1 and flags.get("return_token_ids"):
         raise RequestError("'return_token_ids' needs 'n' = 1")
     return GenerateRequest(prompt_text, prompt_ids, params, priority or "normal", cache_salt,
@@ -358,11 +357,12 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
 
 def _embedding_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRequest:
     """The vLLM backend's embedding_request: its input (text, or token ids) and pooling_params;
-    of the other inputs, the token counts and the request's priority are read (the others are
+    of the other inputs, the token counts, the request's priority and queue_heartbeat (how Triton
+    sees a client that left while its request waits) are read (the others are
     generation's, and are refused rather than ignored)."""
     name = "embedding_request"
-    others = sorted(set(inputs) - {name, "return_num_input_tokens", "return_num_output_tokens", "stream",
-                                   "priority"} | {key for key in parameters if not ignored_parameter(key)})
+    read = {name, "return_num_input_tokens", "return_num_output_tokens", "stream", "priority", "queue_heartbeat"}
+    others = sorted(set(inputs) - read | {key for key in parameters if not ignored_parameter(key)})
     if others:
         raise RequestError(f"'{name}' is a request of its own: give it without {others}")
     try:
@@ -382,11 +382,17 @@ def _embedding_request(inputs: dict[str, np.ndarray], parameters: dict) -> Gener
     else:
         raise RequestError(f"'{name}.input' must be a string or a non-empty list of token ids (one prompt)")
     flags = {key: _bool_input(key, inputs[key]) for key in ("return_num_input_tokens", "return_num_output_tokens",
-                                                              "stream") if key in inputs}
+                                                              "stream", "queue_heartbeat") if key in inputs}
+    _check_heartbeat(flags)
     priority = _coerce("priority", "priority", string_input("priority", inputs["priority"])) \
         if "priority" in inputs else "normal"
     return GenerateRequest(text, ids, ONE_TOKEN, priority, pooling=_pooling_params(request.get("pooling_params")),
                            **flags)
+
+
+def _check_heartbeat(flags: dict) -> None:
+    if flags.get("queue_heartbeat") and not flags.get("stream"):
+        raise RequestError("'queue_heartbeat' needs 'stream' = true: a request that is not streamed gets one response")
 
 
 def _pooling_params(value) -> PoolingParams:
@@ -404,8 +410,8 @@ def _pooling_params(value) -> PoolingParams:
         dims = dims[0]
     if dims is not None and not is_int(dims):
         raise RequestError(f"'{name}.dimensions' must be an integer (or a list of one), got {value['dimensions']!r}")
-    normalize = value.get("use_activation", True)
-    if not isinstance(normalize, bool):
+    normalize = value.get("use_activation")
+    if normalize is not None and not isinstance(normalize, bool):
         raise RequestError(f"'{name}.use_activation' must be a boolean, got {normalize!r}")
     return PoolingParams(dims, normalize)
 

@@ -235,7 +235,8 @@ class PoolingFields(Body):
     model: str | None = None
     user: str | None = None
     truncate_prompt_tokens: Int | None = None    # vLLM's, as for completions
-    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's pooling models truncate on the right (keep a text's first tokens), generation on the left
+    truncation_side: Literal["left", "right"] = "right"
     use_activation: bool | None = None           # vLLM's: false returns the vector unnormalized
     priority: Literal["high", "normal", "low"] | Int | None = None
     request_id: str | None = None

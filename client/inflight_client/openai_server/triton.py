@@ -261,6 +261,8 @@ class TritonLLM:
         def payload() -> dict:
             inputs = {"embedding_request": json.dumps({"input": prompt_ids, "pooling_params": pooling}),
                       "stream": True}
+            if self.inputs and "queue_heartbeat" in self.inputs:   # inflight's: Triton sees a client leave the queue
+                inputs["queue_heartbeat"] = True
             if priority is not None:
                 if not self._takes("priority"):
                     raise APIError(400, f"'priority': Triton's model '{self.model}' has the vLLM backend's tensors, "
