@@ -102,6 +102,20 @@ def test_openai_sdk_embeddings_equal_the_engines(client, engine, tokenizer):
     assert tail.data[0].embedding == last.embedding
 
 
+def test_cache_salt_keeps_embeddings_from_each_others_prefix_cache(client, pooling_server):
+    """vLLM's cache_salt on a pooling request: only requests with the same salt share cached blocks;
+    the vector is the same either way."""
+    text = "A class definition defines a class object, " * 3         # a few blocks of tokens
+    vectors = []
+    for salt, shares in (("tenant-a", False), ("tenant-a", True), ("tenant-b", False)):
+        hits = pooling_server.metric("inflight_prefix_cache_hits_total")
+        reply = client.embeddings.create(model="inflight-tiny", input=text, encoding_format="float",
+                                         extra_body={"cache_salt": salt})
+        vectors.append(reply.data[0].embedding)
+        assert (pooling_server.metric("inflight_prefix_cache_hits_total") > hits) == shares, salt
+    assert all(abs(a - b) < 1e-9 for v in vectors[1:] for a, b in zip(v, vectors[0]))
+
+
 @pytest.mark.parametrize("kwargs, status, param, message", [
     (dict(input=[]), 400, "input", "'input' must not be empty"),
     (dict(input="x", dimensions=8), 400, "dimensions", "does not support Matryoshka embeddings"),

@@ -357,11 +357,12 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
 
 def _embedding_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRequest:
     """The vLLM backend's embedding_request: its input (text, or token ids) and pooling_params;
-    of the other inputs, the token counts, the request's priority and queue_heartbeat (how Triton
-    sees a client that left while its request waits) are read (the others are
+    of the other inputs, the token counts, the request's priority and cache_salt, and
+    queue_heartbeat (how Triton sees a client that left while its request waits) are read (the others are
     generation's, and are refused rather than ignored)."""
     name = "embedding_request"
-    read = {name, "return_num_input_tokens", "return_num_output_tokens", "stream", "priority", "queue_heartbeat"}
+    read = {name, "return_num_input_tokens", "return_num_output_tokens", "stream", "priority", "cache_salt",
+            "queue_heartbeat"}
     others = sorted(set(inputs) - read | {key for key in parameters if not ignored_parameter(key)})
     if others:
         raise RequestError(f"'{name}' is a request of its own: give it without {others}")
@@ -386,8 +387,9 @@ def _embedding_request(inputs: dict[str, np.ndarray], parameters: dict) -> Gener
     _check_heartbeat(flags)
     priority = _coerce("priority", "priority", string_input("priority", inputs["priority"])) \
         if "priority" in inputs else "normal"
-    return GenerateRequest(text, ids, ONE_TOKEN, priority, pooling=_pooling_params(request.get("pooling_params")),
-                           **flags)
+    cache_salt = string_input("cache_salt", inputs["cache_salt"]) if "cache_salt" in inputs else None
+    return GenerateRequest(text, ids, ONE_TOKEN, priority, cache_salt,
+                           pooling=_pooling_params(request.get("pooling_params")), **flags)
 
 
 def _check_heartbeat(flags: dict) -> None:

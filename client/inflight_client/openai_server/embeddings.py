@@ -40,7 +40,8 @@ async def embed(body: PoolingFields, ctx: Context, prompts: list[list[int]], poo
         pooling = {**pooling, "use_activation": body.use_activation}
     try:
         async with asyncio.TaskGroup() as group:
-            calls = [group.create_task(ctx.triton.embed(ids, pooling, body.priority)) for ids in prompts]
+            calls = [group.create_task(ctx.triton.embed(ids, pooling, body.priority, body.cache_salt))
+                     for ids in prompts]
     except ExceptionGroup as failed:
         raise failed.exceptions[0] from None
     return [call.result() for call in calls]

@@ -239,6 +239,7 @@ class PoolingFields(Body):
     truncation_side: Literal["left", "right"] = "right"
     use_activation: bool | None = None           # vLLM's: false returns the vector unnormalized
     priority: Literal["high", "normal", "low"] | Int | None = None
+    cache_salt: str | None = Field(None, min_length=1)
     request_id: str | None = None
     padding: str | None = None
     mm_processor_kwargs: Any = None

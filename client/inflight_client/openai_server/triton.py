@@ -255,19 +255,23 @@ class TritonLLM:
             async for event in events:
                 yield parse_event(event)
 
-    async def embed(self, prompt_ids: list[int], pooling: dict, priority: str | int | None) -> list[float]:
+    async def embed(self, prompt_ids: list[int], pooling: dict, priority: str | int | None,
+                    cache_salt: str | None = None) -> list[float]:
         """One prompt's embedding: the vLLM backend's `embedding_request` (what Triton's OpenAI
-        frontend sends), answered where `llm`'s engine runs as an embedding model."""
+        frontend sends), answered where `llm`'s engine runs as an embedding model; with
+        inflight's inputs where asked."""
         def payload() -> dict:
             inputs = {"embedding_request": json.dumps({"input": prompt_ids, "pooling_params": pooling}),
                       "stream": True}
             if self.inputs and "queue_heartbeat" in self.inputs:   # inflight's: Triton sees a client leave the queue
                 inputs["queue_heartbeat"] = True
-            if priority is not None:
-                if not self._takes("priority"):
-                    raise APIError(400, f"'priority': Triton's model '{self.model}' has the vLLM backend's tensors, "
-                                   "which take no priority", "priority")
-                inputs["priority"] = str(priority)
+            for name, value in (("priority", priority), ("cache_salt", cache_salt)):
+                if value is None:
+                    continue
+                if not self._takes(name):
+                    raise APIError(400, f"'{name}': Triton's model '{self.model}' has the vLLM backend's tensors, "
+                                   f"which take no {name}", name)
+                inputs[name] = str(value)
             return inputs
         async with contextlib.aclosing(self._request(1, priority or "normal", payload)) as events:
             async for event in events:
