@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from inflight.config import MAX_LOGPROBS
@@ -243,6 +243,11 @@ class PoolingFields(Body):
     request_id: str | None = None
     padding: str | None = None
     mm_processor_kwargs: Any = None
+
+    @field_validator("padding")
+    @classmethod
+    def _not_padding(cls, value):
+        return None if value == "do_not_pad" else value        # vLLM's name for no padding
 
     @model_validator(mode="after")
     def _check_truncation(self):

@@ -273,10 +273,13 @@ class TritonLLM:
                                    f"which take no {name}", name)
                 inputs[name] = str(value)
             return inputs
+        vector = None
         async with contextlib.aclosing(self._request(1, priority or "normal", payload)) as events:
-            async for event in events:
-                return json.loads(_elements(event["text_output"])[0])
-        raise APIError(500, f"Triton's model '{self.model}' ended an embedding request without its vector")
+            async for event in events:          # read to the stream's end: its connection goes back to the pool
+                vector = json.loads(_elements(event["text_output"])[0])
+        if vector is None:
+            raise APIError(500, f"Triton's model '{self.model}' ended an embedding request without its vector")
+        return vector
 
     async def _request(self, outputs: int, priority: str | int, payload) -> AsyncIterator[dict]:
         """One request's response events with outputs (payload() builds its inputs once the
