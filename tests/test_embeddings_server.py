@@ -102,6 +102,34 @@ def test_openai_sdk_embeddings_equal_the_engines(client, engine, tokenizer):
     assert tail.data[0].embedding == last.embedding
 
 
+def test_chat_form_embeddings_render_the_conversation_with_the_chat_template(client, engine, tokenizer):
+    """vLLM's chat form of /v1/embeddings: `messages` (or chat messages as `input`), one
+    conversation or several, rendered without a generation prompt or added special tokens by
+    default."""
+    first = [{"role": "system", "content": "Embed the query."}, {"role": "user", "content": "The assert statement"}]
+    second = [{"role": "user", "content": "A list"}]
+    url = str(client.base_url) + "embeddings"
+
+    def engine_vector(conversation, **template):
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, **template)
+        return engine.embed([tokenizer(text, add_special_tokens=False).input_ids])[0].embedding
+
+    for body in ({"messages": first}, {"input": first}):
+        reply = httpx.post(url, json=body).json()
+        assert reply["data"][0]["embedding"] == engine_vector(first, add_generation_prompt=False)
+    both = httpx.post(url, json={"messages": [first, second]}).json()
+    assert [d["embedding"] for d in both["data"]] == [engine_vector(first), engine_vector(second)]
+    prompted = httpx.post(url, json={"messages": second, "add_generation_prompt": True}).json()
+    assert prompted["data"][0]["embedding"] == engine_vector(second, add_generation_prompt=True)
+    for body, param, message in (({"input": "x", "add_generation_prompt": True}, "add_generation_prompt",
+                                  "'add_generation_prompt' goes with 'messages', not 'input'"),
+                                 ({"input": "x", "messages": second}, "input", "give exactly one of 'input' and "
+                                                                              "'messages'"),
+                                 ({"messages": [[]]}, "messages", "'messages' must not hold an empty conversation")):
+        error = httpx.post(url, json=body).json()["error"]
+        assert (error["param"], message in error["message"]) == (param, True), error
+
+
 def test_cache_salt_keeps_embeddings_from_each_others_prefix_cache(client, pooling_server):
     """vLLM's cache_salt on a pooling request: only requests with the same salt share cached blocks;
     the vector is the same either way."""

@@ -1,9 +1,10 @@
 """POST /v1/embeddings: one `llm` request per input, each the vLLM backend's `embedding_request`
 (what Triton's OpenAI frontend sends it), which `llm` answers where its engine runs as an
-embedding model (runner "pooling"; otherwise its refusal is the answer). Inputs are tokenized
-here (add_special_tokens, truncate_prompt_tokens, the context length checked) and sent as token
-ids; the vectors come back as lists of floats, or with encoding_format "base64" as their
-little-endian float32 bytes, which the `openai` SDK asks for and decodes by default."""
+embedding model (runner "pooling"; otherwise its refusal is the answer). Inputs (or vLLM's chat
+form: conversations rendered with the chat template) are tokenized here (add_special_tokens,
+truncate_prompt_tokens, the context length checked) and sent as token ids; the vectors come
+back as lists of floats, or with encoding_format "base64" as their little-endian float32 bytes,
+which the `openai` SDK asks for and decodes by default."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,7 @@ import time
 import numpy as np
 from starlette.responses import JSONResponse
 
+from .chat_template import message_text
 from .context import Context
 from .errors import APIError
 from .schemas import EmbeddingRequest, PoolingFields
@@ -48,10 +50,24 @@ async def embed(body: PoolingFields, ctx: Context, prompts: list[list[int]], poo
 
 
 def _prompts(body: EmbeddingRequest, ctx: Context) -> list[list[int]]:
-    prompts = ctx.prompts_ids(body.inputs(), "input", body.add_special_tokens, body.truncate_prompt_tokens,
+    field = "input" if body.messages is None else "messages"
+    prompts = ctx.prompts_ids(_texts(body, ctx), field, body.special_tokens(), body.truncate_prompt_tokens,
                               body.truncation_side)
-    check_fits(prompts, ctx, "input")
+    check_fits(prompts, ctx, field)
     return prompts
+
+
+def _texts(body: EmbeddingRequest, ctx: Context) -> list[str | list[int]]:
+    """The inputs, or each conversation rendered with the chat template (text that cannot fit is
+    refused before the template renders it, unless the prompt is to be cut)."""
+    if body.messages is None:
+        return body.inputs()
+    texts = []
+    for conversation in body.conversations():
+        if body.truncate_prompt_tokens is None:
+            ctx.check_size("".join(message_text(m, i) for i, m in enumerate(conversation)), "messages")
+        texts.append(ctx.chat.render(conversation, None, body))
+    return texts
 
 
 def check_fits(prompts: list[list[int]], ctx: Context, field: str) -> None:

@@ -258,31 +258,6 @@ class PoolingFields(Body):
         return self
 
 
-class EmbeddingRequest(PoolingFields):
-    """POST /v1/embeddings: OpenAI's fields, and vLLM's extras for a text input (its chat-message
-    form is not served: messages are refused as an unknown field)."""
-    input: str | list[str] | list[Int] | list[list[Int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Int | None = Field(None, ge=1)
-    add_special_tokens: bool = True
-    embed_dtype: Literal["float32"] = "float32"  # vLLM's base64 encodings of other dtypes are not served
-    endianness: Literal["native", "little"] = "native"     # float32 bytes as little-endian (this host's too)
-
-    @model_validator(mode="after")
-    def _check_input(self):
-        inputs = self.inputs()
-        if not inputs or any(p == [] for p in inputs):
-            raise APIError(400, "'input' must not be empty", "input")
-        return self
-
-    def inputs(self) -> list[str | list[int]]:
-        """The input forms the OpenAI spec allows, as a list of inputs."""
-        given = self.input
-        if isinstance(given, str) or (given and all(isinstance(t, int) for t in given)):
-            return [given]
-        return list(given)
-
-
 class ScoringFields(PoolingFields):
     """vLLM's fields for scoring text pairs: each side's texts cut to a number of tokens (0: not
     cut); `instruction` and `chat_template_kwargs` feed a cross-encoder's template, which an
@@ -394,6 +369,65 @@ class TemplateFields(Body):
             self.add_generation_prompt = False   # the default gives way to the explicit choice,
             self.model_fields_set.discard("add_generation_prompt")     # and still counts as not given
         return self
+
+
+class EmbeddingRequest(PoolingFields, TemplateFields):
+    """POST /v1/embeddings: OpenAI's fields, and vLLM's extras: for a text input, and its chat form,
+    `messages` (one conversation or a list of them; also taken as `input`) rendered with the chat
+    template as /tokenize renders them, without a generation prompt by default."""
+    input: str | list[str] | list[Int] | list[list[Int]] | None = None
+    messages: list[ChatMessage] | list[list[ChatMessage]] | None = Field(None, min_length=1)
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = Field(None, ge=1)
+    add_special_tokens: bool | None = None       # vLLM's: true for `input`, false for `messages` (the template's)
+    add_generation_prompt: bool = False
+    embed_dtype: Literal["float32"] = "float32"  # vLLM's base64 encodings of other dtypes are not served
+    endianness: Literal["native", "little"] = "native"     # float32 bytes as little-endian (this host's too)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _conversations_given_as_input(cls, data):
+        """vLLM's: an `input` of chat messages (or of lists of them) is `messages`."""
+        if isinstance(data, dict) and "messages" not in data and _chat_form(data.get("input")):
+            data = {**data, "messages": data["input"]}
+            del data["input"]
+        return data
+
+    @model_validator(mode="after")
+    def _check_input(self):
+        if (self.input is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of 'input' and 'messages'", "input")
+        if self.messages is not None:
+            if any(not conversation for conversation in self.conversations()):
+                raise APIError(400, "'messages' must not hold an empty conversation", "messages")
+            return self
+        given = sorted(TemplateFields.model_fields.keys() & self.model_fields_set)
+        if given:
+            raise APIError(400, f"'{given[0]}' goes with 'messages', not 'input'", given[0])
+        inputs = self.inputs()
+        if not inputs or any(p == [] for p in inputs):
+            raise APIError(400, "'input' must not be empty", "input")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input forms the OpenAI spec allows, as a list of inputs."""
+        given = self.input
+        if isinstance(given, str) or (given and all(isinstance(t, int) for t in given)):
+            return [given]
+        return list(given)
+
+    def conversations(self) -> list[list[ChatMessage]]:
+        return self.messages if isinstance(self.messages[0], list) else [self.messages]
+
+    def special_tokens(self) -> bool:
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
+
+
+def _chat_form(value) -> bool:
+    """A chat conversation (a list of {"role": ...} objects), or a list of them."""
+    def conversation(item) -> bool:
+        return isinstance(item, list) and bool(item) and all(isinstance(m, dict) and "role" in m for m in item)
+    return isinstance(value, list) and bool(value) and (conversation(value) or all(map(conversation, value)))
 
 
 class ChatCompletionRequest(SamplingFields, TemplateFields):
