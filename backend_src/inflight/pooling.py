@@ -13,10 +13,13 @@ the request parsing of the tokenizing models and of the OpenAI server's image re
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 
 from .config import SamplingParams, is_int
+
+log = logging.getLogger("inflight")
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)     # what a pooling request runs as
 
@@ -66,7 +69,11 @@ def resolve_runner(runner: str, model_dir: str) -> str:
     as Qwen3-Embedding), generation otherwise (the architectures served here generate)."""
     if runner != "auto":
         return runner
-    return "pooling" if os.path.exists(os.path.join(model_dir, "modules.json")) else "generate"
+    if not os.path.exists(os.path.join(model_dir, "modules.json")):
+        return "generate"
+    log.info("inflight: runner 'auto' is 'pooling': %s is a sentence-transformers checkpoint (modules.json)",
+             model_dir)
+    return "pooling"
 
 
 class Pooler:
