@@ -146,5 +146,8 @@ def test_runner_auto_pools_a_sentence_transformers_checkpoint_as_its_modules_say
     with pytest.raises(ValueError, match="its sentence-transformers pooling is MEAN .modules.json.; inflight "
                                          "serves LAST pooling .lasttoken. only"):
         LLMEngine.from_pretrained(mean, config)
+    most = sentence_transformers_checkpoint(tiny_checkpoint, tmp_path / "max", {"pooling_mode": "max"}, normalize=True)
+    with pytest.raises(ValueError, match="its sentence-transformers pooling is MAX"):
+        LLMEngine.from_pretrained(most, config)
     generating = LLMEngine.from_pretrained(tiny_checkpoint, config)
     assert generating.config.runner == "generate" and len(generating.generate([[1, 2, 3]])[0].token_ids) > 0

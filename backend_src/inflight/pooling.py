@@ -33,7 +33,7 @@ class PoolingParams:
 @dataclass(slots=True, frozen=True)
 class SentenceTransformers:
     """A sentence-transformers checkpoint's modules.json: its pooling and whether it normalizes."""
-    pooling: str | None               # vLLM's name for it ("LAST", "MEAN", "CLS"), None where not given
+    pooling: str | None               # as vLLM names it ("LAST", "MEAN", "CLS", ...), None where not given
     normalize: bool
 
     @classmethod
@@ -51,17 +51,16 @@ class SentenceTransformers:
             with open(os.path.join(model_dir, types["Pooling"].get("path", ""), "config.json")) as f:
                 for key, value in json.load(f).items():
                     if key == "pooling_mode" and isinstance(value, str):
-                        pooling = _pooling_name(value) or pooling
+                        pooling = _pooling_name(value)
                     elif key.startswith("pooling_mode_") and value is True:
-                        pooling = _pooling_name(key) or pooling
+                        pooling = _pooling_name(key)
         return cls(pooling, "Normalize" in types)
 
 
-def _pooling_name(mode: str) -> str | None:
+def _pooling_name(mode: str) -> str:
     """vLLM's name for a sentence-transformers pooling mode ("pooling_mode_mean_tokens" -> "MEAN")."""
     name = mode.removeprefix("pooling_mode_").split("_", 1)[0]
-    name = "LAST" if "lasttoken" in name else name.upper()
-    return name if name in ("CLS", "LAST", "MEAN") else None
+    return "LAST" if "lasttoken" in name else name.upper()
 
 
 def resolve_runner(runner: str, model_dir: str) -> str:
@@ -87,7 +86,7 @@ class Pooler:
         self.matryoshka_dimensions = tuple(listed) if listed else None
         self.matryoshka = bool(listed) or bool(getattr(hf_config, "is_matryoshka", False))
         st = SentenceTransformers.read(model_dir)
-        if st is not None and st.pooling not in (None, "LAST"):
+        if st is not None and st.pooling not in (None, "LAST"):     # vLLM would pool MAX and others as LAST
             raise ValueError(f"{model_dir}: its sentence-transformers pooling is {st.pooling} (modules.json); "
                              "inflight serves LAST pooling (lasttoken) only")
         self.normalize = True if st is None else st.normalize
