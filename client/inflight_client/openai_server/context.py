@@ -86,12 +86,13 @@ class Context:
             raise APIError(400, str(exc), field, "context_length_exceeded") from None
 
     def prompts_ids(self, prompts: list[str | list[int]], field: str, add_special_tokens: bool = True,
-                    truncate: int | None = None, side: str | None = None) -> list[list[int]]:
+                    truncate: int | None = None, side: str | None = None,
+                    default_side: str = "left") -> list[list[int]]:
         """Prompts as completions and embeddings take them (text or token ids) as token ids: cut
-        where `truncate` (vLLM's truncate_prompt_tokens) asks, else every one size-checked before
-        any is tokenized; an empty one is refused, naming `field`."""
+        where `truncate` (vLLM's truncate_prompt_tokens) asks (see truncate), else every one
+        size-checked before any is tokenized; an empty one is refused, naming `field`."""
         if truncate is not None:
-            ids = [self.truncate(p, truncate, side, add_special_tokens) for p in prompts]
+            ids = [self.truncate(p, truncate, side, add_special_tokens, default_side) for p in prompts]
         else:
             for prompt in prompts:
                 self.check_size(prompt, field)
@@ -117,20 +118,23 @@ class Context:
         return text[len(bos):]
 
     def truncate(self, prompt: str | list[int], keep: int, side: str | None = None,
-                 add_special_tokens: bool = True) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens, or with `side` "right"
-        its first (-1: the context length less one, the room for one output token). A text prompt
-        is cut as the tokenizer truncates, which vLLM asks of it: the special tokens it adds (a
-        BOS) stay."""
+                 add_special_tokens: bool = True, default_side: str = "left") -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt cut to `keep` tokens (-1: the context length
+        less one, the room for one output token). With no `side`, a text prompt is cut as vLLM has
+        the tokenizer truncate it, on its default side (left for generation, right for pooling
+        models): the special tokens it adds (a BOS) stay. An explicit `side` cuts the token ids
+        themselves, as vLLM does then (from the left, a BOS goes)."""
         if keep == -1:
             keep = self.models.max_model_len - 1
         elif keep > self.models.max_model_len:         # vLLM's 400 too: no prompt that long could run
             raise APIError(400, f"'truncate_prompt_tokens' {keep} cannot be greater than the context length "
                            f"(max_model_len) {self.models.max_model_len}", "truncate_prompt_tokens")
-        right = side == "right"
         ids = self.tokenize(prompt, add_special_tokens)
         if len(ids) <= keep:
             return ids
+        right = (side or default_side) == "right"
+        if side is not None:
+            return ids[:keep] if right else ids[-keep:]
         bare = ids if not add_special_tokens else self.tokenize(prompt, add_special_tokens=False)
         start = next((i for i in range(len(ids) - len(bare) + 1) if ids[i:i + len(bare)] == bare), None)
         room = keep - (len(ids) - len(bare))

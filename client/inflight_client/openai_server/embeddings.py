@@ -24,13 +24,17 @@ async def create_embedding(body: EmbeddingRequest, ctx: Context, request_id: str
     prompts = await ctx.offload(large, _prompts, body, ctx)
     pooling = {} if body.dimensions is None else {"dimensions": [body.dimensions]}
     vectors = await embed(body, ctx, prompts, pooling)
-    tokens = sum(map(len, prompts))
     data = [{"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)}
             for i, vector in enumerate(vectors)]
     return JSONResponse({"id": f"embd-{request_id}", "object": "list", "created": int(time.time()),
-                         "model": body.model or ctx.models.name, "data": data,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
-                                   "prompt_tokens_details": None}})
+                         "model": body.model or ctx.models.name, "data": data, "usage": usage(prompts)})
+
+
+def usage(prompts: list[list[int]]) -> dict:
+    """vLLM's usage of a pooling request: every prompt's tokens, no completion."""
+    tokens = sum(map(len, prompts))
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None,
+            "completion_tokens_details": None}
 
 
 async def embed(body: PoolingFields, ctx: Context, prompts: list[list[int]], pooling: dict) -> list[list[float]]:
@@ -52,7 +56,7 @@ async def embed(body: PoolingFields, ctx: Context, prompts: list[list[int]], poo
 def _prompts(body: EmbeddingRequest, ctx: Context) -> list[list[int]]:
     field = "input" if body.messages is None else "messages"
     prompts = ctx.prompts_ids(_texts(body, ctx), field, body.special_tokens(), body.truncate_prompt_tokens,
-                              body.truncation_side)
+                              body.truncation_side, POOLING_SIDE)
     check_fits(prompts, ctx, field)
     return prompts
 
@@ -68,6 +72,9 @@ def _texts(body: EmbeddingRequest, ctx: Context) -> list[str | list[int]]:
             ctx.check_size("".join(message_text(m, i) for i, m in enumerate(conversation)), "messages")
         texts.append(ctx.chat.render(conversation, None, body))
     return texts
+
+
+POOLING_SIDE = "right"      # vLLM's pooling models truncate a prompt on the right: its first tokens stay
 
 
 def check_fits(prompts: list[list[int]], ctx: Context, field: str) -> None:

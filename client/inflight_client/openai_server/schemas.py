@@ -235,8 +235,7 @@ class PoolingFields(Body):
     model: str | None = None
     user: str | None = None
     truncate_prompt_tokens: Int | None = None    # vLLM's, as for completions
-    # vLLM's pooling models truncate on the right (keep a text's first tokens), generation on the left
-    truncation_side: Literal["left", "right"] = "right"
+    truncation_side: Literal["left", "right"] | None = None     # none: the right, a pooling model's (context.py)
     use_activation: bool | None = None           # vLLM's: false returns the vector unnormalized
     priority: Literal["high", "normal", "low"] | Int | None = None
     cache_salt: str | None = Field(None, min_length=1)

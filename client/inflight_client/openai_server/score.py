@@ -11,26 +11,25 @@ import numpy as np
 from starlette.responses import JSONResponse
 
 from .context import Context
-from .embeddings import check_fits, embed
+from .embeddings import POOLING_SIDE, check_fits, embed, usage
 from .errors import APIError
 from .schemas import RerankRequest, ScoreRequest, ScoringFields
 
 
 async def create_score(body: ScoreRequest, ctx: Context, request_id: str, large: bool):
-    scores, tokens = await _scores(body, ctx, large, *body.sides())
+    scores, prompts = await _scores(body, ctx, large, *body.sides())
     data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
     return JSONResponse({"id": f"score-{request_id}", "object": "list", "created": int(time.time()),
-                         "model": body.model or ctx.models.name, "data": data,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
-                                   "prompt_tokens_details": None}})
+                         "model": body.model or ctx.models.name, "data": data, "usage": usage(prompts)})
 
 
 async def create_rerank(body: RerankRequest, ctx: Context, request_id: str, large: bool):
     documents = [body.documents] if isinstance(body.documents, str) else body.documents
-    scores, tokens = await _scores(body, ctx, large, ("query", [body.query]), ("documents", documents))
+    scores, prompts = await _scores(body, ctx, large, ("query", [body.query]), ("documents", documents))
     results = sorted(({"index": i, "document": {"text": text, "multi_modal": None}, "relevance_score": score}
                       for i, (text, score) in enumerate(zip(documents, scores))),
                      key=lambda result: result["relevance_score"], reverse=True)
+    tokens = sum(map(len, prompts))
     return JSONResponse({"id": f"score-{request_id}", "model": body.model or ctx.models.name,
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                          "results": results[:body.top_n or None]})
@@ -39,8 +38,9 @@ async def create_rerank(body: RerankRequest, ctx: Context, request_id: str, larg
 Side = tuple[str, list[str]]        # a side's field name, and its texts
 
 
-async def _scores(body: ScoringFields, ctx: Context, large: bool, first: Side, second: Side) -> tuple[list[float], int]:
-    """Each pair's cosine similarity, and the tokens of every text embedded."""
+async def _scores(body: ScoringFields, ctx: Context, large: bool, first: Side,
+                  second: Side) -> tuple[list[float], list[list[int]]]:
+    """Each pair's cosine similarity, and every text's token ids."""
     (first_name, queries), (second_name, documents) = first, second
     for name, texts in (first, second):
         if not texts:
@@ -53,7 +53,7 @@ async def _scores(body: ScoringFields, ctx: Context, large: bool, first: Side, s
     firsts, seconds = vectors[:len(queries)], vectors[len(queries):]
     firsts = np.broadcast_to(firsts, seconds.shape)
     norms = np.maximum(np.linalg.norm(firsts, axis=1), EPS) * np.maximum(np.linalg.norm(seconds, axis=1), EPS)
-    return (np.einsum("ij,ij->i", firsts, seconds) / norms).tolist(), sum(map(len, prompts))
+    return (np.einsum("ij,ij->i", firsts, seconds) / norms).tolist(), prompts
 
 
 EPS = 1e-8      # torch's cosine_similarity, which vLLM scores with: a zero vector scores 0
@@ -70,7 +70,7 @@ def _prompts(body: ScoringFields, ctx: Context, first: Side, second: Side) -> li
             raise APIError(400, f"'{field}' ({limit}) must be less than max_model_len ({ctx.models.max_model_len})",
                            field)
         cut = [_first_tokens(ctx, text, limit) if limit else text for text in texts]
-        ids = ctx.prompts_ids(cut, name, True, body.truncate_prompt_tokens, body.truncation_side)
+        ids = ctx.prompts_ids(cut, name, True, body.truncate_prompt_tokens, body.truncation_side, POOLING_SIDE)
         check_fits(ids, ctx, name)
         prompts += ids
     return prompts
@@ -80,4 +80,4 @@ def _first_tokens(ctx: Context, text: str, limit: int) -> list[int]:
     """The text's first `limit` tokens, with the special tokens the tokenizer adds around them
     (at most max_model_len in all: a longer prompt is refused as any other)."""
     specials = len(ctx.tokenize(text)) - len(ctx.tokenize(text, add_special_tokens=False))
-    return ctx.truncate(text, min(limit + specials, ctx.models.max_model_len), "right")
+    return ctx.truncate(text, min(limit + specials, ctx.models.max_model_len), default_side="right")

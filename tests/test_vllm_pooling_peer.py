@@ -1,0 +1,147 @@
+"""Embeddings, score and rerank side by side with the real thing (`make test-vllm-backend`): the
+OpenAI server in front of `llm` (runner "pooling") against vLLM's own OpenAI server run as an
+embedding model, and `llm`'s `embedding_request` against Triton's real vLLM backend; both in
+float32 on the test model, every reply compared but its id and time (floats to 2e-4)."""
+import json
+import math
+import os
+import subprocess
+import tempfile
+import time
+
+import httpx
+import pytest
+
+from inflight.serving.launch import ServerProcess, free_port, make_repository
+from inflight_client.streams import http_generate
+
+from .conftest import DEFAULT_MODEL
+from .helpers import openai_server
+from .test_vllm_backend_peer import assert_same
+from .vllm_peer import PEER_ENGINE, PEER_MODEL, vllm_backend_server
+
+pytestmark = pytest.mark.peer
+
+MAX_MODEL_LEN = 64
+MODEL = "inflight-tiny"
+QUERY, DOCUMENTS = "What does assert do?", ["The assert statement", "A list", "x"]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """vLLM's OpenAI server (`vllm serve`), the test model run as an embedding model."""
+    python = os.environ.get("VLLM_PYTHON")
+    if not python:
+        pytest.fail("the peer tests need VLLM_PYTHON (README: llm)")
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    log = open(tmp_path_factory.mktemp("vllm-server") / "vllm.log", "w")
+    process = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                                os.path.abspath(DEFAULT_MODEL), "--served-model-name", MODEL, "--runner", "pooling",
+                                "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+                                "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                               cwd=tempfile.gettempdir())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while not _healthy(url):
+            assert process.poll() is None and time.monotonic() < deadline, f"vLLM's server did not start: {log.name}"
+            time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(60)
+        log.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def pooling_llm(tmp_path_factory):
+    engine = {"dtype": "float32", "runner": "pooling", "max_model_len": MAX_MODEL_LEN, "cpu_threads": 1}
+    with ServerProcess(make_repository(str(tmp_path_factory.mktemp("llm")), DEFAULT_MODEL, engine)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def ours(pooling_llm, tmp_path_factory):
+    with openai_server(pooling_llm.http_url, tmp_path_factory.mktemp("openai"), "--max-model-len",
+                       str(MAX_MODEL_LEN)) as api:
+        yield api.base_url.removesuffix("/v1")
+
+
+SAME = {
+    "embeddings of a list": ("/v1/embeddings", {"input": DOCUMENTS}),
+    "embeddings of token ids": ("/v1/embeddings", {"input": [[1, 450, 3974], [1, 319]]}),
+    "embeddings, truncated": ("/v1/embeddings", {"input": DOCUMENTS[0], "truncate_prompt_tokens": 3}),
+    "embeddings, truncated on the left": ("/v1/embeddings", {"input": DOCUMENTS[0], "truncate_prompt_tokens": 3,
+                                                             "truncation_side": "left"}),
+    "embeddings, unnormalized": ("/v1/embeddings", {"input": DOCUMENTS[1], "use_activation": False}),
+    "embeddings of a conversation": ("/v1/embeddings", {"messages": [{"role": "user", "content": "hi"}]}),
+    "score 1:N": ("/score", {"queries": QUERY, "documents": DOCUMENTS}),
+    "score N:N": ("/score", {"queries": DOCUMENTS, "documents": DOCUMENTS[::-1]}),
+    "score, text_1 and text_2 cut per side": ("/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS,
+                                                            "max_tokens_per_query": 3, "max_tokens_per_doc": 2}),
+    "score, data_1 and data_2": ("/score", {"data_1": [QUERY], "data_2": DOCUMENTS[:1]}),
+    "rerank, top 2": ("/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 2}),
+    "rerank at Cohere's path": ("/v2/rerank", {"query": QUERY, "documents": DOCUMENTS}),
+    "rerank at Jina's path, one document": ("/v1/rerank", {"query": QUERY, "documents": DOCUMENTS[2]}),
+}
+
+
+@pytest.mark.parametrize("case", SAME)
+def test_the_same_request_gets_the_same_reply(ours, vllm_server, case):
+    path, body = SAME[case]
+    body = {"model": MODEL, **body}
+    mine, theirs = (httpx.post(url + path, json=body, timeout=60) for url in (ours, vllm_server))
+    assert (mine.status_code, theirs.status_code) == (200, 200), (mine.text, theirs.text)
+    mine, theirs = mine.json(), theirs.json()
+    for reply in (mine, theirs):
+        reply.pop("created", None)
+        assert reply.pop("id").split("-")[0] in ("embd", "score")
+    assert_same(mine, theirs, case)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/score", {"queries": ["a", "b"], "documents": ["a", "b", "c"]}),
+    ("/rerank", {"query": QUERY, "documents": []}),
+    ("/score", {"queries": "a", "documents": "b", "max_tokens_per_doc": MAX_MODEL_LEN}),
+    ("/v1/embeddings", {"input": "word " * 80}),
+])
+def test_both_refuse_the_same_requests(ours, vllm_server, path, body):
+    body = {"model": MODEL, **body}
+    assert [httpx.post(url + path, json=body, timeout=60).status_code for url in (ours, vllm_server)] == [400, 400]
+
+
+@pytest.fixture(scope="module")
+def pooling_backend(tmp_path_factory):
+    engine = {**PEER_ENGINE, "runner": "pooling", "max_model_len": MAX_MODEL_LEN}
+    with vllm_backend_server(tmp_path_factory, engine) as server:
+        yield server
+
+
+def test_llms_embedding_request_gets_the_vllm_backends_vector(pooling_llm, pooling_backend):
+    """The request Triton's OpenAI frontend sends for /v1/embeddings, to both backends. The one
+    difference: the vLLM backend reads only `dimensions` of pooling_params, where `llm` also takes
+    vLLM's use_activation (false: the vector unnormalized, as vLLM's server gives it)."""
+    for request in ({"input": DOCUMENTS[0], "pooling_params": {}}, {"input": [1, 450, 3974]},
+                    {"input": DOCUMENTS[1], "pooling_params": {"use_activation": False}}):
+        inputs = {"embedding_request": json.dumps(request), "return_num_input_tokens": True,
+                  "return_num_output_tokens": True}
+        mine = http_generate(pooling_llm.http_url, "llm", inputs)
+        theirs = http_generate(pooling_backend.http_url, PEER_MODEL, inputs)
+        assert "error" not in mine and "error" not in theirs, (mine, theirs)
+        vector = json.loads(mine["text_output"])
+        norm = math.sqrt(sum(v * v for v in vector))
+        if request.get("pooling_params", {}).get("use_activation") is False:
+            assert abs(norm - 1) > 1e-3
+            vector = [v / norm for v in vector]
+        assert_same(vector, json.loads(theirs["text_output"]), json.dumps(request))
+        assert (mine["num_input_tokens"], mine["num_output_tokens"]) == \
+            (theirs["num_input_tokens"], theirs["num_output_tokens"])
