@@ -1,7 +1,8 @@
-"""Embeddings, score and rerank side by side with the real thing (`make test-vllm-backend`): the
-OpenAI server in front of `llm` (runner "pooling") against vLLM's own OpenAI server run as an
-embedding model, and `llm`'s `embedding_request` against Triton's real vLLM backend; both in
-float32 on the test model, every reply compared but its id and time (floats to 2e-4)."""
+"""The OpenAI server side by side with vLLM's own OpenAI server (`make test-vllm-backend`), both in
+float32 on the test model, every reply compared but its id and time (floats to 2e-4): embeddings,
+score and rerank with `llm` and vLLM run as embedding models, and prompt truncation with both
+generating; and `llm`'s `embedding_request` against Triton's real vLLM backend."""
+import contextlib
 import json
 import math
 import os
@@ -27,21 +28,20 @@ MODEL = "inflight-tiny"
 QUERY, DOCUMENTS = "What does assert do?", ["The assert statement", "A list", "x"]
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
-    """vLLM's OpenAI server (`vllm serve`), the test model run as an embedding model."""
+@contextlib.contextmanager
+def vllm_openai_server(tmp_path, *args):
+    """vLLM's OpenAI server (`vllm serve`) for the test model; its base URL."""
     python = os.environ.get("VLLM_PYTHON")
     if not python:
         pytest.fail("the peer tests need VLLM_PYTHON (README: llm)")
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
-    log = open(tmp_path_factory.mktemp("vllm-server") / "vllm.log", "w")
+    log = open(tmp_path / "vllm.log", "w")
     process = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                                os.path.abspath(DEFAULT_MODEL), "--served-model-name", MODEL, "--runner", "pooling",
-                                "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
-                                "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                               cwd=tempfile.gettempdir())
+                                os.path.abspath(DEFAULT_MODEL), "--served-model-name", MODEL, "--dtype", "float32",
+                                "--enforce-eager", "--port", str(port), *args], stdout=log, stderr=subprocess.STDOUT,
+                               env=env, cwd=tempfile.gettempdir())
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -53,6 +53,14 @@ def vllm_server(tmp_path_factory):
         process.terminate()
         process.wait(60)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """vLLM's server, the test model run as an embedding model."""
+    with vllm_openai_server(tmp_path_factory.mktemp("vllm-pooling"), "--runner", "pooling", "--max-model-len",
+                            str(MAX_MODEL_LEN)) as url:
+        yield url
 
 
 def _healthy(url: str) -> bool:
@@ -145,3 +153,28 @@ def test_llms_embedding_request_gets_the_vllm_backends_vector(pooling_llm, pooli
         assert_same(vector, json.loads(theirs["text_output"]), json.dumps(request))
         assert (mine["num_input_tokens"], mine["num_output_tokens"]) == \
             (theirs["num_input_tokens"], theirs["num_output_tokens"])
+
+
+@pytest.fixture(scope="module")
+def generating(tmp_path_factory):
+    """Both servers generating: vLLM's, and the OpenAI server in front of `llm`."""
+    engine = {"dtype": "float32", "max_model_len": 256, "cpu_threads": 1}
+    repository = make_repository(str(tmp_path_factory.mktemp("llm-generate")), DEFAULT_MODEL, engine)
+    with vllm_openai_server(tmp_path_factory.mktemp("vllm-generate"), "--max-model-len", "256") as theirs, \
+            ServerProcess(repository) as llm, \
+            openai_server(llm.http_url, tmp_path_factory.mktemp("openai-generate"), "--max-model-len", "256") as api:
+        yield api.base_url.removesuffix("/v1"), theirs
+
+
+@pytest.mark.parametrize("side", [None, "left", "right"])
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "The assert statement is a convenient way"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "The assert "
+                                                                  "statement is a convenient way"}]})])
+def test_a_prompt_is_truncated_as_vllm_truncates_it(generating, side, path, body):
+    """truncate_prompt_tokens without a side (the tokenizer's truncation: the BOS it adds stays)
+    and with either side given (the token ids cut), as `prompt_token_ids` shows it."""
+    body = {"model": MODEL, **body, "max_tokens": 1, "temperature": 0, "truncate_prompt_tokens": 4,
+            "return_token_ids": True, **({"truncation_side": side} if side else {})}
+    replies = [httpx.post(url + path, json=body, timeout=60).json() for url in generating]
+    ids = [reply.get("prompt_token_ids") or reply["choices"][0]["prompt_token_ids"] for reply in replies]
+    assert ids[0] == ids[1] and len(ids[0]) == 4
