@@ -1,7 +1,8 @@
 """The OpenAI server side by side with vLLM's own OpenAI server (`make test-vllm-backend`), both in
 float32 on the test model, every reply compared but its id and time (floats to 2e-4): embeddings,
-score and rerank with `llm` and vLLM run as embedding models, and prompt truncation with both
-generating; and `llm`'s `embedding_request` against Triton's real vLLM backend."""
+score and rerank with `llm` and vLLM run as embedding models; greedy completions, chats (streamed
+too), tokenize and detokenize, and prompt truncation with both generating; and `llm`'s
+`embedding_request` against Triton's real vLLM backend."""
 import contextlib
 import json
 import math
@@ -178,3 +179,57 @@ def test_a_prompt_is_truncated_as_vllm_truncates_it(generating, side, path, body
     replies = [httpx.post(url + path, json=body, timeout=60).json() for url in generating]
     ids = [reply.get("prompt_token_ids") or reply["choices"][0]["prompt_token_ids"] for reply in replies]
     assert ids[0] == ids[1] and len(ids[0]) == 4
+
+
+def _without_vllms_nulls(mine, theirs):
+    """vLLM's reply less the fields it sends as null (or empty) where this server leaves them out
+    (kv_transfer_params, token_ids, ...), and the ids and times; the prompt_logprobs vLLM adds to
+    an echo with logprobs, whose values this server gives in `logprobs` as OpenAI's API does."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        return {key: _without_vllms_nulls(mine.get(key), value) for key, value in theirs.items()
+                if key in mine or (value not in (None, [], {}) and key != "prompt_logprobs")}
+    if isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs):
+        return [_without_vllms_nulls(a, b) for a, b in zip(mine, theirs)]
+    return theirs
+
+
+def _comparable(reply):
+    if isinstance(reply, dict):
+        return {key: _comparable(value) for key, value in reply.items() if key not in ("id", "created",
+                                                                                      "system_fingerprint")}
+    return [_comparable(value) for value in reply] if isinstance(reply, list) else reply
+
+
+CHAT = [{"role": "user", "content": "The assert statement"}]
+GENERATION = {
+    "a completion": ("/v1/completions", {"prompt": "The assert statement", "max_tokens": 8}),
+    "two prompts, echo and logprobs": ("/v1/completions", {"prompt": ["The assert statement", "Hi"], "max_tokens": 5,
+                                                           "logprobs": 2, "echo": True}),
+    "a stop string": ("/v1/completions", {"prompt": "The assert statement", "max_tokens": 30, "stop": ["non"]}),
+    "a chat with top logprobs": ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 8,
+                                                          "logprobs": True, "top_logprobs": 2}),
+    "a streamed completion with usage": ("/v1/completions", {"prompt": "The assert statement", "max_tokens": 4,
+                                                             "stream": True,
+                                                             "stream_options": {"include_usage": True}}),
+    "a streamed chat with usage": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "stream": True,
+                                                            "stream_options": {"include_usage": True}}),
+    "tokenize a prompt": ("/tokenize", {"prompt": "The assert statement"}),
+    "tokenize a chat": ("/tokenize", {"messages": CHAT}),
+    "detokenize": ("/detokenize", {"tokens": [1, 450, 3974]}),
+}
+
+
+def _reply(url: str, body: dict):
+    if not body.get("stream"):
+        return httpx.post(url, json=body, timeout=60).json()
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("case", GENERATION)
+def test_generation_replies_as_vllms_server(generating, case):
+    """Greedy, so the same tokens: every field vLLM's server sends, equal (its null extras aside)."""
+    path, body = GENERATION[case]
+    body = {"model": MODEL, "temperature": 0, **body} if path.startswith("/v1") else {"model": MODEL, **body}
+    mine, theirs = (_comparable(_reply(url + path, body)) for url in generating)
+    assert_same(mine, _without_vllms_nulls(mine, theirs), case)
