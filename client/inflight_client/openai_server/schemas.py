@@ -297,6 +297,10 @@ class RerankRequest(ScoringFields):
     documents: str | list[str]
     top_n: Int = Field(0, ge=0)      # 0: every document
 
+    def sides(self) -> tuple[tuple[str, list[str]], tuple[str, list[str]]]:
+        """The query and the documents, as ScoreRequest.sides gives its two sides."""
+        return ("query", [self.query]), ("documents", _as_list(self.documents))
+
 
 def _as_list(texts: str | list[str]) -> list[str]:
     return [texts] if isinstance(texts, str) else list(texts)

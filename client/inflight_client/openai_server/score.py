@@ -24,10 +24,11 @@ async def create_score(body: ScoreRequest, ctx: Context, request_id: str, large:
 
 
 async def create_rerank(body: RerankRequest, ctx: Context, request_id: str, large: bool):
-    documents = [body.documents] if isinstance(body.documents, str) else body.documents
-    scores, prompts = await _scores(body, ctx, large, ("query", [body.query]), ("documents", documents))
+    query, documents = body.sides()
+    scores, prompts = await _scores(body, ctx, large, query, documents)
+    _, texts = documents
     results = sorted(({"index": i, "document": {"text": text, "multi_modal": None}, "relevance_score": score}
-                      for i, (text, score) in enumerate(zip(documents, scores))),
+                      for i, (text, score) in enumerate(zip(texts, scores))),
                      key=lambda result: result["relevance_score"], reverse=True)
     tokens = sum(map(len, prompts))
     return JSONResponse({"id": f"score-{request_id}", "model": body.model or ctx.models.name,
