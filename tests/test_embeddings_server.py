@@ -89,7 +89,7 @@ def test_openai_sdk_embeddings_equal_the_engines(client, engine, tokenizer):
     assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(map(len, ids))
     raw = client.embeddings.create(model="inflight-tiny", input=ids[1], extra_body={"use_activation": False})
     assert abs(sum(v * v for v in raw.data[0].embedding) - 1) > 1e-3          # the hidden state itself
-    [unit] = engine.embed([ids[1]], PoolingParams(normalize=True))
+    [unit] = engine.embed([ids[1]], PoolingParams(use_activation=True))
     norm = sum(v * v for v in raw.data[0].embedding) ** 0.5
     assert all(abs(v / norm - u) < 1e-6 for v, u in zip(raw.data[0].embedding, unit.embedding))     # float32
     cut = client.embeddings.create(model="inflight-tiny", input=TEXTS[1], encoding_format="float",

@@ -72,7 +72,7 @@ def test_matryoshka_dimensions_as_vllm_allows_them(tiny_checkpoint, tmp_path):
                                                                     num_kv_blocks=64))
     with pytest.raises(ValueError, match=r"'dimensions' \(8\): this model does not support Matryoshka"):
         plain.embed([[1, 2, 3]], PoolingParams(dimensions=8))
-    unnormalized = plain.embed([[1, 2, 3]], PoolingParams(normalize=False))[0].embedding
+    unnormalized = plain.embed([[1, 2, 3]], PoolingParams(use_activation=False))[0].embedding
     assert abs(torch.tensor(unnormalized).norm().item() - 1) > 1e-3    # the raw state (use_activation false)
     listed = str(tmp_path / "matryoshka")
     shutil.copytree(tiny_checkpoint, listed)
@@ -139,7 +139,7 @@ def test_runner_auto_pools_a_sentence_transformers_checkpoint_as_its_modules_say
     engine = LLMEngine.from_pretrained(raw, config)
     [unnormalized] = engine.embed([[1, 2, 3]])
     assert abs(torch.tensor(unnormalized.embedding).norm().item() - 1) > 1e-3         # vLLM's use_activation false
-    assert_close([out.embedding for out in engine.embed([[1, 2, 3]], PoolingParams(normalize=True))],
+    assert_close([out.embedding for out in engine.embed([[1, 2, 3]], PoolingParams(use_activation=True))],
                  hf_embeddings(raw, [[1, 2, 3]]))
     mean = sentence_transformers_checkpoint(tiny_checkpoint, tmp_path / "mean", {"pooling_mode_mean_tokens": True},
                                             normalize=True)

@@ -15,6 +15,14 @@ ARCHITECTURE_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralFo
                               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
+CLASSIFIER = "ForSequenceClassification"     # the suffix of a decoder with a classification head
+
+
+def causal_architecture(named: str) -> str:
+    """The decoder an architecture is built on: a *ForSequenceClassification's *ForCausalLM."""
+    return named.removesuffix(CLASSIFIER) + "ForCausalLM" if named.endswith(CLASSIFIER) else named
+
+
 def architecture(config) -> str:
     """The architecture a config names, or where it names none its model_type's: a Mistral config
     without `architectures` was served as a Llama, its sliding window ignored (wrong tokens, no
@@ -66,7 +74,7 @@ def longest_context(config) -> int:
 def _within_window(config, positions: int) -> int:
     window = getattr(config, "sliding_window", None)
     try:
-        named = architecture(config)
+        named = causal_architecture(architecture(config))
     except ValueError:          # the engine refuses it; a length alone reads it as a Llama
         named = "LlamaForCausalLM"
     if named in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):

@@ -78,8 +78,8 @@ class LLMEngine:
             raise ValueError(f"'lora_modules' {sorted(lora_modules)} given but 'enable_lora' is false")
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
-        config = dataclasses.replace(config, runner=resolve_runner(config.runner, model_dir))
         hf_config = AutoConfig.from_pretrained(model_dir)
+        config = dataclasses.replace(config, runner=resolve_runner(config.runner, model_dir, hf_config))
         eos = getattr(hf_config, "eos_token_id", None)
         if os.path.exists(os.path.join(model_dir, "generation_config.json")):
             # a generation config of sampling defaults alone names no EOS: config.json's stands
@@ -91,7 +91,8 @@ class LLMEngine:
             eos_ids = (tokenizer.eos_token_id, *eos_ids)        # vLLM's EOS set: the tokenizer's and the configs'
         runner = ModelRunner(model_dir, hf_config, config, lora_modules)
         model_key = hashlib.blake2b(f"{os.path.realpath(model_dir)}|{runner.dtype}".encode(), digest_size=16).digest()
-        pooler = Pooler(hf_config, runner.spec.hidden_size, model_dir) if config.runner == "pooling" else None
+        head = runner.model.compute_logits if runner.spec.num_labels is not None else None
+        pooler = Pooler(hf_config, runner.spec.hidden_size, model_dir, head) if config.runner == "pooling" else None
         return cls(runner, config, eos_ids, model_key, tokenizer=tokenizer, pooler=pooler)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -162,12 +163,15 @@ class LLMEngine:
         generating one generates); a pooling request's checks, and the step it runs as."""
         if pooling is None:
             if self.pooler is not None:
-                raise ValueError('this model runs as an embedding model (its engine\'s runner is "pooling"): it serves '
-                                 "embedding requests, not generation")
+                kind, serves = ("a classifier", "classification") if self.pooler.task == "classify" else \
+                    ("an embedding model", "embedding")
+                raise ValueError(f'this model runs as {kind} (its engine\'s runner is "pooling"): it serves '
+                                 f"{serves} requests, not generation")
             return params or SamplingParams()
         if self.pooler is None:
-            raise ValueError('embeddings need a model run as an embedding model (the engine setting runner "pooling", '
-                             "as vLLM's); this one generates")
+            kind = "classification needs a classifier" if pooling.task == "classify" else \
+                "embeddings need a model run as an embedding model"
+            raise ValueError(f'{kind} (the engine setting runner "pooling", as vLLM\'s); this one generates')
         self.pooler.check(pooling)
         return ONE_TOKEN
 
@@ -396,6 +400,12 @@ class LLMEngine:
         base = next(self._arrivals)
         return self._run([self.add_request(f"embed-{base}-{i}", p, pooling=pooling or PoolingParams())
                           for i, p in enumerate(prompt_token_ids)])
+
+    def classify(self, prompt_token_ids: Sequence[Sequence[int]],
+                 use_activation: bool | None = None) -> list[RequestOutput]:
+        """Offline classification (a *ForSequenceClassification): each prompt's class scores in
+        RequestOutput.embedding (probabilities; use_activation False: the logits), in prompt order."""
+        return self.embed(prompt_token_ids, PoolingParams(use_activation=use_activation, task="classify"))
 
     def _run(self, reqs: list[Request]) -> list[RequestOutput]:
         while any(r.status != Status.FINISHED for r in reqs):

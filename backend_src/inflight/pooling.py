@@ -1,10 +1,14 @@
-"""Embeddings: an engine with `runner` "pooling" (vLLM's setting; "auto" picks it for a
-sentence-transformers checkpoint, as vLLM's does) serves embedding requests instead of
-generation. A prompt's embedding is the model's final hidden state (after its last norm) at the
+"""Pooling models: an engine with `runner` "pooling" (vLLM's setting; "auto" picks it for a
+sentence-transformers checkpoint and for a *ForSequenceClassification, as vLLM's does) serves
+embedding or classification requests instead of generation.
+
+An embedding model's vector for a prompt is its final hidden state (after the last norm) at the
 prompt's last token, L2-normalized: what vLLM gives a *ForCausalLM checkpoint run as an embedding
 model (its `as_embedding_model`: LAST pooling, normalized), such as Qwen3-Embedding. A
 sentence-transformers checkpoint's modules.json says whether it normalizes (its Normalize module)
-and how it pools (only LAST, its "lasttoken", is served).
+and how it pools (only LAST, its "lasttoken", is served). A classifier's (task "classify") is its
+score head's logits at that token, through the activation vLLM picks from its config: softmax
+over two labels or more, a sigmoid for one (a cross-encoder's relevance score).
 
 The request runs through the scheduler as a one-token generation: its prompt is prefilled as any
 other (chunked, prefix-cached, preempted and recomputed), and the step that samples its token
@@ -12,22 +16,29 @@ hands back the pooled hidden state; the token itself goes to nobody. Importable 
 the request parsing of the tokenizing models and of the OpenAI server's image reads its params."""
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 from dataclasses import dataclass
 
 from .config import SamplingParams, is_int
+from .context_length import CLASSIFIER
 
 log = logging.getLogger("inflight")
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)     # what a pooling request runs as
 
 
+TASKS = ("embed", "classify")       # vLLM's pooling tasks served: an embedding model's, a classifier's
+
+
 @dataclass(slots=True, frozen=True)
 class PoolingParams:
     dimensions: int | None = None     # Matryoshka: the first n values, then normalized (models trained for it)
-    normalize: bool | None = None     # vLLM's use_activation: the vector L2-normalized (None: as the model does)
+    use_activation: bool | None = None    # vLLM's: embed L2-normalizes, classify applies its activation
+    # (None: as the model does)
+    task: str = "embed"
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,9 +74,19 @@ def _pooling_name(mode: str) -> str:
     return "LAST" if "lasttoken" in name else name.upper()
 
 
-def resolve_runner(runner: str, model_dir: str) -> str:
-    """vLLM's runner "auto": pooling for a sentence-transformers checkpoint (some are *ForCausalLM,
-    as Qwen3-Embedding), generation otherwise (the architectures served here generate)."""
+def is_classifier(hf_config) -> bool:
+    return any(name.endswith(CLASSIFIER) for name in getattr(hf_config, "architectures", None) or ())
+
+
+def resolve_runner(runner: str, model_dir: str, hf_config) -> str:
+    """vLLM's runner "auto": pooling for a classifier and for a sentence-transformers checkpoint
+    (some are *ForCausalLM, as Qwen3-Embedding), generation otherwise. A classifier cannot generate
+    (it has no LM head)."""
+    if is_classifier(hf_config):
+        if runner == "generate":
+            raise ValueError(f"{model_dir} is a classifier ({hf_config.architectures[0]}): it has no LM head to "
+                             'generate with; serve it with runner "pooling" (or "auto")')
+        return "pooling"
     if runner != "auto":
         return runner
     if not os.path.exists(os.path.join(model_dir, "modules.json")):
@@ -75,12 +96,39 @@ def resolve_runner(runner: str, model_dir: str) -> str:
     return "pooling"
 
 
-class Pooler:
-    """The checkpoint's pooling facts: its hidden size, which dimensions it may be cut to (vLLM's
-    rule: only a Matryoshka model's config allows `dimensions`, its matryoshka_dimensions if it
-    lists them, else any from 1 to the hidden size), and whether it normalizes by default."""
+def activation(hf_config):
+    """A classifier's activation as vLLM picks it from config.json (transformers' loss for its
+    problem_type; else a cross-encoder's sentence-transformers activation_fn; else softmax over
+    two labels or more, sigmoid for one): a function of a logits tensor."""
+    import torch
+    problem = getattr(hf_config, "problem_type", None)
+    if problem == "regression":
+        return lambda logits: logits
+    if problem == "multi_label_classification":
+        return torch.sigmoid
+    named = (getattr(hf_config, "sentence_transformers", None) or {}).get("activation_fn") \
+        or getattr(hf_config, "sbert_ce_default_activation_function", None)
+    if named is not None and problem != "single_label_classification":
+        if not named.startswith("torch.nn.modules."):
+            raise ValueError(f"the classifier's activation function {named!r} is not a torch.nn.modules class "
+                             "(vLLM refuses others too, for security)")
+        module, _, name = named.rpartition(".")
+        return getattr(importlib.import_module(module), name)()
+    if hf_config.num_labels < 2:
+        return torch.sigmoid
+    return lambda logits: torch.softmax(logits, dim=-1)
 
-    def __init__(self, hf_config, hidden_size: int, model_dir: str):
+
+class Pooler:
+    """The checkpoint's pooling facts: its task, its hidden size, which dimensions it may be cut to
+    (vLLM's rule: only a Matryoshka model's config allows `dimensions`, its matryoshka_dimensions if
+    it lists them, else any from 1 to the hidden size), and whether it normalizes by default; a
+    classifier's head (the model's compute_logits) and activation."""
+
+    def __init__(self, hf_config, hidden_size: int, model_dir: str, head=None):
+        self.task = "classify" if is_classifier(hf_config) else "embed"
+        assert (head is not None) == (self.task == "classify")
+        self.head, self.activation = head, activation(hf_config) if head is not None else None
         self.hidden_size = hidden_size
         listed = getattr(hf_config, "matryoshka_dimensions", None)
         self.matryoshka_dimensions = tuple(listed) if listed else None
@@ -92,6 +140,10 @@ class Pooler:
         self.normalize = True if st is None else st.normalize
 
     def check(self, params: PoolingParams) -> None:
+        if params.task != self.task:
+            kind = "a classifier" if self.task == "classify" else "an embedding model"
+            serves = "classification and cross-encoder scores" if self.task == "classify" else "embeddings"
+            raise ValueError(f"this model is {kind}, whose pooling task is {self.task} ({serves}), not {params.task}")
         dims = params.dimensions
         if dims is None:
             return
@@ -104,12 +156,16 @@ class Pooler:
             raise ValueError(f"'dimensions' must be one of {list(self.matryoshka_dimensions)}, got {dims}")
 
     def pool(self, hidden, params: list[PoolingParams]) -> list[list[float]]:
-        """hidden [rows, hidden_size] (a tensor): each row's last-token state -> its embedding (float32)."""
+        """hidden [rows, hidden_size] (a tensor): each row's last-token state -> its embedding, or
+        a classifier's scores (float32)."""
+        if self.head is not None:
+            return [(self.activation(row) if p.use_activation is not False else row).tolist()
+                    for row, p in zip(self.head(hidden), params)]
         import torch
         out = []
         for row, p in zip(hidden.float(), params):
             vector = row[:p.dimensions] if p.dimensions is not None else row
-            if self.normalize if p.normalize is None else p.normalize:
+            if self.normalize if p.use_activation is None else p.use_activation:
                 vector = torch.nn.functional.normalize(vector, dim=-1)
             out.append(vector.tolist())
         return out

@@ -22,7 +22,7 @@ from .cpu_features import cpu_auto_dtype
 from .cuda_graphs import DecodeGraphs, capture_sizes
 from .logprobs import PromptPositions
 from .lora import load_lora_weights
-from .models import LlamaForCausalLM, ModelSpec, rope_tables
+from .models import LlamaForCausalLM, LlamaForSequenceClassification, ModelSpec, rope_tables
 from .packed_linear import pack_linears, shape_bucket
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
@@ -126,7 +126,8 @@ class ModelRunner:
         # drawing random weights first (a 1.2B model: 6 s on 2 cores), and take storage only in the
         # serving dtype, so loading never holds a float32 copy (a 14B model: 59 GB instead of 29).
         with torch.device(self.device if model_dir is None else "meta"):
-            self.model = LlamaForCausalLM(self.spec).to(self.dtype)
+            model_class = LlamaForCausalLM if self.spec.num_labels is None else LlamaForSequenceClassification
+            self.model = model_class(self.spec).to(self.dtype)
         if model_dir is not None:
             self.model.to_empty(device=self.device)
             self.model.tie_weights()        # to_empty gives the tied head a tensor of its own
@@ -154,7 +155,7 @@ class ModelRunner:
         # adapters' per-step segments are not captured)
         self.graphs = None
         if self.device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager \
-                and self.lora is None:
+                and self.lora is None and config.runner != "pooling":     # a pooling model never decodes
             self.graphs = DecodeGraphs(self, capture_sizes(config.max_num_seqs))
         log.info("inflight runner: %s on %s/%s, attention=%s, %d KV blocks x %d tokens (%.2f GiB)",
                  type(self.model).__name__, self.device, self.dtype, self.backend.name, self.num_blocks,

@@ -4,6 +4,8 @@ weights are initialised where they run (no file at all: `make gpu-check`'s Llama
 the reference the engine's greedy outputs are checked against: transformers' `generate`."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 _CONFIGS = {
@@ -28,6 +30,28 @@ def make_random_checkpoint(path: str, arch: str = "llama", seed: int = 0, dtype:
     torch.manual_seed(seed)
     model = model_cls(config_cls(**values))
     model.to(dtype).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_classifier_checkpoint(base_dir: str, path: str, num_labels: int, seed: int = 0, **config) -> str:
+    """Save `base_dir`'s decoder as a *ForSequenceClassification of `num_labels` (transformers
+    itself draws the score head), with base_dir's tokenizer files; `config`: config.json keys to
+    set (id2label, problem_type, ...)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    hf_config = AutoConfig.from_pretrained(base_dir, num_labels=num_labels)
+    for key, value in config.items():
+        setattr(hf_config, key, value)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_pretrained(base_dir, config=hf_config, dtype=torch.float32)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 0.5)        # a spread of scores, not all near 0.5
+    model.save_pretrained(path, safe_serialization=True)
+    for name in os.listdir(base_dir):
+        if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
+            shutil.copy(os.path.join(base_dir, name), path)
     return path
 
 

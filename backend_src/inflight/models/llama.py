@@ -1,5 +1,5 @@
 """Llama-family decoder (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM) over
-packed tokens.
+packed tokens, and the same decoder with a classification head (their *ForSequenceClassification).
 
 The numerics follow `transformers` op for op (RMSNorm in float32, RoPE tables computed in float32
 by transformers' own rope functions, SwiGLU), so greedy outputs match it exactly. Differences from
@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import cpu_kernels
-from ..context_length import architecture, context_length, longest_context, rope_scaling
+from ..context_length import (CLASSIFIER, architecture, causal_architecture, context_length, longest_context,
+                              rope_scaling)
 from ..attention import AttentionBackend, AttentionMetadata
 
 log = logging.getLogger("inflight")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES += tuple(name.replace("ForCausalLM", CLASSIFIER) for name in SUPPORTED_ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -42,12 +44,15 @@ class ModelSpec:
     context_length: int          # the default max_model_len (context_length.py)
     longest_context: int         # the longest max_model_len it supports
     qk_norm: bool = False        # Qwen3: each query and key head RMS-normed before RoPE
+    num_labels: int | None = None    # a *ForSequenceClassification: its score head's outputs (no LM head)
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelSpec":
         arch = architecture(config)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}")
+        classifier = arch.endswith(CLASSIFIER)
+        arch = causal_architecture(arch)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is supported")
         rope_type, _ = rope_scaling(config)         # here, before any weight is read
@@ -67,10 +72,11 @@ class ModelSpec:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)) and not classifier,
             context_length=context_length(config),
             longest_context=longest_context(config),
             qk_norm=arch == "Qwen3ForCausalLM",
+            num_labels=config.num_labels if classifier else None,
         )
 
 
@@ -244,7 +250,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = LlamaModel(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.add_head()
+
+    def add_head(self) -> None:
+        self.lm_head = nn.Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -338,3 +347,24 @@ class LlamaForCausalLM(nn.Module):
             else:
                 names.add(name)
         return names
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """The decoder with transformers' score head in place of the LM head: num_labels logits per
+    token, of which the last prompt token's classify the prompt. The head runs in float32, as
+    vLLM runs a pooling model's head (its head_dtype)."""
+
+    def add_head(self) -> None:
+        self.score = nn.Linear(self.spec.hidden_size, self.spec.num_labels, bias=False)
+
+    def tie_weights(self) -> None:
+        pass
+
+    def to(self, *args, **kwargs):
+        """The score head stays float32 whatever dtype the decoder takes."""
+        super().to(*args, **kwargs)
+        self.score.float()
+        return self
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.score(hidden.float())

@@ -22,7 +22,7 @@ from typing import NoReturn
 import numpy as np
 
 from ..config import MAX_BAD_WORDS, PRIORITIES, SamplingParams, is_int, parse_priority
-from ..pooling import ONE_TOKEN, PoolingParams
+from ..pooling import ONE_TOKEN, TASKS, PoolingParams
 from ..structured import json_value, parse_spec
 
 
@@ -398,24 +398,29 @@ def _check_heartbeat(flags: dict) -> None:
 
 
 def _pooling_params(value) -> PoolingParams:
-    """vLLM's PoolingParams for an embedding: dimensions (Triton's OpenAI frontend sends [n]) and
-    use_activation (false: not normalized)."""
+    """vLLM's PoolingParams: dimensions (Triton's OpenAI frontend sends [n]), use_activation (false:
+    an embedding not normalized, a classifier's raw logits) and task ("embed", the default, or a
+    classifier's "classify")."""
     name = "embedding_request.pooling_params"
     value = {} if value is None else value
     if not isinstance(value, dict):
         raise RequestError(f"'{name}' must be an object")
-    unknown = sorted(set(value) - {"dimensions", "use_activation"})
+    known = ["dimensions", "task", "use_activation"]
+    unknown = sorted(set(value) - set(known))
     if unknown:
-        raise RequestError(f"'{name}': unknown key(s) {unknown}; known: ['dimensions', 'use_activation']")
+        raise RequestError(f"'{name}': unknown key(s) {unknown}; known: {known}")
     dims = value.get("dimensions")
     if isinstance(dims, list) and len(dims) == 1:
         dims = dims[0]
     if dims is not None and not is_int(dims):
         raise RequestError(f"'{name}.dimensions' must be an integer (or a list of one), got {value['dimensions']!r}")
-    normalize = value.get("use_activation")
-    if normalize is not None and not isinstance(normalize, bool):
-        raise RequestError(f"'{name}.use_activation' must be a boolean, got {normalize!r}")
-    return PoolingParams(dims, normalize)
+    use_activation = value.get("use_activation")
+    if use_activation is not None and not isinstance(use_activation, bool):
+        raise RequestError(f"'{name}.use_activation' must be a boolean, got {use_activation!r}")
+    task = value.get("task", "embed")
+    if task not in TASKS:
+        raise RequestError(f"'{name}.task' must be one of {list(TASKS)}, got {task!r}")
+    return PoolingParams(dims, use_activation, task)
 
 
 def _resolve_exclude_input(flags: dict) -> None:

@@ -30,6 +30,7 @@ from .chat_completions import create_chat_completion
 from .chat_template import ChatTemplate
 from .completions import create_completion
 from .context import LARGE_BODY_BYTES, Context
+from .classify import class_labels, create_classify
 from .embeddings import create_embedding
 from .errors import APIError
 from .generation_config import sampling_defaults
@@ -37,8 +38,8 @@ from .metrics import VllmMetrics
 from .models import ServedModels
 from .reasoning import markers
 from .responses import create_response
-from .schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest, RerankRequest,
-                      ResponsesRequest, ScoreRequest, TokenizeRequest)
+from .schemas import (ChatCompletionRequest, ClassificationRequest, CompletionRequest, DetokenizeRequest,
+                      EmbeddingRequest, RerankRequest, ResponsesRequest, ScoreRequest, TokenizeRequest)
 from .score import create_rerank, create_score
 from .tokenization import detokenize, tokenize
 from .tool_parsers import check_tokenizer
@@ -189,7 +190,8 @@ def create_app(settings: Settings) -> FastAPI:
                   ServedModels(settings.served_model_name, settings.max_model_len, settings.lora_names),
                   settings.default_max_tokens, settings.disable_any_whitespace, settings.tool_call_parser,
                   sampling_defaults(settings.tokenizer_dir, settings.generation_config),
-                  reasoning=reasoning, prompt_tokens_details=settings.prompt_tokens_details)
+                  reasoning=reasoning, prompt_tokens_details=settings.prompt_tokens_details,
+                  class_labels=class_labels(settings.tokenizer_dir))
     metrics = VllmMetrics(settings.triton_metrics_url, settings.triton_model, settings.served_model_name)
 
     @contextlib.asynccontextmanager
@@ -279,6 +281,10 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
         return await generate(request, EmbeddingRequest, create_embedding)
+
+    @app.post("/classify")
+    async def classify(request: Request):
+        return await generate(request, ClassificationRequest, create_classify)
 
     @app.post("/score")
     @app.post("/v1/score")           # vLLM's paths: it moved /v1/score to /score, and keeps both

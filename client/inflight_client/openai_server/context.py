@@ -38,6 +38,7 @@ class Context:
     sampling_defaults: dict = field(default_factory=dict)
     reasoning: Reasoning | None = None           # --reasoning-parser's markers: chat replies split (reasoning.py)
     prompt_tokens_details: bool = False          # --enable-prompt-tokens-details: usage has the cached tokens
+    class_labels: dict[int, str] | None = None   # a classifier's id2label (classify.py); None: not a classifier
     large_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(thread_name_prefix="large"))
     bytes_per_token: int = field(init=False)     # protocol.bytes_per_token of the tokenizer
     added_bos: str | None = field(init=False)    # added_bos() of the tokenizer
@@ -124,11 +125,7 @@ class Context:
         the tokenizer truncate it, on its default side (left for generation, right for pooling
         models): the special tokens it adds (a BOS) stay. An explicit `side` cuts the token ids
         themselves, as vLLM does then (from the left, a BOS goes)."""
-        if keep == -1:
-            keep = self.models.max_model_len - 1
-        elif keep > self.models.max_model_len:         # vLLM's 400 too: no prompt that long could run
-            raise APIError(400, f"'truncate_prompt_tokens' {keep} cannot be greater than the context length "
-                           f"(max_model_len) {self.models.max_model_len}", "truncate_prompt_tokens")
+        keep = self.truncation_length(keep)
         ids = self.tokenize(prompt, add_special_tokens)
         if len(ids) <= keep:
             return ids
@@ -141,6 +138,16 @@ class Context:
         if start is None or room <= 0:
             return ids[:keep] if right else ids[-keep:]
         return ids[:start] + (bare[:room] if right else bare[-room:]) + ids[start + len(bare):]
+
+    def truncation_length(self, keep: int) -> int:
+        """truncate_prompt_tokens as a number of tokens (-1: the context length less one, the room
+        for one output token); more than the context length is refused."""
+        if keep == -1:
+            return self.models.max_model_len - 1
+        if keep > self.models.max_model_len:         # vLLM's 400 too: no prompt that long could run
+            raise APIError(400, f"'truncate_prompt_tokens' {keep} cannot be greater than the context length "
+                           f"(max_model_len) {self.models.max_model_len}", "truncate_prompt_tokens")
+        return keep
 
     def fit(self, sampling: dict, prompt_ids: list[int], field: str) -> dict:
         """`sampling` with max_tokens cut to the room the context leaves after the prompt, as vLLM's

@@ -17,11 +17,11 @@ from starlette.responses import JSONResponse
 from .chat_template import message_text
 from .context import Context
 from .errors import APIError
-from .schemas import EmbeddingRequest, PoolingFields
+from .schemas import EmbeddingRequest, PoolingFields, PoolingInputs
 
 
 async def create_embedding(body: EmbeddingRequest, ctx: Context, request_id: str, large: bool):
-    prompts = await ctx.offload(large, _prompts, body, ctx)
+    prompts = await ctx.offload(large, pooling_prompts, body, ctx)
     pooling = {} if body.dimensions is None else {"dimensions": [body.dimensions]}
     vectors = await embed(body, ctx, prompts, pooling)
     data = [{"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)}
@@ -38,9 +38,10 @@ def usage(prompts: list[list[int]]) -> dict:
 
 
 async def embed(body: PoolingFields, ctx: Context, prompts: list[list[int]], pooling: dict) -> list[list[float]]:
-    """Each prompt's vector from `llm`, all asked at once (one refused: the others are cancelled)."""
+    """Each prompt's vector (an embedding, or a classifier's scores) from `llm`, all asked at once
+    (one refused: the others are cancelled)."""
     if ctx.models.check(body.model) is not None:
-        raise APIError(400, f"'model' {body.model!r} is a LoRA adapter: embeddings come from the base model "
+        raise APIError(400, f"'model' {body.model!r} is a LoRA adapter: pooling requests run on the base model "
                        f"'{ctx.models.name}'", "model")
     if body.use_activation is not None:
         pooling = {**pooling, "use_activation": body.use_activation}
@@ -53,7 +54,8 @@ async def embed(body: PoolingFields, ctx: Context, prompts: list[list[int]], poo
     return [call.result() for call in calls]
 
 
-def _prompts(body: EmbeddingRequest, ctx: Context) -> list[list[int]]:
+def pooling_prompts(body: PoolingInputs, ctx: Context) -> list[list[int]]:
+    """The inputs (or conversations) of an embedding or classification request as token ids."""
     field = "input" if body.messages is None else "messages"
     prompts = ctx.prompts_ids(_texts(body, ctx), field, body.special_tokens(), body.truncate_prompt_tokens,
                               body.truncation_side, POOLING_SIDE)
@@ -61,7 +63,7 @@ def _prompts(body: EmbeddingRequest, ctx: Context) -> list[list[int]]:
     return prompts
 
 
-def _texts(body: EmbeddingRequest, ctx: Context) -> list[str | list[int]]:
+def _texts(body: PoolingInputs, ctx: Context) -> list[str | list[int]]:
     """The inputs, or each conversation rendered with the chat template (text that cannot fit is
     refused before the template renders it, unless the prompt is to be cut)."""
     if body.messages is None:

@@ -374,18 +374,15 @@ class TemplateFields(Body):
         return self
 
 
-class EmbeddingRequest(PoolingFields, TemplateFields):
-    """POST /v1/embeddings: OpenAI's fields, and vLLM's extras: for a text input, and its chat form,
-    `messages` (one conversation or a list of them; also taken as `input`) rendered with the chat
-    template as /tokenize renders them, without a generation prompt by default."""
+class PoolingInputs(PoolingFields, TemplateFields):
+    """What vLLM's embedding and classification requests take: `input` (text or token ids, one or
+    a list), or its chat form, `messages` (one conversation or a list of them; also taken as
+    `input`) rendered with the chat template as /tokenize renders them, without a generation
+    prompt by default."""
     input: str | list[str] | list[Int] | list[list[Int]] | None = None
     messages: list[ChatMessage] | list[list[ChatMessage]] | None = Field(None, min_length=1)
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Int | None = Field(None, ge=1)
     add_special_tokens: bool | None = None       # vLLM's: true for `input`, false for `messages` (the template's)
     add_generation_prompt: bool = False
-    embed_dtype: Literal["float32"] = "float32"  # vLLM's base64 encodings of other dtypes are not served
-    endianness: Literal["native", "little"] = "native"     # float32 bytes as little-endian (this host's too)
 
     @model_validator(mode="before")
     @classmethod
@@ -424,6 +421,18 @@ class EmbeddingRequest(PoolingFields, TemplateFields):
 
     def special_tokens(self) -> bool:
         return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
+
+
+class EmbeddingRequest(PoolingInputs):
+    """POST /v1/embeddings: OpenAI's fields, and vLLM's extras."""
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = Field(None, ge=1)
+    embed_dtype: Literal["float32"] = "float32"  # vLLM's base64 encodings of other dtypes are not served
+    endianness: Literal["native", "little"] = "native"     # float32 bytes as little-endian (this host's too)
+
+
+class ClassificationRequest(PoolingInputs):
+    """POST /classify: vLLM's; `use_activation` false gives the raw logits."""
 
 
 def _chat_form(value) -> bool:

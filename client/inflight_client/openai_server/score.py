@@ -1,8 +1,9 @@
-"""POST /score and /rerank (and vLLM's other paths to them): vLLM's scoring API as it serves an
-embedding model (its "bi-encoder" scoring). Each query and each document is embedded once, by
-the same `llm` requests as /v1/embeddings, and a pair's score is the cosine similarity of the
-two vectors. Pairs go 1:1, 1:N (one query against every document) or N:N (by position); rerank
-orders the documents by score and keeps the best `top_n`."""
+"""POST /score and /rerank (and vLLM's other paths to them): vLLM's scoring API. On an embedding
+model (its "bi-encoder" scoring) each query and each document is embedded once, by the same
+`llm` requests as /v1/embeddings, and a pair's score is the cosine similarity of the two
+vectors; on a classifier each pair is scored whole (cross-encoder scoring, classify.py). Pairs
+go 1:1, 1:N (one query against every document) or N:N (by position); rerank orders the
+documents by score and keeps the best `top_n`."""
 from __future__ import annotations
 
 import time
@@ -10,6 +11,7 @@ import time
 import numpy as np
 from starlette.responses import JSONResponse
 
+from .classify import Side, cross_encoder_scores, first_text
 from .context import Context
 from .embeddings import POOLING_SIDE, check_fits, embed, usage
 from .errors import APIError
@@ -36,12 +38,10 @@ async def create_rerank(body: RerankRequest, ctx: Context, request_id: str, larg
                          "results": results[:body.top_n or None]})
 
 
-Side = tuple[str, list[str]]        # a side's field name, and its texts
-
-
 async def _scores(body: ScoringFields, ctx: Context, large: bool, first: Side,
                   second: Side) -> tuple[list[float], list[list[int]]]:
-    """Each pair's cosine similarity, and every text's token ids."""
+    """Each pair's score, and the token ids the model read (every text's, or on a classifier
+    every pair's)."""
     (first_name, queries), (second_name, documents) = first, second
     for name, texts in (first, second):
         if not texts:
@@ -49,6 +49,13 @@ async def _scores(body: ScoringFields, ctx: Context, large: bool, first: Side,
     if len(queries) > 1 and len(queries) != len(documents):
         raise APIError(400, f"Input lengths must be either 1:1, 1:N or N:N (got {len(queries)} '{first_name}' and "
                        f"{len(documents)} '{second_name}')", second_name)
+    for limit, field in ((body.max_tokens_per_query, "max_tokens_per_query"),
+                         (body.max_tokens_per_doc, "max_tokens_per_doc")):
+        if limit >= ctx.models.max_model_len:
+            raise APIError(400, f"'{field}' ({limit}) must be less than max_model_len ({ctx.models.max_model_len})",
+                           field)
+    if ctx.class_labels is not None:
+        return await cross_encoder_scores(body, ctx, large, first, second)
     prompts = await ctx.offload(large, _prompts, body, ctx, first, second)
     vectors = np.asarray(await embed(body, ctx, prompts, {}), dtype=np.float64)
     firsts, seconds = vectors[:len(queries)], vectors[len(queries):]
@@ -65,20 +72,9 @@ def _prompts(body: ScoringFields, ctx: Context, first: Side, second: Side) -> li
     max_tokens_per_* (the text's own tokens, not counting the special ones the tokenizer adds),
     then as truncate_prompt_tokens asks, and the context length checked."""
     prompts = []
-    for (name, texts), limit, field in ((first, body.max_tokens_per_query, "max_tokens_per_query"),
-                                        (second, body.max_tokens_per_doc, "max_tokens_per_doc")):
-        if limit >= ctx.models.max_model_len:
-            raise APIError(400, f"'{field}' ({limit}) must be less than max_model_len ({ctx.models.max_model_len})",
-                           field)
-        cut = [_first_tokens(ctx, text, limit) if limit else text for text in texts]
+    for (name, texts), limit in ((first, body.max_tokens_per_query), (second, body.max_tokens_per_doc)):
+        cut = [first_text(ctx, text, limit) for text in texts]
         ids = ctx.prompts_ids(cut, name, True, body.truncate_prompt_tokens, body.truncation_side, POOLING_SIDE)
         check_fits(ids, ctx, name)
         prompts += ids
     return prompts
-
-
-def _first_tokens(ctx: Context, text: str, limit: int) -> list[int]:
-    """The text's first `limit` tokens, with the special tokens the tokenizer adds around them
-    (at most max_model_len in all: a longer prompt is refused as any other)."""
-    specials = len(ctx.tokenize(text)) - len(ctx.tokenize(text, add_special_tokens=False))
-    return ctx.truncate(text, min(limit + specials, ctx.models.max_model_len), default_side="right")

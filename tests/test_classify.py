@@ -1,0 +1,105 @@
+"""Classifiers (a *ForSequenceClassification checkpoint, runner "pooling"): each prompt's class
+scores are transformers' logits at its last token through the activation vLLM picks from
+config.json, through chunked prefill and the prefix cache; the engine refuses what a classifier
+cannot do, by name; every block goes back."""
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from inflight import EngineConfig, LLMEngine
+from inflight.pooling import PoolingParams
+from inflight.serving.protocol import RequestError, parse_request
+from inflight.testing import make_classifier_checkpoint
+
+ENGINE = dict(dtype="float64", max_num_batched_tokens=16, num_kv_blocks=256)
+
+
+def hf_logits(model_dir: str, prompts) -> list[torch.Tensor]:
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).logits[0] for p in prompts]
+
+
+def prompts(seed: int, count: int = 6) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(2, 120))] for _ in range(count)] + [[7]]
+
+
+def assert_close(got, want) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        # the head runs in float32 (vLLM's head_dtype for pooling models) on the float64 decoder
+        assert torch.allclose(torch.tensor(g, dtype=torch.float64), w, atol=2e-6), (i, g, w.tolist())
+
+
+@pytest.mark.parametrize("base, labels, config, activation", [
+    ("llama-gqa2-tied-llama3rope", 3, {}, lambda x: torch.softmax(x, -1)),
+    ("qwen3-qknorm-gqa2-headdim24", 1, {}, torch.sigmoid),
+    ("qwen2-bias-gqa2", 2, {"problem_type": "multi_label_classification"}, torch.sigmoid),
+    ("llama-mha-untied", 1, {"problem_type": "regression"}, lambda x: x),
+    ("mistral-gqa4-tied", 1, {"sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"},
+     lambda x: x),
+])
+def test_class_scores_are_transformers_logits_through_vllms_activation(arch_checkpoints, tmp_path, base, labels,
+                                                                        config, activation):
+    model_dir = make_classifier_checkpoint(arch_checkpoints[base], str(tmp_path / "classifier"), labels, **config)
+    batch = prompts(labels)
+    logits = hf_logits(model_dir, batch)
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**ENGINE))        # runner "auto": pooling
+    assert engine.config.runner == "pooling"
+    outs = engine.classify(batch)
+    assert_close([o.embedding for o in outs], [activation(x) for x in logits])
+    assert all(o.token_ids == [] and o.finish_reason == "stop" for o in outs)
+    assert_close([o.embedding for o in engine.classify(batch[:2], use_activation=False)], logits[:2])
+    engine.check_invariants()
+    assert engine.stats()["kv_blocks_used"] == 0 and engine.num_pooling == 0 and not engine.requests
+
+
+def test_a_classifier_refuses_generation_and_embeddings_by_name(arch_checkpoints, tmp_path, tiny_checkpoint):
+    model_dir = make_classifier_checkpoint(arch_checkpoints["llama-mha-untied"], str(tmp_path / "c"), 2)
+    with pytest.raises(ValueError, match=r"is a classifier \(LlamaForSequenceClassification\): it has no LM head"):
+        LLMEngine.from_pretrained(model_dir, EngineConfig(**ENGINE, runner="generate"))
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**ENGINE))
+    with pytest.raises(ValueError, match=r'runs as a classifier \(its engine\'s runner is "pooling"\): it serves '
+                                         "classification requests, not generation"):
+        engine.generate([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"this model is a classifier, whose pooling task is classify \(classification and cross-encoder "
+                                         r"scores\), not embed"):
+        engine.embed([[1, 2, 3]])
+    with pytest.raises(ValueError, match="'dimensions'"):
+        engine.embed([[1, 2, 3]], PoolingParams(dimensions=4, task="classify"))
+    embedder = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(**ENGINE, runner="pooling"))
+    with pytest.raises(ValueError, match="this model is an embedding model, whose pooling task is embed .*, not classify"):
+        embedder.classify([[1, 2, 3]])
+    generator = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(**ENGINE))
+    with pytest.raises(ValueError, match="classification needs a classifier"):
+        generator.classify([[1, 2, 3]])
+    for engine in (engine, embedder, generator):
+        assert engine.stats()["kv_blocks_used"] == 0 and not engine.requests
+
+
+def test_a_classifiers_activation_from_outside_torch_nn_is_refused(arch_checkpoints, tmp_path):
+    model_dir = make_classifier_checkpoint(arch_checkpoints["llama-mha-untied"], str(tmp_path / "c"), 1,
+                                           sbert_ce_default_activation_function="os.system")
+    with pytest.raises(ValueError, match="'os.system' is not a torch.nn.modules class"):
+        LLMEngine.from_pretrained(model_dir, EngineConfig(**ENGINE))
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"task": "score"}, "'embedding_request.pooling_params.task' must be one of ['embed', 'classify'], got 'score'"),
+    ({"use_activation": "no"}, "'embedding_request.pooling_params.use_activation' must be a boolean"),
+    ({"normalize": True}, "unknown key(s) ['normalize']; known: ['dimensions', 'task', 'use_activation']"),
+])
+def test_the_classify_task_of_an_embedding_request_is_checked(params, message):
+    with pytest.raises(RequestError) as error:
+        parse_request({"embedding_request": _json({"input": [1, 2], "pooling_params": params})}, {})
+    assert message in str(error.value)
+    request = parse_request({"embedding_request": _json({"input": [1, 2], "pooling_params": {"task": "classify"}})}, {})
+    assert request.pooling == PoolingParams(task="classify")
+
+
+def _json(value) -> np.ndarray:
+    return np.array([json.dumps(value).encode()], dtype=object)
