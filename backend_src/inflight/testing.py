@@ -47,7 +47,7 @@ def make_classifier_checkpoint(base_dir: str, path: str, num_labels: int, seed: 
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_pretrained(base_dir, config=hf_config, dtype=torch.float32)
     with torch.no_grad():
-        model.score.weight.normal_(0.0, 0.5)        # a spread of scores, not all near 0.5
+        model.score.weight.normal_(0.0, 0.5 / model.config.hidden_size ** 0.5)     # logits of about 1
     model.save_pretrained(path, safe_serialization=True)
     for name in os.listdir(base_dir):
         if name.startswith(("tokenizer", "special_tokens")) or name == "chat_template.jinja":
