@@ -33,7 +33,7 @@ venv: $(STAMP)
 # a real tritonserver on :8000 (HTTP) :8001 (gRPC) :8002 (metrics) with model_repository/, or with
 # MODEL=/path/to/hf-checkpoint and ENGINE="max_num_seqs=128 ..." (EngineConfig fields)
 serve: venv
-	$(PY) -m inflight.serving.launch $(if $(MODEL),--model "$(MODEL)") $(foreach kv,$(ENGINE),--engine $(kv)) $(SERVE_ARGS)
+	$(PY) -m inflight.serving.launch $(if $(MODEL),--model "$(MODEL)") $(foreach kv,$(ENGINE),--engine '$(kv)') $(SERVE_ARGS)
 
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)

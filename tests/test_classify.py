@@ -3,17 +3,21 @@ scores are transformers' logits at its last token through the activation vLLM pi
 config.json, through chunked prefill and the prefix cache; the engine refuses what a classifier
 cannot do, by name; every block goes back."""
 import json
+import os
 import random
+import shutil
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from inflight import EngineConfig, LLMEngine
 from inflight.pooling import PoolingParams
 from inflight.serving.protocol import RequestError, parse_request
-from inflight.testing import make_classifier_checkpoint
+from inflight.testing import make_classifier_checkpoint, make_random_checkpoint
+
+from .conftest import DEFAULT_MODEL
 
 ENGINE = dict(dtype="float64", max_num_batched_tokens=16, num_kv_blocks=256)
 
@@ -66,13 +70,14 @@ def test_a_classifier_refuses_generation_and_embeddings_by_name(arch_checkpoints
     with pytest.raises(ValueError, match=r'runs as a classifier \(its engine\'s runner is "pooling"\): it serves '
                                          "classification requests, not generation"):
         engine.generate([[1, 2, 3]])
-    with pytest.raises(ValueError, match=r"this model is a classifier, whose pooling task is classify \(classification and cross-encoder "
-                                         r"scores\), not embed"):
+    with pytest.raises(ValueError, match=r"this model is a classifier, whose pooling task is classify "
+                                         r"\(classification and cross-encoder scores\), not embed"):
         engine.embed([[1, 2, 3]])
     with pytest.raises(ValueError, match="'dimensions'"):
         engine.embed([[1, 2, 3]], PoolingParams(dimensions=4, task="classify"))
     embedder = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(**ENGINE, runner="pooling"))
-    with pytest.raises(ValueError, match="this model is an embedding model, whose pooling task is embed .*, not classify"):
+    with pytest.raises(ValueError, match="this model is an embedding model, whose pooling task is embed .*, "
+                                         "not classify"):
         embedder.classify([[1, 2, 3]])
     generator = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(**ENGINE))
     with pytest.raises(ValueError, match="classification needs a classifier"):
@@ -103,3 +108,56 @@ def test_the_classify_task_of_an_embedding_request_is_checked(params, message):
 
 def _json(value) -> np.ndarray:
     return np.array([json.dumps(value).encode()], dtype=object)
+
+
+def with_tokenizer(model_dir: str) -> str:
+    for name in os.listdir(DEFAULT_MODEL):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(DEFAULT_MODEL, name), model_dir)
+    return model_dir
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("method, tokens", [("from_2_way_softmax", ["no", "er"]), ("no_post_processing", ["no", "er"]),
+                                            ("no_post_processing", ["an"])])
+def test_a_causal_lm_made_a_reranker_scores_with_its_lm_heads_rows(tmp_path, tied, method, tokens):
+    """vLLM's hf_overrides classifier_from_token (Qwen3-Reranker's conversion): the score head is
+    the LM head's rows for the tokens, yes minus no for from_2_way_softmax."""
+    if tied:
+        model_dir = DEFAULT_MODEL
+    else:
+        model_dir = with_tokenizer(make_random_checkpoint(str(tmp_path / "qwen3"), "qwen3", vocab_size=4096))
+    overrides = {"architectures": ["Qwen3ForSequenceClassification" if not tied else "LlamaForSequenceClassification"],
+                 "classifier_from_token": tokens, "method": method}
+    batch = prompts(11)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    ids = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids(tokens)
+    with torch.no_grad():
+        logits = [model(torch.tensor([p])).logits[0, -1, ids] for p in batch]
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**ENGINE, hf_overrides=overrides))
+    if method == "from_2_way_softmax":
+        want = [torch.sigmoid(x[1:] - x[:1]) for x in logits]
+        raw = [x[1:] - x[:1] for x in logits]
+    else:
+        want = [torch.softmax(x, -1) if len(tokens) > 1 else torch.sigmoid(x) for x in logits]
+        raw = logits
+    assert_close([o.embedding for o in engine.classify(batch)], want)
+    assert_close([o.embedding for o in engine.classify(batch, use_activation=False)], raw)
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"architectures": ["Qwen3ForSequenceClassification"], "is_original_qwen3_reranker": True},
+     "is_original_qwen3_reranker needs classifier_from_token"),
+    ({"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["no"],
+      "method": "from_2_way_softmax"}, "'method' 'from_2_way_softmax' needs classifier_from_token: two tokens"),
+    ({"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+      "method": "from_2_way_softmax"}, r"classifier_from_token: \['yes'\] are not tokens of the tokenizer"),
+    ({"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["no"], "method": "mean"},
+     "'method' 'mean': a reranker's score head is made by one of"),
+])
+def test_a_reranker_conversion_that_cannot_be_made_is_refused_by_name(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(**ENGINE, hf_overrides=overrides))
+    with pytest.raises(ValueError, match="'hf_overrides' must be an object"):
+        EngineConfig(hf_overrides=["no"])

@@ -155,3 +155,54 @@ def test_classifier_errors_name_their_field(base, triton, path, body, status, pa
     error = reply.json()["error"]
     assert error["param"] == param and message in error["message"], error
     assert triton.metric("inflight_kv_blocks_used") == 0
+
+
+RERANKER = {"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["no", "er"],
+            "method": "from_2_way_softmax"}
+SCORE_TEMPLATE = ("{% for m in messages %}{% if m.role == 'query' %}<Query>: {{ m.content }}{% else %}\n"
+                  "<Document>: {{ m.content }}{% endif %}{% endfor %}"
+                  "{% if instruction %}\n<Instruct>: {{ instruction }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """The test model made a reranker as vLLM makes Qwen3-Reranker one (hf_overrides), and the
+    OpenAI servers in front of it with and without a score template."""
+    engine = {**ENGINE, "hf_overrides": RERANKER}
+    root = tmp_path_factory.mktemp("converted")
+    template = root / "score.jinja"
+    template.write_text(SCORE_TEMPLATE)
+    flags = ["--max-model-len", "64", "--hf-overrides", json.dumps(RERANKER)]
+    with ServerProcess(make_repository(str(root / "repository"), DEFAULT_MODEL, engine)) as triton, \
+            OpenAIServerProcess(triton.http_url, DEFAULT_MODEL, extra=flags, env=SOURCE_PATH_ENV,
+                                log_path=str(root / "plain.log")) as plain, \
+            OpenAIServerProcess(triton.http_url, DEFAULT_MODEL, extra=[*flags, "--chat-template", str(template)],
+                                env=SOURCE_PATH_ENV, log_path=str(root / "templated.log")) as templated:
+        yield triton, plain.base_url.removesuffix("v1"), templated.base_url.removesuffix("v1"), \
+            LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(**engine))
+
+
+def test_a_converted_reranker_scores_the_two_texts_or_its_score_template(converted):
+    from transformers import AutoTokenizer
+    triton, plain, templated, engine = converted
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    # no template: the query and the document one after the other, no pair separator (vLLM's use_sep_token false)
+    reply = httpx.post(plain + "score", json={"queries": QUERY, "documents": DOCUMENTS}).json()
+    joined = [tokenizer(QUERY + d).input_ids for d in DOCUMENTS]
+    assert close([d["score"] for d in reply["data"]], scores(engine, joined))
+    for body, instruction in (({}, None), ({"instruction": "Judge it"}, "Judge it"),
+                              ({"chat_template_kwargs": {"instruction": "Be strict"}, "instruction": "no"},
+                               "Be strict")):
+        reply = httpx.post(templated + "rerank", json={"query": QUERY, "documents": DOCUMENTS, **body}).json()
+        rendered = [tokenizer.apply_chat_template([{"role": "query", "content": QUERY},
+                                                   {"role": "document", "content": d}],
+                                                  chat_template=SCORE_TEMPLATE, tokenize=False, instruction=instruction)
+                    for d in DOCUMENTS]
+        want = scores(engine, [tokenizer(text).input_ids for text in rendered])
+        assert close([r["relevance_score"] for r in sorted(reply["results"], key=lambda r: r["index"])], want), body
+    classified = httpx.post(plain + "classify", json={"input": QUERY}).json()
+    assert classified["data"][0]["label"] == "LABEL_0" and classified["data"][0]["num_classes"] == 1
+    refused = httpx.post(templated + "score", json={"queries": "a", "documents": "b",
+                                                    "chat_template_kwargs": {"tokenize": True}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+    assert triton.metric("inflight_kv_blocks_used") == 0

@@ -182,6 +182,52 @@ def test_a_classifier_replies_as_vllms(classifiers, case):
     assert_same(mine, theirs, case)
 
 
+RERANKER = {"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["no", "er"],
+            "method": "from_2_way_softmax"}
+SCORE_TEMPLATE = ("{% for m in messages %}{% if m.role == 'query' %}<Query>: {{ m.content }}{% else %}\n"
+                  "<Document>: {{ m.content }}{% endif %}{% endfor %}"
+                  "{% if instruction %}\n<Instruct>: {{ instruction }}{% endif %}")
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["two texts", "score template"])
+def converted(request, tmp_path_factory):
+    """(ours, vLLM's): the test model made a reranker by hf_overrides (as vLLM serves
+    Qwen3-Reranker), each server with or without the same score template."""
+    root = tmp_path_factory.mktemp("converted")
+    template = root / "score.jinja"
+    template.write_text(SCORE_TEMPLATE)
+    flags = ["--max-model-len", str(MAX_MODEL_LEN), "--hf-overrides", json.dumps(RERANKER),
+             *(["--chat-template", str(template)] if request.param else [])]
+    engine = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "cpu_threads": 1, "hf_overrides": RERANKER}
+    with ServerProcess(make_repository(str(root / "repository"), DEFAULT_MODEL, engine)) as triton, \
+            OpenAIServerProcess(triton.http_url, DEFAULT_MODEL, extra=flags, env=SOURCE_PATH_ENV,
+                                log_path=str(root / "openai.log")) as api, \
+            vllm_openai_server(tmp_path_factory.mktemp("vllm-converted"), *flags) as theirs:
+        yield api.base_url.removesuffix("/v1"), theirs
+
+
+CONVERTED_SAME = {
+    "score 1:N": ("/score", {"queries": QUERY, "documents": DOCUMENTS}),
+    "rerank with an instruction": ("/rerank", {"query": QUERY, "documents": DOCUMENTS, "instruction": "Judge it"}),
+    "score, pair truncated": ("/score", {"queries": "word " * 20, "documents": "text " * 9,
+                                         "truncate_prompt_tokens": 20}),
+    "classify": ("/classify", {"input": DOCUMENTS}),
+}
+
+
+@pytest.mark.parametrize("case", CONVERTED_SAME)
+def test_a_converted_reranker_replies_as_vllms(converted, case):
+    path, body = CONVERTED_SAME[case]
+    body = {"model": MODEL, **body}
+    mine, theirs = (httpx.post(url + path, json=body, timeout=60) for url in converted)
+    assert (mine.status_code, theirs.status_code) == (200, 200), (mine.text, theirs.text)
+    mine, theirs = mine.json(), theirs.json()
+    for reply in (mine, theirs):
+        reply.pop("created", None)
+        reply.pop("id")
+    assert_same(mine, theirs, case)
+
+
 @pytest.fixture(scope="module")
 def pooling_backend(tmp_path_factory):
     engine = {**PEER_ENGINE, "runner": "pooling", "max_model_len": MAX_MODEL_LEN}

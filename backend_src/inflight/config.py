@@ -112,6 +112,7 @@ class EngineConfig:
     max_lora_rank: int = 16                   # the largest adapter rank accepted
     reasoning_parser: str | None = None       # vLLM's: structured outputs wait for the end of reasoning (reasoning.py)
     runner: str = "auto"                      # vLLM's: "pooling" serves embeddings instead; "auto" as vLLM (pooling.py)
+    hf_overrides: dict | None = None          # vLLM's: config.json values set over the file's (score_head.py)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "dynamic_length_window", "stream_interval",
@@ -149,6 +150,8 @@ class EngineConfig:
             self.reasoning_parser = None
         _check(self.reasoning_parser in (None, *REASONING_PARSERS), "reasoning_parser",
                f"must be one of {REASONING_PARSERS} or None, got {self.reasoning_parser!r}")
+        _check(self.hf_overrides is None or isinstance(self.hf_overrides, dict), "hf_overrides",
+               f"must be an object of config.json keys and values, got {self.hf_overrides!r}")
         for name in ("max_loras", "max_lora_rank"):
             _check(is_int(getattr(self, name)) and getattr(self, name) > 0, name,
                    f"must be a positive integer, got {getattr(self, name)!r}")

@@ -19,6 +19,7 @@ from .config import EngineConfig, SamplingParams, parse_priority
 from .kv_cache import KVCacheManager
 from .logprobs import PromptPositions, TokenLogprobs, prompt_logprobs
 from .pooling import ONE_TOKEN, Pooler, PoolingParams, resolve_runner
+from .score_head import apply_overrides, head_rows
 from .reasoning import Reasoning
 from .request import Request, RequestOutput, Status, StepOutput
 from .runner import ModelRunner
@@ -79,6 +80,7 @@ class LLMEngine:
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         hf_config = AutoConfig.from_pretrained(model_dir)
+        apply_overrides(hf_config, config.hf_overrides)
         config = dataclasses.replace(config, runner=resolve_runner(config.runner, model_dir, hf_config))
         eos = getattr(hf_config, "eos_token_id", None)
         if os.path.exists(os.path.join(model_dir, "generation_config.json")):
@@ -89,7 +91,7 @@ class LLMEngine:
             tokenizer = load_tokenizer(model_dir)
         if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
             eos_ids = (tokenizer.eos_token_id, *eos_ids)        # vLLM's EOS set: the tokenizer's and the configs'
-        runner = ModelRunner(model_dir, hf_config, config, lora_modules)
+        runner = ModelRunner(model_dir, hf_config, config, lora_modules, score_rows=head_rows(hf_config, tokenizer))
         model_key = hashlib.blake2b(f"{os.path.realpath(model_dir)}|{runner.dtype}".encode(), digest_size=16).digest()
         head = runner.model.compute_logits if runner.spec.num_labels is not None else None
         pooler = Pooler(hf_config, runner.spec.hidden_size, model_dir, head) if config.runner == "pooling" else None

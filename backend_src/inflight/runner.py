@@ -26,6 +26,7 @@ from .models import LlamaForCausalLM, LlamaForSequenceClassification, ModelSpec,
 from .packed_linear import pack_linears, shape_bucket
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
+from .score_head import with_score_head
 
 log = logging.getLogger("inflight")
 
@@ -108,8 +109,9 @@ def pool_lock(device: torch.device):
 
 class ModelRunner:
     def __init__(self, model_dir: str | None, hf_config, config: EngineConfig,
-                 lora_modules: dict[str, str] | None = None):
-        """model_dir None keeps the modules' random initialisation (inflight.testing.random_engine)."""
+                 lora_modules: dict[str, str] | None = None, score_rows: tuple[int, ...] | None = None):
+        """model_dir None keeps the modules' random initialisation (inflight.testing.random_engine).
+        score_rows: a reranker's score head is made of these LM head rows (score_head.py)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, hf_config)
@@ -132,7 +134,11 @@ class ModelRunner:
             self.model.to_empty(device=self.device)
             self.model.tie_weights()        # to_empty gives the tied head a tensor of its own
             with torch.no_grad():
-                self.model.load_hf_weights((n, t.to(self.dtype)) for n, t in iter_checkpoint(model_dir))
+                weights = ((n, t.to(self.dtype)) for n, t in iter_checkpoint(model_dir))
+                if score_rows is not None:
+                    weights = with_score_head(weights, score_rows, hf_config.method == "from_2_way_softmax",
+                                              bool(getattr(hf_config, "tie_word_embeddings", False)))
+                self.model.load_hf_weights(weights)
         self.model.eval()
         # CPU: weights in oneDNN's layout once, not on every call; steps padded to a few shapes, for
         # which oneDNN keeps its built matmuls (packed_linear.shape_bucket)

@@ -559,6 +559,8 @@ def start_openai_server(children: Children, model_repository: str, endpoints: En
         if engine.max_queue_size is not None and not any(a.startswith("--max-triton-requests") for a in extra):
             # so that one request's many prompts never fill the engine's queue by themselves
             extra += ["--max-triton-requests", str(engine.max_num_seqs + engine.max_queue_size)]
+        if engine.hf_overrides and not any(a.startswith("--hf-overrides") for a in extra):
+            extra += ["--hf-overrides", json.dumps(engine.hf_overrides)]       # a reranker's conversion, say
         if engine.reasoning_parser is not None and not any(a.startswith("--reasoning-parser") for a in extra):
             extra += ["--reasoning-parser", engine.reasoning_parser]      # one setting splits and gates alike
         openai = OpenAIServerProcess(f"localhost:{endpoints.http_port}", settings.model_dir,

@@ -30,7 +30,7 @@ from .chat_completions import create_chat_completion
 from .chat_template import ChatTemplate
 from .completions import create_completion
 from .context import LARGE_BODY_BYTES, Context
-from .classify import class_labels, create_classify
+from .classify import create_classify, read_classifier
 from .embeddings import create_embedding
 from .errors import APIError
 from .generation_config import sampling_defaults
@@ -68,6 +68,7 @@ class Settings:
     reasoning_parser: str | None = None     # set: chat replies split into reasoning and content (reasoning.py)
     prompt_tokens_details: bool = False     # usage's prompt_tokens_details.cached_tokens (vLLM's flag)
     triton_metrics_url: str = "http://localhost:8002/metrics"   # read for /metrics (metrics.py)
+    hf_overrides: dict | None = None        # vLLM's: config.json values over the file's, as `llm` has them
 
 
 def _members(annotation) -> list:
@@ -191,7 +192,7 @@ def create_app(settings: Settings) -> FastAPI:
                   settings.default_max_tokens, settings.disable_any_whitespace, settings.tool_call_parser,
                   sampling_defaults(settings.tokenizer_dir, settings.generation_config),
                   reasoning=reasoning, prompt_tokens_details=settings.prompt_tokens_details,
-                  class_labels=class_labels(settings.tokenizer_dir))
+                  classifier=read_classifier(settings.tokenizer_dir, settings.hf_overrides))
     metrics = VllmMetrics(settings.triton_metrics_url, settings.triton_model, settings.served_model_name)
 
     @contextlib.asynccontextmanager

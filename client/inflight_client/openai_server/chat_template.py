@@ -120,5 +120,20 @@ class ChatTemplate:
             raise APIError(400, f"'messages': the chat template failed: {exc}", "messages") from None
 
 
+    def render_pair(self, query: str, document: str, variables: dict) -> str:
+        """A cross-encoder's prompt from the server's template (vLLM's score template: the
+        roles "query" and "document"), the request's chat_template_kwargs as variables."""
+        taken = sorted(self.reserved & set(variables))
+        if taken:
+            raise APIError(400, f"'chat_template_kwargs' may not set {taken[0]!r}, a parameter of the template's "
+                           "rendering", "chat_template_kwargs")
+        try:
+            return self.tokenizer.apply_chat_template([{"role": "query", "content": query},
+                                                       {"role": "document", "content": document}],
+                                                      chat_template=self.template, tokenize=False, **variables)
+        except Exception as exc:      # the template's own checks or a syntax error
+            raise APIError(400, f"the score template (--chat-template) failed: {exc}", "queries") from None
+
+
 def _knows_developer(template) -> bool:
     return isinstance(template, str) and ("'developer'" in template or '"developer"' in template)

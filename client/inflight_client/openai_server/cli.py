@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -74,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="vLLM's flag: usage gains prompt_tokens_details.cached_tokens, the prompt tokens `llm` "
                              "found in its prefix cache (the Responses API's usage always has them)")
+    parser.add_argument("--hf-overrides", type=_json_object, metavar="JSON",
+                        help="vLLM's flag: config.json values over the checkpoint's, the same as `llm`'s engine "
+                             "setting hf_overrides (a reranker converted into a classifier: its architectures and "
+                             "classifier_from_token; `make serve` passes `llm`'s)")
     parser.add_argument("--max-model-len", type=int,
                         help="the context length `llm` runs with (default: the checkpoint's, from config.json; "
                              "needed with a --tokenizer directory without one)")
@@ -126,8 +131,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                         tuple(args.api_key) or tuple(filter(None, [os.environ.get(API_KEY_ENV)])),
                         args.request_priority, args.tool_call_parser if args.enable_auto_tool_choice else None,
                         args.reasoning_parser, args.enable_prompt_tokens_details,
-                        args.triton_metrics_url or f"http://{triton_host}:8002/metrics")
+                        args.triton_metrics_url or f"http://{triton_host}:8002/metrics", args.hf_overrides)
     return settings, args
+
+
+def _json_object(text: str) -> dict:
+    """argparse's type for a JSON object (argparse names the flag in its error)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of config.json keys and values")
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from inflight.reasoning import Reasoning
 from inflight.serving.protocol import RequestError, bytes_per_token, check_text_size
@@ -14,6 +15,9 @@ from .chat_template import ChatTemplate
 from .errors import APIError
 from .models import ServedModels
 from .triton import TritonLLM
+
+if TYPE_CHECKING:
+    from .classify import Classifier
 
 OPENAI_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for a completion, and vLLM's
 LARGE_BODY_BYTES = 256 * 1024       # a request body over this has its prompt work done on the large pool
@@ -38,7 +42,7 @@ class Context:
     sampling_defaults: dict = field(default_factory=dict)
     reasoning: Reasoning | None = None           # --reasoning-parser's markers: chat replies split (reasoning.py)
     prompt_tokens_details: bool = False          # --enable-prompt-tokens-details: usage has the cached tokens
-    class_labels: dict[int, str] | None = None   # a classifier's id2label (classify.py); None: not a classifier
+    classifier: Classifier | None = None         # classify.py: the model's labels; None: not a classifier
     large_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(thread_name_prefix="large"))
     bytes_per_token: int = field(init=False)     # protocol.bytes_per_token of the tokenizer
     added_bos: str | None = field(init=False)    # added_bos() of the tokenizer

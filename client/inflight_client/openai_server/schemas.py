@@ -266,6 +266,13 @@ class ScoringFields(PoolingFields):
     instruction: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    def template_variables(self) -> dict[str, Any]:
+        """vLLM's: chat_template_kwargs, with `instruction` where they do not set it."""
+        variables = dict(self.chat_template_kwargs or {})
+        if self.instruction is not None:
+            variables.setdefault("instruction", self.instruction)
+        return variables
+
 
 class ScoreRequest(ScoringFields):
     """POST /score: two sides of texts under any of vLLM's pairs of names, 1:1, 1:N or N:N."""

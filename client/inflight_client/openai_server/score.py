@@ -54,7 +54,7 @@ async def _scores(body: ScoringFields, ctx: Context, large: bool, first: Side,
         if limit >= ctx.models.max_model_len:
             raise APIError(400, f"'{field}' ({limit}) must be less than max_model_len ({ctx.models.max_model_len})",
                            field)
-    if ctx.class_labels is not None:
+    if ctx.classifier is not None:
         return await cross_encoder_scores(body, ctx, large, first, second)
     prompts = await ctx.offload(large, _prompts, body, ctx, first, second)
     vectors = np.asarray(await embed(body, ctx, prompts, {}), dtype=np.float64)
