@@ -19,12 +19,12 @@ from .config import EngineConfig, SamplingParams, parse_priority
 from .kv_cache import KVCacheManager
 from .logprobs import PromptPositions, TokenLogprobs, prompt_logprobs
 from .pooling import ONE_TOKEN, Pooler, PoolingParams, resolve_runner
-from .score_head import apply_overrides, head_rows
 from .reasoning import Reasoning
 from .request import Request, RequestOutput, Status, StepOutput
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
+from .score_head import apply_overrides, head_rows
 from .structured import StructuredOutputs
 from .tokenizer import load_tokenizer
 

@@ -28,9 +28,9 @@ from .auth import RequireAPIKey
 from .body_limit import LimitBody
 from .chat_completions import create_chat_completion
 from .chat_template import ChatTemplate
+from .classify import create_classify, read_classifier
 from .completions import create_completion
 from .context import LARGE_BODY_BYTES, Context
-from .classify import create_classify, read_classifier
 from .embeddings import create_embedding
 from .errors import APIError
 from .generation_config import sampling_defaults

@@ -119,7 +119,6 @@ class ChatTemplate:
         except Exception as exc:      # the template's own checks (raise_exception(...)) or a syntax error
             raise APIError(400, f"'messages': the chat template failed: {exc}", "messages") from None
 
-
     def render_pair(self, query: str, document: str, variables: dict) -> str:
         """A cross-encoder's prompt from the server's template (vLLM's score template: the
         roles "query" and "document"), the request's chat_template_kwargs as variables."""
