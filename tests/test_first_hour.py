@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -464,10 +465,13 @@ def test_make_serve_passes_model_and_engine_to_the_launcher():
     if not shutil.which("make"):
         pytest.skip("no make")
     dry = subprocess.run(["make", "-n", "-o", ".venv/.installed", "serve", "MODEL=/checkpoints/x",
-                          "ENGINE=max_num_seqs=128 dtype=float32", "SERVE_ARGS=--http-port=9100"],
-                         cwd=REPO, capture_output=True, text=True, check=True).stdout
-    assert '-m inflight.serving.launch --model "/checkpoints/x" --engine max_num_seqs=128 --engine dtype=float32 ' \
-           '--http-port=9100' in dry
+                          'ENGINE=max_num_seqs=128 hf_overrides={"method":"from_2_way_softmax"}',
+                          "SERVE_ARGS=--http-port=9100"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    command = next(line for line in dry.splitlines() if "inflight.serving.launch" in line)    # make[1]: lines aside
+    # each pair quoted: a JSON value keeps its quotes through the shell
+    assert shlex.split(command)[1:] == ["-m", "inflight.serving.launch", "--model", "/checkpoints/x", "--engine",
+                                        "max_num_seqs=128", "--engine", 'hf_overrides={"method":"from_2_way_softmax"}',
+                                        "--http-port=9100"]
 
 
 def test_a_failed_load_line_gives_the_cause_without_its_frames():
