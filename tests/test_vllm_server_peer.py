@@ -109,14 +109,22 @@ SAME = {
 
 @pytest.mark.parametrize("case", SAME)
 def test_the_same_request_gets_the_same_reply(ours, vllm_server, case):
-    path, body = SAME[case]
+    assert_same_reply(*_both(ours, vllm_server, *SAME[case]), case)
+
+
+def _both(ours: str, theirs: str, path: str, body: dict) -> tuple[httpx.Response, httpx.Response]:
+    """The two servers' replies to the same request, the model named."""
     body = {"model": MODEL, **body}
-    mine, theirs = (httpx.post(url + path, json=body, timeout=60) for url in (ours, vllm_server))
+    return tuple(httpx.post(url + path, json=body, timeout=60) for url in (ours, theirs))
+
+
+def assert_same_reply(mine: httpx.Response, theirs: httpx.Response, case: str) -> None:
+    """Both 200, with the same JSON but the id (its kind's prefix aside) and time."""
     assert (mine.status_code, theirs.status_code) == (200, 200), (mine.text, theirs.text)
     mine, theirs = mine.json(), theirs.json()
     for reply in (mine, theirs):
         reply.pop("created", None)
-        assert reply.pop("id").split("-")[0] in ("embd", "score")
+        assert reply.pop("id").split("-")[0] in ("embd", "score", "classify")
     assert_same(mine, theirs, case)
 
 
@@ -166,20 +174,14 @@ CLASSIFIER_SAME = {
 
 @pytest.mark.parametrize("case", CLASSIFIER_SAME)
 def test_a_classifier_replies_as_vllms(classifiers, case):
-    labels, ours_url, theirs_url = classifiers
+    labels, ours, theirs = classifiers
     path, body = CLASSIFIER_SAME[case]
-    body = {"model": MODEL, **body}
-    mine, theirs = (httpx.post(url + path, json=body, timeout=60) for url in (ours_url, theirs_url))
+    mine, vllms = _both(ours, theirs, path, body)
     if labels > 1 and path != "/classify":      # scores need one label: vLLM serves no such route, ours says why
-        assert (mine.status_code, theirs.status_code) == (400, 404), (mine.text, theirs.text)
+        assert (mine.status_code, vllms.status_code) == (400, 404), (mine.text, vllms.text)
         assert "needs a classifier of one label" in mine.json()["error"]["message"]
         return
-    assert (mine.status_code, theirs.status_code) == (200, 200), (mine.text, theirs.text)
-    mine, theirs = mine.json(), theirs.json()
-    for reply in (mine, theirs):
-        reply.pop("created", None)
-        assert reply.pop("id").split("-")[0] in ("classify", "score")
-    assert_same(mine, theirs, case)
+    assert_same_reply(mine, vllms, case)
 
 
 RERANKER = {"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["no", "er"],
@@ -217,15 +219,7 @@ CONVERTED_SAME = {
 
 @pytest.mark.parametrize("case", CONVERTED_SAME)
 def test_a_converted_reranker_replies_as_vllms(converted, case):
-    path, body = CONVERTED_SAME[case]
-    body = {"model": MODEL, **body}
-    mine, theirs = (httpx.post(url + path, json=body, timeout=60) for url in converted)
-    assert (mine.status_code, theirs.status_code) == (200, 200), (mine.text, theirs.text)
-    mine, theirs = mine.json(), theirs.json()
-    for reply in (mine, theirs):
-        reply.pop("created", None)
-        reply.pop("id")
-    assert_same(mine, theirs, case)
+    assert_same_reply(*_both(*converted, *CONVERTED_SAME[case]), case)
 
 
 @pytest.fixture(scope="module")
