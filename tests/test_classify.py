@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from inflight import EngineConfig, LLMEngine
 from inflight.pooling import PoolingParams
 from inflight.serving.protocol import RequestError, parse_request
-from inflight.testing import make_classifier_checkpoint, make_random_checkpoint
+from inflight.testing import make_classifier_checkpoint, make_random_adapter, make_random_checkpoint
 
 from .conftest import DEFAULT_MODEL
 
@@ -161,3 +161,33 @@ def test_a_reranker_conversion_that_cannot_be_made_is_refused_by_name(overrides,
         LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(**ENGINE, hf_overrides=overrides))
     with pytest.raises(ValueError, match="'hf_overrides' must be an object"):
         EngineConfig(hf_overrides=["no"])
+
+
+def test_a_pooling_request_with_a_lora_adapter_gets_peft_models_output(tiny_checkpoint, tmp_path):
+    """Embeddings and class scores computed with an adapter's weights (the request's lora_name),
+    equal to peft's model over transformers'; requests of the base model beside them keep its."""
+    from peft import PeftModel
+    adapter = make_random_adapter(tiny_checkpoint, str(tmp_path / "adapter"), seed=4, r=8,
+                                  target_modules=["q_proj", "v_proj", "down_proj"])
+    classifier = make_classifier_checkpoint(tiny_checkpoint, str(tmp_path / "classifier"), 3)
+    batch = prompts(13, count=4)
+    lora = dict(enable_lora=True, max_lora_rank=8)
+    for model_dir, auto, pooled in ((tiny_checkpoint, AutoModelForCausalLM, "hidden"),
+                                    (classifier, AutoModelForSequenceClassification, "logits")):
+        reference = PeftModel.from_pretrained(auto.from_pretrained(model_dir, dtype=torch.float64), adapter).eval()
+        with torch.no_grad():
+            outputs = [reference(input_ids=torch.tensor([p]), output_hidden_states=True) for p in batch]
+        if pooled == "hidden":
+            want = [torch.nn.functional.normalize(o.hidden_states[-1][0, -1], dim=-1) for o in outputs]
+        else:
+            want = [torch.softmax(o.logits[0], -1) for o in outputs]
+        engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**ENGINE, runner="pooling", **lora),
+                                           lora_modules={"tuned": adapter})
+        pool = engine.embed if pooled == "hidden" else engine.classify
+        tuned = pool(batch, lora_name="tuned")
+        assert_close([o.embedding for o in tuned], want)
+        base = pool(batch)
+        assert all(not torch.allclose(torch.tensor(a.embedding), torch.tensor(b.embedding))
+                   for a, b in zip(tuned, base))
+        engine.check_invariants()
+        assert engine.stats()["kv_blocks_used"] == 0

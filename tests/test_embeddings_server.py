@@ -14,6 +14,7 @@ from inflight.serving.launch import ServerProcess, make_repository
 from inflight_client.streams import http_generate
 
 from .conftest import DEFAULT_MODEL, TEST_ENGINE
+from .test_lora_server import DEMO, DEMO_DIR
 from .helpers import openai_server
 
 pytestmark = pytest.mark.server
@@ -31,7 +32,8 @@ def pooling_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(pooling_server, tmp_path_factory):
-    with openai_server(pooling_server.http_url, tmp_path_factory.mktemp("openai"), "--max-model-len", "64") as api:
+    with openai_server(pooling_server.http_url, tmp_path_factory.mktemp("openai"), "--max-model-len", "64",
+                       "--lora-modules", DEMO) as api:
         yield openai.OpenAI(base_url=api.base_url, api_key="unused", max_retries=0)
 
 
@@ -100,6 +102,30 @@ def test_openai_sdk_embeddings_equal_the_engines(client, engine, tokenizer):
                                     extra_body={"truncate_prompt_tokens": 3, "truncation_side": "left"})
     [last] = engine.embed([ids[1][-3:]])       # an explicit side cuts the ids, as vLLM's: the BOS goes
     assert tail.data[0].embedding == last.embedding
+
+
+def test_a_lora_adapters_embeddings_are_the_engines_with_its_weights(client, pooling_server, tokenizer):
+    """`model` naming an adapter (the shipped demo one, in multi_lora.json) computes the vectors
+    with its weights; `llm`'s embedding_request takes its lora_name."""
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(**POOLING_ENGINE, enable_lora=True),
+                                       lora_modules={DEMO: DEMO_DIR})
+    ids = [tokenizer(text).input_ids for text in TEXTS]
+    want = [out.embedding for out in engine.embed(ids, lora_name=DEMO)]
+    got = client.embeddings.create(model=DEMO, input=TEXTS, encoding_format="float")
+    assert all(close(d.embedding, w) for d, w in zip(got.data, want)) and got.model == DEMO
+    base = client.embeddings.create(model="inflight-tiny", input=TEXTS[:1], encoding_format="float")
+    assert not close(base.data[0].embedding, want[0])
+    reply = http_generate(pooling_server.http_url, "llm", {
+        "embedding_request": json.dumps({"input": ids[0], "lora_name": DEMO})})
+    assert close(json.loads(reply["text_output"]), want[0])
+    refused = http_generate(pooling_server.http_url, "llm", {
+        "embedding_request": json.dumps({"input": ids[0], "lora_name": "nope"})})
+    assert "unknown 'lora_name' 'nope'" in refused["error"]
+    assert pooling_server.metric("inflight_kv_blocks_used") == 0
+
+
+def close(got, want) -> bool:
+    return len(got) == len(want) and all(abs(g - w) < 1e-6 for g, w in zip(got, want))
 
 
 def test_chat_form_embeddings_render_the_conversation_with_the_chat_template(client, engine, tokenizer):

@@ -108,8 +108,8 @@ class LLMEngine:
         on another thread); without it the grammar is compiled here. The outputs of one n > 1
         request pass the same `group` list, which each joins: the queue timeout treats them as one
         request; the first passes `room_for` n, so that the queue makes room for all n at once or
-        refuses them before any is added. An engine with runner "pooling" takes embedding requests
-        only: `pooling` given, `params` ignored (pooling.py)."""
+        refuses them before any is added. An engine with runner "pooling" takes pooling requests
+        only: `pooling` given, of `params` only the LoRA adapter read (pooling.py)."""
         params = self._check_runner(params, pooling)
         if not isinstance(params, SamplingParams):
             raise TypeError("'params' must be a SamplingParams")
@@ -175,7 +175,8 @@ class LLMEngine:
                 "embeddings need a model run as an embedding model"
             raise ValueError(f'{kind} (the engine setting runner "pooling", as vLLM\'s); this one generates')
         self.pooler.check(pooling)
-        return ONE_TOKEN
+        lora_name = None if params is None else params.lora_name
+        return ONE_TOKEN if lora_name is None else dataclasses.replace(ONE_TOKEN, lora_name=lora_name)
 
     def _make_room(self, priority: int, count: int) -> None:
         """Room in the queue for `count` requests of this priority class, or QueueFullError. A full
@@ -396,18 +397,20 @@ class LLMEngine:
         return self._run([self.add_request(f"generate-{base}-{i}", p, sp)
                           for i, (p, sp) in enumerate(zip(prompt_token_ids, params))])
 
-    def embed(self, prompt_token_ids: Sequence[Sequence[int]],
-              pooling: PoolingParams | None = None) -> list[RequestOutput]:
-        """Offline embeddings (runner "pooling"): each prompt's in RequestOutput.embedding, in prompt order."""
+    def embed(self, prompt_token_ids: Sequence[Sequence[int]], pooling: PoolingParams | None = None,
+              lora_name: str | None = None) -> list[RequestOutput]:
+        """Offline embeddings (runner "pooling"): each prompt's in RequestOutput.embedding, in
+        prompt order; with a LoRA adapter's weights where named."""
         base = next(self._arrivals)
-        return self._run([self.add_request(f"embed-{base}-{i}", p, pooling=pooling or PoolingParams())
+        adapter = None if lora_name is None else SamplingParams(lora_name=lora_name)
+        return self._run([self.add_request(f"embed-{base}-{i}", p, adapter, pooling=pooling or PoolingParams())
                           for i, p in enumerate(prompt_token_ids)])
 
-    def classify(self, prompt_token_ids: Sequence[Sequence[int]],
-                 use_activation: bool | None = None) -> list[RequestOutput]:
+    def classify(self, prompt_token_ids: Sequence[Sequence[int]], use_activation: bool | None = None,
+                 lora_name: str | None = None) -> list[RequestOutput]:
         """Offline classification (a *ForSequenceClassification): each prompt's class scores in
         RequestOutput.embedding (probabilities; use_activation False: the logits), in prompt order."""
-        return self.embed(prompt_token_ids, PoolingParams(use_activation=use_activation, task="classify"))
+        return self.embed(prompt_token_ids, PoolingParams(use_activation=use_activation, task="classify"), lora_name)
 
     def _run(self, reqs: list[Request]) -> list[RequestOutput]:
         while any(r.status != Status.FINISHED for r in reqs):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 import numpy as np
@@ -356,8 +356,8 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
 
 
 def _embedding_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRequest:
-    """The vLLM backend's embedding_request: its input (text, or token ids) and pooling_params;
-    of the other inputs, the token counts, the request's priority and cache_salt, and
+    """The vLLM backend's embedding_request: its input (text, or token ids) and pooling_params, and
+    inflight's lora_name (the adapter to compute it with); of the other inputs, the token counts, the request's priority and cache_salt, and
     queue_heartbeat (how Triton sees a client that left while its request waits) are read (the
     others are generation's, and are refused rather than ignored)."""
     name = "embedding_request"
@@ -372,9 +372,10 @@ def _embedding_request(inputs: dict[str, np.ndarray], parameters: dict) -> Gener
         raise RequestError(str(exc)) from None
     if not isinstance(request, dict) or "input" not in request:
         raise RequestError(f"'{name}' must be a JSON object with an 'input'")
-    unknown = sorted(set(request) - {"input", "pooling_params"})
+    known = ["input", "lora_name", "pooling_params"]
+    unknown = sorted(set(request) - set(known))
     if unknown:
-        raise RequestError(f"'{name}': unknown key(s) {unknown}; known: ['input', 'pooling_params']")
+        raise RequestError(f"'{name}': unknown key(s) {unknown}; known: {known}")
     prompt = request["input"]
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         text, ids = None, [int(t) for t in prompt]
@@ -388,7 +389,11 @@ def _embedding_request(inputs: dict[str, np.ndarray], parameters: dict) -> Gener
     priority = _coerce("priority", "priority", string_input("priority", inputs["priority"])) \
         if "priority" in inputs else "normal"
     cache_salt = string_input("cache_salt", inputs["cache_salt"]) if "cache_salt" in inputs else None
-    return GenerateRequest(text, ids, ONE_TOKEN, priority, cache_salt,
+    lora_name = request.get("lora_name")       # inflight's: the adapter the vector is computed with
+    if lora_name is not None and not isinstance(lora_name, str):
+        raise RequestError(f"'{name}.lora_name' must be a string, got {lora_name!r}")
+    params = ONE_TOKEN if lora_name is None else replace(ONE_TOKEN, lora_name=lora_name)
+    return GenerateRequest(text, ids, params, priority, cache_salt,
                            pooling=_pooling_params(request.get("pooling_params")), **flags)
 
 

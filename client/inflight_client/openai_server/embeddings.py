@@ -39,15 +39,13 @@ def usage(prompts: list[list[int]]) -> dict:
 
 async def embed(body: PoolingFields, ctx: Context, prompts: list[list[int]], pooling: dict) -> list[list[float]]:
     """Each prompt's vector (an embedding, or a classifier's scores) from `llm`, all asked at once
-    (one refused: the others are cancelled)."""
-    if ctx.models.check(body.model) is not None:
-        raise APIError(400, f"'model' {body.model!r} is a LoRA adapter: pooling requests run on the base model "
-                       f"'{ctx.models.name}'", "model")
+    (one refused: the others are cancelled); with the LoRA adapter `model` names."""
+    adapter = ctx.models.check(body.model)
     if body.use_activation is not None:
         pooling = {**pooling, "use_activation": body.use_activation}
     try:
         async with asyncio.TaskGroup() as group:
-            calls = [group.create_task(ctx.triton.embed(ids, pooling, body.priority, body.cache_salt))
+            calls = [group.create_task(ctx.triton.embed(ids, pooling, body.priority, body.cache_salt, adapter))
                      for ids in prompts]
     except ExceptionGroup as failed:
         raise failed.exceptions[0] from None
