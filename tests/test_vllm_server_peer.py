@@ -22,6 +22,7 @@ from inflight_client.streams import http_generate
 
 from .conftest import DEFAULT_MODEL
 from .helpers import SOURCE_PATH_ENV, openai_server
+from .test_lora_server import DEMO, DEMO_DIR
 from .test_vllm_backend_peer import assert_same
 from .vllm_peer import PEER_ENGINE, PEER_MODEL, vllm_backend_server
 
@@ -63,7 +64,8 @@ def vllm_openai_server(tmp_path, *args, model_dir: str = DEFAULT_MODEL):
 def vllm_server(tmp_path_factory):
     """vLLM's server, the test model run as an embedding model."""
     with vllm_openai_server(tmp_path_factory.mktemp("vllm-pooling"), "--runner", "pooling", "--max-model-len",
-                            str(MAX_MODEL_LEN)) as url:
+                            str(MAX_MODEL_LEN), "--enable-lora", "--max-lora-rank", "16", "--lora-modules",
+                            f"{DEMO}={DEMO_DIR}") as url:
         yield url
 
 
@@ -84,7 +86,7 @@ def pooling_llm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(pooling_llm, tmp_path_factory):
     with openai_server(pooling_llm.http_url, tmp_path_factory.mktemp("openai"), "--max-model-len",
-                       str(MAX_MODEL_LEN)) as api:
+                       str(MAX_MODEL_LEN), "--lora-modules", DEMO) as api:
         yield api.base_url.removesuffix("/v1")
 
 
@@ -96,6 +98,7 @@ SAME = {
                                                              "truncation_side": "left"}),
     "embeddings, unnormalized": ("/v1/embeddings", {"input": DOCUMENTS[1], "use_activation": False}),
     "embeddings of a conversation": ("/v1/embeddings", {"messages": [{"role": "user", "content": "hi"}]}),
+    "embeddings with a LoRA adapter": ("/v1/embeddings", {"input": DOCUMENTS, "model": DEMO}),
     "score 1:N": ("/score", {"queries": QUERY, "documents": DOCUMENTS}),
     "score N:N": ("/score", {"queries": DOCUMENTS, "documents": DOCUMENTS[::-1]}),
     "score, text_1 and text_2 cut per side": ("/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS,
@@ -113,7 +116,7 @@ def test_the_same_request_gets_the_same_reply(ours, vllm_server, case):
 
 
 def _both(ours: str, theirs: str, path: str, body: dict) -> tuple[httpx.Response, httpx.Response]:
-    """The two servers' replies to the same request, the model named."""
+    """The two servers' replies to the same request, the model named (the base, unless it names one)."""
     body = {"model": MODEL, **body}
     return tuple(httpx.post(url + path, json=body, timeout=60) for url in (ours, theirs))
 
