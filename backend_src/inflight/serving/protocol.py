@@ -357,9 +357,10 @@ def parse_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRe
 
 def _embedding_request(inputs: dict[str, np.ndarray], parameters: dict) -> GenerateRequest:
     """The vLLM backend's embedding_request: its input (text, or token ids) and pooling_params, and
-    inflight's lora_name (the adapter to compute it with); of the other inputs, the token counts, the request's priority and cache_salt, and
-    queue_heartbeat (how Triton sees a client that left while its request waits) are read (the
-    others are generation's, and are refused rather than ignored)."""
+    inflight's lora_name (the adapter to compute it with); of the other inputs, the token counts,
+    the request's priority and cache_salt, and queue_heartbeat (how Triton sees a client that left
+    while its request waits) are read (the others are generation's, and are refused rather than
+    ignored)."""
     name = "embedding_request"
     read = {name, "return_num_input_tokens", "return_num_output_tokens", "stream", "priority", "cache_salt",
             "queue_heartbeat"}
