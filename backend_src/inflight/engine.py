@@ -18,7 +18,7 @@ import torch
 from .config import EngineConfig, SamplingParams, parse_priority
 from .kv_cache import KVCacheManager
 from .logprobs import PromptPositions, TokenLogprobs, prompt_logprobs
-from .pooling import ONE_TOKEN, Pooler, PoolingParams, resolve_runner
+from .pooling import KINDS, ONE_TOKEN, Pooler, PoolingParams, resolve_runner
 from .reasoning import Reasoning
 from .request import Request, RequestOutput, Status, StepOutput
 from .runner import ModelRunner
@@ -165,8 +165,7 @@ class LLMEngine:
         generating one generates); a pooling request's checks, and the step it runs as."""
         if pooling is None:
             if self.pooler is not None:
-                kind, serves = ("a classifier", "classification") if self.pooler.task == "classify" else \
-                    ("an embedding model", "embedding")
+                kind, serves = KINDS[self.pooler.task]
                 raise ValueError(f'this model runs as {kind} (its engine\'s runner is "pooling"): it serves '
                                  f"{serves} requests, not generation")
             return params or SamplingParams()

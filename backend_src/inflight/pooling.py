@@ -31,6 +31,7 @@ ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)     # what a pooling r
 
 
 TASKS = ("embed", "classify")       # vLLM's pooling tasks served: an embedding model's, a classifier's
+KINDS = {"embed": ("an embedding model", "embedding"), "classify": ("a classifier", "classification")}
 
 
 @dataclass(slots=True, frozen=True)
@@ -126,8 +127,8 @@ class Pooler:
     classifier's head (the model's compute_logits) and activation."""
 
     def __init__(self, hf_config, hidden_size: int, model_dir: str, head=None):
-        self.task = "classify" if is_classifier(hf_config) else "embed"
-        assert (head is not None) == (self.task == "classify")
+        """head: a classifier's (the model's compute_logits); None for an embedding model."""
+        self.task = "classify" if head is not None else "embed"
         self.head, self.activation = head, activation(hf_config) if head is not None else None
         self.hidden_size = hidden_size
         listed = getattr(hf_config, "matryoshka_dimensions", None)
@@ -141,7 +142,7 @@ class Pooler:
 
     def check(self, params: PoolingParams) -> None:
         if params.task != self.task:
-            kind = "a classifier" if self.task == "classify" else "an embedding model"
+            kind = KINDS[self.task][0]
             serves = "classification and cross-encoder scores" if self.task == "classify" else "embeddings"
             raise ValueError(f"this model is {kind}, whose pooling task is {self.task} ({serves}), not {params.task}")
         dims = params.dimensions

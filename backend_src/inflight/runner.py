@@ -136,8 +136,7 @@ class ModelRunner:
             with torch.no_grad():
                 weights = ((n, t.to(self.dtype)) for n, t in iter_checkpoint(model_dir))
                 if score_rows is not None:
-                    weights = with_score_head(weights, score_rows, hf_config.method == "from_2_way_softmax",
-                                              bool(getattr(hf_config, "tie_word_embeddings", False)))
+                    weights = with_score_head(weights, score_rows, hf_config)
                 self.model.load_hf_weights(weights)
         self.model.eval()
         # CPU: weights in oneDNN's layout once, not on every call; steps padded to a few shapes, for

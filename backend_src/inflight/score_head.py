@@ -47,10 +47,11 @@ def head_rows(hf_config, tokenizer) -> tuple[int, ...] | None:
     return ids
 
 
-def with_score_head(weights, rows: tuple[int, ...], two_way: bool, tied: bool):
+def with_score_head(weights, rows: tuple[int, ...], hf_config):
     """The checkpoint's (name, tensor) pairs with a score head made of the LM head's rows (the
-    embedding's where the config ties them) in place of the LM head."""
-    source = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    embedding's where the config ties them) in place of the LM head, as the config's method makes it."""
+    two_way = hf_config.method == "from_2_way_softmax"
+    source = "model.embed_tokens.weight" if getattr(hf_config, "tie_word_embeddings", False) else "lm_head.weight"
     for name, tensor in weights:
         if name == source:
             picked = tensor[list(rows)].float()

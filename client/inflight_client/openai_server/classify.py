@@ -103,8 +103,8 @@ def _pair_ids(body: ScoringFields, ctx: Context, query: str, document: str) -> l
         ids = ctx.tokenizer(text=query, text_pair=document, **kwargs)["input_ids"]
     else:
         ids = ctx.tokenizer(query + document, **kwargs)["input_ids"]
-    if keep is not None and body.truncation_side is not None and len(ids) > keep:
-        ids = ids[:keep] if body.truncation_side == "right" else ids[-keep:]
+    if keep is not None and body.truncation_side is not None:
+        ids = ctx.truncate(ids, keep, body.truncation_side)      # the ids cut from that side
     return ids
 
 
