@@ -560,7 +560,9 @@ def test_the_vllm_backends_model_json_loads_as_written(tmp_path, caplog):
             engine.dtype, engine.max_model_len, engine.max_num_seqs, engine.enable_prefix_caching) == \
         (32, True, True, 32, 2, "float16", 512, 8, False)
     assert settings.vllm_metrics is False          # disable_log_stats: no vllm: metrics, as the backend does
-    assert "'max_cpu_loras' has no effect here (every adapter of multi_lora.json stays in host memory)" in caplog.text
+    assert engine.max_cpu_loras == 8
+    assert "'max_cpu_loras' bounds the adapters loaded at runtime (allow_runtime_lora_updating); those of " \
+        "multi_lora.json all stay in host memory" in caplog.text
     assert "'disable_log_requests' has no effect here" in caplog.text
     # an embedding model's: vLLM's runner (auto: the engine looks for a sentence-transformers checkpoint) and
     # convert ("embed" asks for the pooling runner)

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -163,6 +164,9 @@ def test_unknown_or_disabled_lora_name_is_refused_at_add_request(tiny_checkpoint
     ({"enable_lora": "yes"}, "'enable_lora' must be a boolean"),
     ({"max_loras": 0}, "'max_loras' must be a positive integer"),
     ({"max_lora_rank": 2.5}, "'max_lora_rank' must be a positive integer"),
+    ({"max_cpu_loras": 0}, "'max_cpu_loras' must be a positive integer or None"),
+    ({"allow_runtime_lora_updating": True}, "'allow_runtime_lora_updating' needs 'enable_lora'"),
+    ({"allow_runtime_lora_updating": "true", "enable_lora": True}, "'allow_runtime_lora_updating' must be a boolean"),
 ])
 def test_engine_config_validates_lora_fields(values, message):
     with pytest.raises(ValueError, match=message):
@@ -261,6 +265,91 @@ def test_no_more_adapters_than_max_loras_run_at_once(tiny_checkpoint, adapters):
     assert finished.index("r1") > finished.index("r2") and finished.index("r4") > max(finished.index("r1"),
                                                                                        finished.index("r5"))
     assert engine.stats()["lora_loads"] == 2 and engine.stats()["kv_blocks_used"] == 0
+
+
+def runtime_engine(base_dir, static: dict, **config) -> LLMEngine:
+    return LLMEngine.from_pretrained(base_dir, EngineConfig(**{
+        "dtype": "float64", "enable_lora": True, "allow_runtime_lora_updating": True, "num_kv_blocks": 512,
+        **config}), lora_modules=static)
+
+
+def test_adapters_loaded_at_runtime_match_peft(tiny_checkpoint, adapters):
+    """Requests that name an adapter with its path load it on first use (vLLM's LoRARequest): the
+    same tokens as peft, beside an adapter named at start-up, with fewer slots than adapters."""
+    prompts, lengths, names = make_workload(seed=5, num_prompts=8)
+    expected, _ = peft_greedy(tiny_checkpoint, adapters, prompts, lengths, names)
+    engine = runtime_engine(tiny_checkpoint, {"qv-r8": adapters["qv-r8"]}, max_loras=2, max_cpu_loras=2)
+    assert engine.lora_names == ["qv-r8"]
+    params = [SamplingParams(max_tokens=n, temperature=0, lora_name=name,
+                             lora_path=None if name in (None, "qv-r8") else adapters[name])
+              for n, name in zip(lengths, names)]
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert [i for i, (g, e) in enumerate(zip(got, expected)) if g != e] == []
+    assert engine.lora_names[0] == "qv-r8" and sorted(engine.lora_names[1:]) == ["all-linear-patterns", "ko-mlp-r4-rslora"]
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["lora_loads"] > 0
+    # once loaded, a request may name it alone, or with its path again (nothing is read again)
+    again = engine.generate([prompts[1]], SamplingParams(max_tokens=lengths[1], temperature=0,
+                                                         lora_name=names[1]))[0].token_ids
+    assert again == expected[1]
+
+
+def test_runtime_adapters_take_turns_in_max_cpu_loras_rows(tiny_checkpoint, adapters, tmp_path):
+    """max_cpu_loras rows: a new adapter takes the least recently named one's row unless requests hold
+    it; an adapter whose files change is read again, and its old blocks are not reused."""
+    engine = runtime_engine(tiny_checkpoint, {}, max_cpu_loras=1)
+    prompt = list(range(3, 3 + 40))
+
+    def run(name, path):
+        return engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0, lora_name=name,
+                                                        lora_path=path))[0].token_ids
+
+    ko = run("ko", adapters["ko-mlp-r4-rslora"])
+    qv = run("qv", adapters["qv-r8"])                          # takes ko's row: ko is forgotten
+    assert engine.lora_names == ["qv"]
+    with pytest.raises(ValueError, match=r"unknown 'lora_name' 'ko'; known: \['qv'\]"):
+        engine.add_request("x", prompt, SamplingParams(lora_name="ko"))
+    assert run("ko", adapters["ko-mlp-r4-rslora"]) == ko      # read again, the same tokens
+    # a row held by a waiting request is not taken
+    engine.add_request("held", prompt, SamplingParams(max_tokens=2, lora_name="ko"))
+    with pytest.raises(ValueError, match=r"'lora_path': LoRA adapter 'qv' cannot be loaded: requests hold all 1 "
+                                         r"runtime adapter rows \('max_cpu_loras'\)"):
+        engine.add_request("y", prompt, SamplingParams(lora_name="qv", lora_path=adapters["qv-r8"]))
+    while engine.has_unfinished():
+        engine.step()
+    # trained again in place: the next request reads the new files and computes its own KV
+    moving = tmp_path / "moving"
+    shutil.copytree(adapters["qv-r8"], moving, copy_function=shutil.copy)     # files written now, as training does
+    assert run("m", str(moving)) == qv
+    shutil.rmtree(moving)
+    shutil.copytree(adapters["ko-mlp-r4-rslora"], moving, copy_function=shutil.copy)
+    hits = engine.stats()["prefix_cache_hit_tokens"]
+    assert run("m", str(moving)) == ko
+    assert engine.stats()["prefix_cache_hit_tokens"] == hits, "blocks of the adapter's old weights were reused"
+    assert run("m", str(moving)) == ko and engine.stats()["prefix_cache_hit_tokens"] > hits   # its own: reused
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_runtime_adapter_refusals_name_the_field(tiny_checkpoint, adapters, tmp_path):
+    static = {"qv-r8": adapters["qv-r8"]}
+    engine = runtime_engine(tiny_checkpoint, static)
+    with pytest.raises(ValueError, match=r"'lora_path': LoRA adapter 'qv-r8' is served from .*qv-r8 \(named at "
+                                         r"start-up\), not .*ko-mlp"):
+        engine.add_request("a", [1, 2, 3], SamplingParams(lora_name="qv-r8", lora_path=adapters["ko-mlp-r4-rslora"]))
+    engine.add_request("b", [1, 2, 3], SamplingParams(lora_name="qv-r8", lora_path=adapters["qv-r8"]))  # its own
+    with pytest.raises(LoraError, match=f"LoRA adapter 'gone': directory '{tmp_path}/gone' does not exist"):
+        engine.add_request("c", [1, 2, 3], SamplingParams(lora_name="gone", lora_path=str(tmp_path / "gone")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LoraError, match="LoRA adapter 'empty' .*: no adapter_config.json in the directory"):
+        engine.add_request("d", [1, 2, 3], SamplingParams(lora_name="empty", lora_path=str(tmp_path / "empty")))
+    off = LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(enable_lora=True, num_kv_blocks=64),
+                                    lora_modules=static)
+    with pytest.raises(ValueError, match=r"'lora_path' '.*ko-mlp-r4-rslora': loading LoRA adapters at runtime is "
+                                         r"off \('allow_runtime_lora_updating' is false\)"):
+        off.add_request("e", [1, 2, 3], SamplingParams(lora_name="ko", lora_path=adapters["ko-mlp-r4-rslora"]))
+    with pytest.raises(ValueError, match="'lora_path' needs 'lora_name'"):
+        SamplingParams(lora_path=adapters["qv-r8"])
+    assert sorted(engine.requests) == ["b"] and not off.has_unfinished()
 
 
 def test_adapter_switch_is_checked(tiny_checkpoint, adapters, tmp_path):

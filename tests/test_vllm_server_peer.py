@@ -34,13 +34,14 @@ QUERY, DOCUMENTS = "What does assert do?", ["The assert statement", "A list", "x
 
 
 @contextlib.contextmanager
-def vllm_openai_server(tmp_path, *args, model_dir: str = DEFAULT_MODEL):
-    """vLLM's OpenAI server (`vllm serve`) for the test model (or another); its base URL."""
+def vllm_openai_server(tmp_path, *args, model_dir: str = DEFAULT_MODEL, env: dict | None = None):
+    """vLLM's OpenAI server (`vllm serve`) for the test model (or another), with `env` added to its
+    environment; its base URL."""
     python = os.environ.get("VLLM_PYTHON")
     if not python:
         pytest.fail("the peer tests need VLLM_PYTHON (README: llm)")
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     env.pop("PYTHONPATH", None)
     log = open(tmp_path / "vllm.log", "w")
     process = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model",
@@ -330,3 +331,48 @@ def test_generation_replies_as_vllms_server(generating, case):
     body = {"model": MODEL, "temperature": 0, **body} if path.startswith("/v1") else {"model": MODEL, **body}
     mine, theirs = (_comparable(_reply(url + path, body)) for url in generating)
     assert_same(mine, _without_vllms_nulls(mine, theirs), case)
+
+
+@pytest.fixture(scope="module")
+def runtime_lora(tmp_path_factory):
+    """Both servers loading adapters at runtime: vLLM's (VLLM_ALLOW_RUNTIME_LORA_UPDATING), and the
+    OpenAI server in front of `llm` with allow_runtime_lora_updating."""
+    engine = {"dtype": "float32", "max_model_len": 256, "cpu_threads": 1, "enable_lora": True,
+              "allow_runtime_lora_updating": True}
+    repository = make_repository(str(tmp_path_factory.mktemp("llm-runtime-lora")), DEFAULT_MODEL, engine)
+    with vllm_openai_server(tmp_path_factory.mktemp("vllm-runtime-lora"), "--max-model-len", "256", "--enable-lora",
+                            "--max-lora-rank", "16", env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as theirs, \
+            ServerProcess(repository) as llm, \
+            openai_server(llm.http_url, tmp_path_factory.mktemp("openai-runtime-lora"), "--max-model-len", "256",
+                          "--allow-runtime-lora-updating") as api:
+        yield api.base_url.removesuffix("/v1"), theirs
+
+
+def test_adapters_load_and_unload_at_runtime_as_in_vllms_server(runtime_lora, tmp_path):
+    """The same replies, step by step: a load, the adapter listed and its greedy completion, a
+    second load refused, an unload, a second unload refused, a directory that is not there."""
+    def both(method: str, path: str, body: dict | None = None) -> list[httpx.Response]:
+        return [httpx.request(method, url + path, json=body, timeout=120) for url in runtime_lora]
+
+    def same(replies: list[httpx.Response], step: str) -> None:
+        mine, theirs = replies
+        assert mine.status_code == theirs.status_code, (step, mine.text, theirs.text)
+        if mine.status_code == 200:
+            assert mine.text == theirs.text, step
+        else:
+            assert mine.json()["error"]["message"] == theirs.json()["error"]["message"], step
+
+    load = {"lora_name": "demo", "lora_path": DEMO_DIR}
+    same(both("POST", "/v1/load_lora_adapter", load), "load")
+    listed = [r.json()["data"] for r in both("GET", "/v1/models")]
+    assert [(m["id"], m["root"], m["parent"]) for m in listed[0]] == \
+        [(m["id"], m["root"], m["parent"]) for m in listed[1]]
+    completion = {"model": "demo", "prompt": "The assert statement", "max_tokens": 8, "temperature": 0}
+    mine, theirs = (_comparable(r.json()) for r in both("POST", "/v1/completions", completion))
+    assert_same(mine, _without_vllms_nulls(mine, theirs), "a completion with the loaded adapter")
+    same(both("POST", "/v1/load_lora_adapter", load), "loaded twice")
+    same(both("POST", "/v1/unload_lora_adapter", {"lora_name": "demo"}), "unload")
+    same(both("POST", "/v1/unload_lora_adapter", {"lora_name": "demo"}), "unloaded twice")
+    assert [r.status_code for r in both("POST", "/v1/completions", completion)] == [404, 404]
+    same(both("POST", "/v1/load_lora_adapter", {"lora_name": "gone", "lora_path": str(tmp_path / "gone")}),
+         "a directory that is not there")

@@ -110,6 +110,10 @@ class EngineConfig:
     enable_lora: bool = False                 # serve PEFT LoRA adapters next to the base model
     max_loras: int = 4                        # distinct adapters running at once (the device's adapter slots)
     max_lora_rank: int = 16                   # the largest adapter rank accepted
+    # requests may load adapters by path (SamplingParams.lora_path; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING),
+    # max_cpu_loras of them kept at once (vLLM's; default max_loras), besides those named at start-up
+    allow_runtime_lora_updating: bool = False
+    max_cpu_loras: int | None = None
     reasoning_parser: str | None = None       # vLLM's: structured outputs wait for the end of reasoning (reasoning.py)
     runner: str = "auto"                      # vLLM's: "pooling" serves embeddings instead; "auto" as vLLM (pooling.py)
     hf_overrides: dict | None = None          # vLLM's: config.json values set over the file's (score_head.py)
@@ -144,7 +148,8 @@ class EngineConfig:
                "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         _check(_is_seed(self.seed), "seed", f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         # "False" from a command line or a JSON string would otherwise count as true
-        for name in ("enable_lora", "enforce_eager", "enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_lora", "enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
+                     "allow_runtime_lora_updating"):
             _check(isinstance(getattr(self, name), bool), name, f"must be a boolean, got {getattr(self, name)!r}")
         if self.reasoning_parser == "":       # vLLM's default, written out in a vLLM-backend model.json: none
             self.reasoning_parser = None
@@ -155,6 +160,10 @@ class EngineConfig:
         for name in ("max_loras", "max_lora_rank"):
             _check(is_int(getattr(self, name)) and getattr(self, name) > 0, name,
                    f"must be a positive integer, got {getattr(self, name)!r}")
+        _check(self.max_cpu_loras is None or (is_int(self.max_cpu_loras) and self.max_cpu_loras > 0), "max_cpu_loras",
+               f"must be a positive integer or None, got {self.max_cpu_loras!r}")
+        _check(not self.allow_runtime_lora_updating or self.enable_lora, "allow_runtime_lora_updating",
+               "needs 'enable_lora'")
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":
@@ -190,6 +199,9 @@ class SamplingParams:
     # vLLM's {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ebnf} | {"json_object": True}
     structured_outputs: GrammarSpec | dict | str | None = None
     lora_name: str | None = None              # the adapter to run with (None: the base model)
+    # where lora_name's adapter is (vLLM's LoRARequest.lora_path): loaded on first use, with
+    # EngineConfig.allow_runtime_lora_updating; for one named at start-up, only its own directory
+    lora_path: str | None = None
     # vLLM's: the most tokens the model may reason before its end marker is forced (reasoning.py); -1/None: no bound
     thinking_token_budget: int | None = None
     # vLLM's engine-level `reasoning_ended` (its server sets it where the chat's parser reads no reasoning, as
@@ -259,8 +271,11 @@ class SamplingParams:
             self.structured_outputs = parse_spec(self.structured_outputs)
             # the grammar decides where the output ends; banning EOS before that could leave no token
             _check(self.min_tokens == 0, "min_tokens", "cannot be combined with 'structured_outputs'")
-        _check(self.lora_name is None or (isinstance(self.lora_name, str) and self.lora_name != ""), "lora_name",
-               f"must be a non-empty string or None, got {self.lora_name!r}")
+        for name in ("lora_name", "lora_path"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value != ""), name,
+                   f"must be a non-empty string or None, got {value!r}")
+        _check(self.lora_path is None or self.lora_name is not None, "lora_path", "needs 'lora_name'")
         _check(self.thinking_token_budget is None or (is_int(self.thinking_token_budget)
                                                       and self.thinking_token_budget >= -1),
                "thinking_token_budget", f"must be an integer >= 0, or -1 for none, got {self.thinking_token_budget!r}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import torch
 from .config import EngineConfig, SamplingParams, parse_priority
 from .kv_cache import KVCacheManager
 from .logprobs import PromptPositions, TokenLogprobs, prompt_logprobs
+from .lora import load_adapter
 from .pooling import KINDS, ONE_TOKEN, Pooler, PoolingParams, resolve_runner
 from .reasoning import Reasoning
 from .request import Request, RequestOutput, Status, StepOutput
@@ -28,6 +30,7 @@ from .score_head import apply_overrides, head_rows
 from .structured import StructuredOutputs
 from .tokenizer import load_tokenizer
 
+log = logging.getLogger("inflight")
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at max_queue_size: the request is refused, not queued."""
@@ -126,7 +129,7 @@ class LLMEngine:
         # (the pool holds a whole max_model_len sequence: the runner refuses a smaller one at load)
         priority = parse_priority(priority)
         salt = self._salt_key(cache_salt)
-        lora_id, lora_key = self._lora_adapter(params.lora_name)
+        lora_id, lora_key = self._lora_adapter(params.lora_name, params.lora_path)
         if params.thinking_token_budget is not None and (self.reasoning is None or self.reasoning.end_id is None):
             why = "which is not set" if self.reasoning is None else "and the tokenizer has none (no reply reasons)"
             raise ValueError(f"'thinking_token_budget' needs the engine's reasoning_parser (the model's reasoning "
@@ -174,8 +177,9 @@ class LLMEngine:
                 "embeddings need a model run as an embedding model"
             raise ValueError(f'{kind} (the engine setting runner "pooling", as vLLM\'s); this one generates')
         self.pooler.check(pooling)
-        lora_name = None if params is None else params.lora_name
-        return ONE_TOKEN if lora_name is None else dataclasses.replace(ONE_TOKEN, lora_name=lora_name)
+        if params is None:
+            return ONE_TOKEN
+        return dataclasses.replace(ONE_TOKEN, lora_name=params.lora_name, lora_path=params.lora_path)
 
     def _make_room(self, priority: int, count: int) -> None:
         """Room in the queue for `count` requests of this priority class, or QueueFullError. A full
@@ -207,18 +211,36 @@ class LLMEngine:
             raise ValueError("'cache_salt' is not valid UTF-8 text (it holds a lone surrogate)") from None
         return hashlib.blake2b(salt, digest_size=16).digest()
 
-    def _lora_adapter(self, lora_name: str | None) -> tuple[int, bytes]:
+    def _lora_adapter(self, lora_name: str | None, lora_path: str | None) -> tuple[int, bytes]:
         """(adapter id, prefix-cache key part) of the request's adapter: blocks computed with an adapter
-        are never shared with the base model or another adapter."""
+        are never shared with the base model or another adapter. With a path, the adapter is loaded
+        first where it is not (runtime LoRA updating)."""
         if lora_name is None:
             return -1, b""
         lora = self.runner.lora
         if lora is None:
             raise ValueError(f"'lora_name' {lora_name!r}: LoRA is not enabled on this model ('enable_lora' is false)")
-        adapter_id = lora.ids.get(lora_name)
-        if adapter_id is None:
-            raise ValueError(f"unknown 'lora_name' {lora_name!r}; known: {lora.names}")
+        if lora_path is None:
+            adapter_id = lora.ids.get(lora_name)
+            if adapter_id is None:
+                raise ValueError(f"unknown 'lora_name' {lora_name!r}; known: {lora.names}")
+        else:
+            adapter_id = self._runtime_adapter(lora, lora_name, lora_path)
         return adapter_id, b"|lora:" + lora.keys[adapter_id]
+
+    def _runtime_adapter(self, lora, lora_name: str, lora_path: str) -> int:
+        """The id of the adapter loaded from lora_path under lora_name, reading it now (on the engine's
+        thread: the steps wait for it) where it is not loaded, or its files changed since."""
+        adapter_id = lora.lookup(lora_name, lora_path)
+        if adapter_id is not None:
+            return adapter_id
+        if not self.config.allow_runtime_lora_updating:
+            raise ValueError(f"'lora_path' {lora_path!r}: loading LoRA adapters at runtime is off "
+                             "('allow_runtime_lora_updating' is false)")
+        adapter = load_adapter(lora_name, lora_path, self.runner.spec, self.config.max_lora_rank)
+        adapter_id = lora.add(adapter, held={r.lora_id for r in self.requests.values()})
+        log.info("inflight: loaded LoRA adapter %r from %s", lora_name, lora_path)
+        return adapter_id
 
     def _check_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         prompt = list(prompt_token_ids)
@@ -447,7 +469,9 @@ class LLMEngine:
             "lora_loads": 0 if self.runner.lora is None else self.runner.lora.num_loads,
         }
         if self.runner.lora is not None:
-            stats["lora_running"], stats["lora_waiting"] = scheduler.lora_requests(len(self.runner.lora.names))
+            lora = self.runner.lora       # by adapter id; reported in lora_names' order
+            rows = np.fromiter(lora.ids.values(), dtype=np.int64, count=len(lora.ids))
+            stats["lora_running"], stats["lora_waiting"] = (ids[rows] for ids in scheduler.lora_requests(len(lora.keys)))
         return stats
 
     def check_invariants(self) -> None:

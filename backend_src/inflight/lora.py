@@ -114,6 +114,10 @@ def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
 
 def load_adapter(name: str, path: str, spec: ModelSpec, max_rank: int) -> LoraAdapter:
     """Read and check one PEFT LoRA adapter directory; weights stay in their saved dtype on CPU."""
+    if not isinstance(name, str) or not name:
+        raise LoraError(f"LoRA adapter names must be non-empty strings, got {name!r}")
+    if not isinstance(path, str) or not os.path.isdir(path):
+        raise LoraError(f"LoRA adapter {name!r}: directory {path!r} does not exist")
     where = f"LoRA adapter {name!r} ({path})"
 
     def fail(message: str):
@@ -171,8 +175,18 @@ def load_adapter(name: str, path: str, spec: ModelSpec, max_rank: int) -> LoraAd
             fail(f"'lora_alpha' / 'alpha_pattern' for {key} must be a number, got {alpha!r}")
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         modules[(layer, module)] = LoraModule(a, b, scale)
-    key = hashlib.blake2b(f"{name}|{os.path.realpath(path)}".encode(), digest_size=16).digest()
-    return LoraAdapter(name, path, max(m.a.shape[0] for m in modules.values()), modules, key)
+    return LoraAdapter(name, path, max(m.a.shape[0] for m in modules.values()), modules, adapter_key(name, path))
+
+
+def adapter_key(name: str, path: str) -> bytes:
+    """An adapter's identity in prefix-cache hashes: its name, directory and files' sizes and
+    modification times (an adapter trained again in place is another adapter)."""
+    path = os.path.realpath(path)
+    if not os.path.isdir(path):
+        return b""
+    files = sorted(f for f in os.listdir(path) if f.startswith("adapter_"))
+    stamps = [(f, os.stat(os.path.join(path, f)).st_size, os.stat(os.path.join(path, f)).st_mtime_ns) for f in files]
+    return hashlib.blake2b(f"{name}|{path}|{stamps}".encode(), digest_size=16).digest()
 
 
 def _check_config(config: dict, fail) -> None:
@@ -252,24 +266,33 @@ class GroupWeights:
     start: int                  # the fused output columns the group's modules cover
     end: int
     module_cols: np.ndarray     # int32 [modules, 2]: each module's columns in b (begin, end)
+    modules: tuple[str, ...]    # the targeted modules, in column order
     cpu_add: object = None      # the compiled kernel bound to a and b (CpuKernels.lora_adder)
 
 
 class LoraWeights:
     """Every adapter's weights stacked on the host, `max_loras` of them in the device's slots;
-    name -> adapter id, adapter id -> slot."""
+    name -> adapter id (its row of the host stack), adapter id -> slot. With `runtime_rows`, that
+    many more rows take adapters loaded while serving (`add`), the least recently used one not
+    held by a request giving its row up."""
 
     def __init__(self, adapters: list[LoraAdapter], spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                 kernels: str = "torch", max_loras: int | None = None):
+                 kernels: str = "torch", max_loras: int | None = None, runtime_rows: int = 0, max_rank: int = 0):
         """kernels: the attention backend's name ('triton', 'cpu' or 'torch'): which path computes
         the adapters' terms where the dtype allows it. max_loras: how many adapters may run at once
-        (default: all); the device holds that many slots, or one per adapter where there are fewer."""
+        (default: all); the device holds that many slots, or one per row where there are fewer.
+        runtime_rows: rows for adapters loaded later; any of max_rank or less may come, so every
+        module gets columns of rank max_rank (without them, only the adapters' modules and ranks)."""
         self.ids = {adapter.name: i for i, adapter in enumerate(adapters)}
-        self.keys = [adapter.key for adapter in adapters]
-        self.max_loras = len(adapters) if max_loras is None else max_loras
-        assert self.max_loras >= 1 or not adapters
-        num_slots = min(self.max_loras, len(adapters))
-        self.rank = max((adapter.rank for adapter in adapters), default=0)
+        self.keys = [adapter.key for adapter in adapters] + [b""] * runtime_rows
+        self.static_paths = [os.path.realpath(adapter.path) for adapter in adapters]
+        self.num_static = len(adapters)
+        self.recent: dict[str, int] = {}         # runtime adapters' names -> rows, least recently named first
+        num_rows = len(adapters) + runtime_rows
+        self.max_loras = num_rows if max_loras is None else max_loras
+        assert self.max_loras >= 1 or not num_rows
+        num_slots = min(self.max_loras, num_rows)
+        self.rank = max_rank if runtime_rows else max((adapter.rank for adapter in adapters), default=0)
         self.device = device
         from . import cpu_kernels
         from .kernels.lora import DTYPES
@@ -277,60 +300,107 @@ class LoraWeights:
         self.cpu_kernels = cpu_kernels.load() if kernels == "cpu" and dtype in cpu_kernels.DTYPES else None
         if self.cpu_kernels is not None:
             self.rank = -(-self.rank // 16) * 16        # the compiled kernel works in vectors of 16
-        shapes = module_shapes(spec)
         # every adapter on the host, where the slots are loaded from (pinned: a CUDA copy does not
         # wait for the host)
+        shapes = module_shapes(spec)
         self.host: list[dict[str, GroupWeights]] | None = [
-            self._stack_layer(layer, adapters, shapes, dtype, pin=device.type == "cuda")
+            self._layer_groups(layer, adapters, shapes, num_rows, dtype, runtime_rows > 0, pin=device.type == "cuda")
             for layer in range(spec.num_layers)]
+        for row, adapter in enumerate(adapters):
+            self._write(row, adapter)
         self.layers: list[dict[str, GroupWeights]] = [
             {group: GroupWeights(w.a.new_zeros((num_slots, *w.a.shape[1:]), device=device),
                                  w.b.new_zeros((num_slots, *w.b.shape[1:]), device=device),
-                                 w.start, w.end, w.module_cols) for group, w in layer.items()} for layer in self.host]
+                                 w.start, w.end, w.module_cols, w.modules) for group, w in layer.items()}
+            for layer in self.host]
         if self.cpu_kernels is not None:
             for layer in self.layers:
                 for w in layer.values():
                     w.cpu_add = self.cpu_kernels.lora_adder(w.a, w.b, self.rank, w.module_cols, w.start)
-        self.slot_of = np.full(len(adapters), -1, dtype=np.int32)    # adapter id -> its slot; -1: none
+        self.slot_of = np.full(num_rows, -1, dtype=np.int32)         # adapter id -> its slot; -1: none
         self.last_used = np.zeros(num_slots, dtype=np.int64)         # slot -> the step that last used it
         self.num_steps = 0
         self.num_loads = 0       # adapters copied into a slot
-        for adapter_id in range(num_slots):
+        for adapter_id in range(min(num_slots, len(adapters))):
             self._load(adapter_id, adapter_id)
         self.num_loads = 0       # the first adapters fill the slots at start-up: not swaps
-        if num_slots == len(adapters):
+        if num_slots == num_rows and not runtime_rows:
             self.host = None     # every adapter has a slot for good: nothing is ever copied again
 
-    def _stack_layer(self, layer: int, adapters: list[LoraAdapter], shapes, dtype,
-                     pin: bool) -> dict[str, GroupWeights]:
-        rank = self.rank
+    def _layer_groups(self, layer: int, adapters: list[LoraAdapter], shapes, num_rows: int, dtype,
+                      every_module: bool, pin: bool) -> dict[str, GroupWeights]:
+        """One layer's host stack, zeros: a group for the modules some adapter targets (every
+        module where adapters may come later)."""
         groups = {}
         for group, names in GROUPS.items():
-            targeted = [n for n in names if any((layer, n) in a.modules for a in adapters)]
+            targeted = list(names) if every_module else [
+                n for n in names if any((layer, n) in a.modules for a in adapters)]
             if not targeted:
                 continue
             offsets = {n: sum(shapes[m][1] for m in names[:names.index(n)]) for n in names}
             start, end = offsets[targeted[0]], offsets[targeted[-1]] + shapes[targeted[-1]][1]
-            a = torch.zeros(len(adapters), shapes[targeted[0]][0], len(targeted) * rank, dtype=torch.float64)
-            b = torch.zeros(len(adapters), len(targeted) * rank, end - start, dtype=torch.float64)
+            a = torch.zeros(num_rows, shapes[targeted[0]][0], len(targeted) * self.rank, dtype=dtype)
+            b = torch.zeros(num_rows, len(targeted) * self.rank, end - start, dtype=dtype)
             module_cols = np.array([(offsets[n] - start, offsets[n] - start + shapes[n][1]) for n in targeted],
                                    dtype=np.int32)
-            for j, name in enumerate(targeted):
-                cols = slice(*module_cols[j])
-                for i, adapter in enumerate(adapters):
-                    weights = adapter.modules.get((layer, name))
-                    if weights is not None:
-                        r = weights.a.shape[0]
-                        a[i, :, j * rank:j * rank + r] = weights.a.t()
-                        b[i, j * rank:j * rank + r, cols] = weights.b.t().double() * weights.scale
-            a, b = a.to(dtype), b.to(dtype)
             groups[group] = GroupWeights(a.pin_memory() if pin else a, b.pin_memory() if pin else b, start, end,
-                                         module_cols)
+                                         module_cols, tuple(targeted))
         return groups
+
+    def _write(self, row: int, adapter: LoraAdapter) -> None:
+        """An adapter's weights into its host row (scale * B in float64, then rounded once)."""
+        rank = self.rank
+        for layer, groups in enumerate(self.host):
+            for weights in groups.values():
+                weights.a[row].zero_()
+                weights.b[row].zero_()
+                for j, name in enumerate(weights.modules):
+                    module = adapter.modules.get((layer, name))
+                    if module is not None:
+                        r = module.a.shape[0]
+                        cols = slice(*weights.module_cols[j])
+                        weights.a[row, :, j * rank:j * rank + r] = module.a.t().to(weights.a.dtype)
+                        weights.b[row, j * rank:j * rank + r, cols] = (module.b.t().double() * module.scale).to(
+                            weights.b.dtype)
+        self.keys[row] = adapter.key
 
     @property
     def names(self) -> list[str]:
         return list(self.ids)
+
+    def lookup(self, name: str, path: str) -> int | None:
+        """The row of the runtime adapter `name` loaded from `path` (None: not loaded), marked used
+        now. A static adapter's name with a path is refused unless the path is its own."""
+        row = self.ids.get(name)
+        if row is not None and row < self.num_static:
+            if self.static_paths[row] != os.path.realpath(path):
+                raise LoraError(f"'lora_path': LoRA adapter {name!r} is served from {self.static_paths[row]} (named at "
+                                f"start-up), not {path}")
+            return row
+        if row is None or self.keys[row] != adapter_key(name, path):
+            return None                  # not loaded, or loaded from another path or before its files changed
+        self.recent[name] = self.recent.pop(name)
+        return row
+
+    def add(self, adapter: LoraAdapter, held: set[int]) -> int:
+        """Put a runtime adapter into a free row, or the row of the least recently used one that no
+        request in `held` (adapter ids) holds; a row an older adapter of that name held is kept
+        until its requests end, as the new one takes the name. Returns its id."""
+        taken = set(self.recent.values()) | held
+        free = [row for row in range(self.num_static, len(self.keys)) if row not in taken]
+        if not free:
+            name = next((n for n, row in self.recent.items() if row not in held), None)
+            if name is None:
+                raise LoraError(f"'lora_path': LoRA adapter {adapter.name!r} cannot be loaded: requests hold all "
+                                f"{len(self.keys) - self.num_static} runtime adapter rows ('max_cpu_loras')")
+            free = [self.recent.pop(name)]
+            del self.ids[name]
+        row = free[0]
+        self._write(row, adapter)
+        self.slot_of[row] = -1                    # a slot holding the row's previous adapter is stale
+        self.recent.pop(adapter.name, None)
+        self.recent[adapter.name] = self.ids[adapter.name] = row
+        return row
 
     def _load(self, adapter_id: int, slot: int) -> None:
         """Copy an adapter's weights into a slot (in stream order on CUDA: the steps before that
@@ -492,16 +562,10 @@ class LayerLora:
 
 
 def load_lora_weights(lora_modules: dict[str, str], spec: ModelSpec, max_loras: int, max_rank: int,
-                      dtype: torch.dtype, device: torch.device, kernels: str) -> LoraWeights:
+                      dtype: torch.dtype, device: torch.device, kernels: str, runtime_rows: int = 0) -> LoraWeights:
     """Load every adapter named in `lora_modules` (name -> directory) onto the host, and up to
-    max_loras of them into the device's slots."""
+    max_loras of them into the device's slots; runtime_rows: room for that many loaded later."""
     if not isinstance(lora_modules, dict):
         raise LoraError(f"'lora_modules' must map adapter names to directories, got {type(lora_modules).__name__}")
-    adapters = []
-    for name, path in lora_modules.items():
-        if not isinstance(name, str) or not name:
-            raise LoraError(f"LoRA adapter names must be non-empty strings, got {name!r}")
-        if not isinstance(path, str) or not os.path.isdir(path):
-            raise LoraError(f"LoRA adapter {name!r}: directory {path!r} does not exist")
-        adapters.append(load_adapter(name, path, spec, max_rank))
-    return LoraWeights(adapters, spec, dtype, device, kernels, max_loras)
+    adapters = [load_adapter(name, path, spec, max_rank) for name, path in lora_modules.items()]
+    return LoraWeights(adapters, spec, dtype, device, kernels, max_loras, runtime_rows, max_rank)

@@ -147,8 +147,9 @@ class ModelRunner:
             heap.keep_activations_mapped()      # no page faults for each step's activations
         self.lora = None     # LoraWeights when enable_lora: every adapter on the host, max_loras in slots
         if config.enable_lora:
+            runtime_rows = (config.max_cpu_loras or config.max_loras) if config.allow_runtime_lora_updating else 0
             self.lora = load_lora_weights(lora_modules or {}, self.spec, config.max_loras, config.max_lora_rank,
-                                          self.dtype, self.device, kernels=self.backend.name)
+                                          self.dtype, self.device, kernels=self.backend.name, runtime_rows=runtime_rows)
         self.cos, self.sin = rope_tables(hf_config, self.max_model_len, self.dtype, self.device)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)

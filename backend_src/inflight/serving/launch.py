@@ -561,6 +561,8 @@ def start_openai_server(children: Children, model_repository: str, endpoints: En
             extra += ["--max-triton-requests", str(engine.max_num_seqs + engine.max_queue_size)]
         if engine.hf_overrides and not any(a.startswith("--hf-overrides") for a in extra):
             extra += ["--hf-overrides", json.dumps(engine.hf_overrides)]       # a reranker's conversion, say
+        if engine.allow_runtime_lora_updating:          # llm reads adapters by path: the server's routes load them
+            extra.append("--allow-runtime-lora-updating")
         if engine.reasoning_parser is not None and not any(a.startswith("--reasoning-parser") for a in extra):
             extra += ["--reasoning-parser", engine.reasoning_parser]      # one setting splits and gates alike
         openai = OpenAIServerProcess(f"localhost:{endpoints.http_port}", settings.model_dir,

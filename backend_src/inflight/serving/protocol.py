@@ -44,7 +44,7 @@ KNOBS = {
     "bad_words": "strings", "bad_words_ids": "int_lists",
     # vLLM's constraint object (or its JSON text); guided_decoding is its older name
     "structured_outputs": "constraint", "guided_decoding": "constraint",
-    "lora_name": "str",
+    "lora_name": "str", "lora_path": "str",
     "repetition_penalty": "float", "frequency_penalty": "float", "presence_penalty": "float",
     "min_p": "float", "logit_bias": "bias", "allowed_token_ids": "ints",
     "skip_special_tokens": "bool", "spaces_between_special_tokens": "bool", "thinking_token_budget": "int",
@@ -373,7 +373,7 @@ def _embedding_request(inputs: dict[str, np.ndarray], parameters: dict) -> Gener
         raise RequestError(str(exc)) from None
     if not isinstance(request, dict) or "input" not in request:
         raise RequestError(f"'{name}' must be a JSON object with an 'input'")
-    known = ["input", "lora_name", "pooling_params"]
+    known = ["input", "lora_name", "lora_path", "pooling_params"]
     unknown = sorted(set(request) - set(known))
     if unknown:
         raise RequestError(f"'{name}': unknown key(s) {unknown}; known: {known}")
@@ -390,10 +390,14 @@ def _embedding_request(inputs: dict[str, np.ndarray], parameters: dict) -> Gener
     priority = _coerce("priority", "priority", string_input("priority", inputs["priority"])) \
         if "priority" in inputs else "normal"
     cache_salt = string_input("cache_salt", inputs["cache_salt"]) if "cache_salt" in inputs else None
-    lora_name = request.get("lora_name")       # inflight's: the adapter the vector is computed with
-    if lora_name is not None and not isinstance(lora_name, str):
-        raise RequestError(f"'{name}.lora_name' must be a string, got {lora_name!r}")
-    params = ONE_TOKEN if lora_name is None else replace(ONE_TOKEN, lora_name=lora_name)
+    adapter = {key: request[key] for key in ("lora_name", "lora_path") if request.get(key) is not None}
+    for key, value in adapter.items():        # inflight's: the adapter the vector is computed with
+        if not isinstance(value, str):
+            raise RequestError(f"'{name}.{key}' must be a string, got {value!r}")
+    try:
+        params = replace(ONE_TOKEN, **adapter)
+    except ValueError as exc:
+        raise RequestError(f"'{name}': {exc}") from None
     return GenerateRequest(text, ids, params, priority, cache_salt,
                            pooling=_pooling_params(request.get("pooling_params")), **flags)
 

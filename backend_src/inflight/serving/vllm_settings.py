@@ -17,7 +17,7 @@ log = logging.getLogger("inflight")
 
 # vLLM engine arguments EngineConfig has with the same name and meaning
 ENGINE_ARGS = ("block_size", "dtype", "enable_chunked_prefill", "enable_lora", "enable_prefix_caching",
-               "enforce_eager", "gpu_memory_utilization", "max_lora_rank", "max_loras", "max_model_len",
+               "enforce_eager", "gpu_memory_utilization", "max_cpu_loras", "max_lora_rank", "max_loras", "max_model_len",
                "max_num_batched_tokens", "max_num_seqs", "reasoning_parser", "runner", "seed", "hf_overrides")
 BOOLEAN_ARGS = ("enable_chunked_prefill", "enable_lora", "enable_prefix_caching", "enforce_eager",
                 "disable_log_stats")
@@ -28,7 +28,6 @@ WITHOUT_EFFECT = {
     "enable_log_requests": "inflight does not log requests",
     "trust_remote_code": "inflight runs its own model code for the architectures it supports, never a checkpoint's",
     "distributed_executor_backend": "one engine runs in its Triton instance's process",
-    "max_cpu_loras": "every adapter of multi_lora.json stays in host memory",
 }
 PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size")
 # vLLM's convert "auto" or "embed": what a pooling runner makes of the *ForCausalLM checkpoints served
@@ -59,6 +58,9 @@ def read_top_level(raw: dict, path: str) -> tuple[dict, bool]:
             raise StartupError(f"{path}: '{key}' is {raw[key]!r}: inflight runs each engine on one device; to serve "
                                "more, run several instances (config.pbtxt's instance_group: a count, or KIND_GPU for "
                                "one per GPU)")
+    if "max_cpu_loras" in raw:
+        log.info("inflight: %s: 'max_cpu_loras' bounds the adapters loaded at runtime (allow_runtime_lora_updating); "
+                 "those of multi_lora.json all stay in host memory", path)
     for key, why in WITHOUT_EFFECT.items():
         if key in raw:
             log.info("inflight: %s: '%s' has no effect here (%s)", path, key, why)

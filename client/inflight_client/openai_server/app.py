@@ -37,9 +37,11 @@ from .generation_config import sampling_defaults
 from .metrics import VllmMetrics
 from .models import ServedModels
 from .reasoning import markers
+from .lora_updates import load_lora_adapter, unload_lora_adapter
 from .responses import create_response
 from .schemas import (ChatCompletionRequest, ClassificationRequest, CompletionRequest, DetokenizeRequest,
-                      EmbeddingRequest, RerankRequest, ResponsesRequest, ScoreRequest, TokenizeRequest)
+                      EmbeddingRequest, LoadLoRAAdapterRequest, RerankRequest, ResponsesRequest, ScoreRequest,
+                      TokenizeRequest, UnloadLoRAAdapterRequest)
 from .score import create_rerank, create_score
 from .tokenization import detokenize, tokenize
 from .tool_parsers import check_tokenizer
@@ -69,6 +71,7 @@ class Settings:
     prompt_tokens_details: bool = False     # usage's prompt_tokens_details.cached_tokens (vLLM's flag)
     triton_metrics_url: str = "http://localhost:8002/metrics"   # read for /metrics (metrics.py)
     hf_overrides: dict | None = None        # vLLM's: config.json values over the file's, as `llm` has them
+    allow_runtime_lora_updating: bool = False   # vLLM's /v1/load_lora_adapter and unload (lora_updates.py)
 
 
 def _members(annotation) -> list:
@@ -297,6 +300,15 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v2/rerank")          # Cohere's
     async def rerank(request: Request):
         return await generate(request, RerankRequest, create_rerank)
+
+    if settings.allow_runtime_lora_updating:        # else no such routes: a 404, as from vLLM's server
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_route(request: Request):
+            return await load_lora_adapter(await _body(request, LoadLoRAAdapterRequest), ctx)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_route(request: Request):
+            return await unload_lora_adapter(await _body(request, UnloadLoRAAdapterRequest), ctx)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):

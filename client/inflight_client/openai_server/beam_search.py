@@ -30,7 +30,7 @@ from .triton import LLMResponse, Prompt
 
 MAX_WIDTH = MAX_LOGPROBS // 2       # each step asks `llm` for 2 x width log-probabilities
 # the request's sampling keys each step passes on: the adapter, the queue's order, the prefix cache's salt
-STEP_KEYS = ("lora_name", "priority", "cache_salt")
+STEP_KEYS = ("lora_name", "lora_path", "priority", "cache_salt")
 # fields that shape the tokens, which the search does not read: refused unless at a value that changes nothing
 IDLE = {"stop": (None, []), "stop_token_ids": (None, []), "bad_words": (None, []), "allowed_token_ids": (None,),
         "logit_bias": (None, {}), "min_tokens": (None, 0), "frequency_penalty": (None, 0),

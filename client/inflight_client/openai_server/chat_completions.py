@@ -59,7 +59,7 @@ async def _events(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
 async def run_chat(body: ChatCompletionRequest, ctx: Context, request_id: str, large: bool,
                    cached_tokens: bool) -> ChatRun:
     """cached_tokens: the usage has prompt_tokens_details.cached_tokens."""
-    lora_name = ctx.models.check(body.model)
+    adapter = ctx.models.check(body.model)
     generate = beam_search.generator(body, ctx) if body.use_beam_search else ctx.triton.generate
     if body.tool_choice == "auto" and ctx.tool_call_parser is None:
         # vLLM answers the same without --enable-auto-tool-choice and a --tool-call-parser
@@ -71,7 +71,7 @@ async def run_chat(body: ChatCompletionRequest, ctx: Context, request_id: str, l
     constraint = single(_constraints(body, ctx), ctx.disable_any_whitespace)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     prompt, prompt_ids = await ctx.offload(large, _prompt, body, tools, ctx)
-    sampling = ctx.fit(chat_sampling(body, ctx.chat_max_tokens, constraint, lora_name, ctx.sampling_defaults),
+    sampling = ctx.fit(chat_sampling(body, ctx.chat_max_tokens, constraint, adapter, ctx.sampling_defaults),
                        prompt_ids, "messages")
     if (_calls_tools(body) and special_tokens_kept(ctx.tool_call_parser)) or _reads_special_markers(ctx):
         sampling["skip_special_tokens"] = False         # the parsers read the model's tags (as vLLM's)

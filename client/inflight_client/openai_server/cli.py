@@ -17,6 +17,7 @@ from inflight.serving.parent import when_parent_exits
 
 from .app import Settings, create_app
 from .auth import API_KEY_ENV
+from .lora_updates import ENV, allowed_by_environment
 from .process import PARENT_ENV
 from .reasoning import PARSERS as REASONING_PARSERS
 from .tool_parsers import PARSERS
@@ -37,6 +38,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     parser.add_argument("--served-model-name", help="the model id clients use (default: the directory's name)")
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME",
                         help="the LoRA adapters `llm` serves (its multi_lora.json names), each listed as a model id")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help=f"serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on where "
+                             f"{ENV}=true, vLLM's switch); `llm` reads the adapters where its engine has "
+                             "allow_runtime_lora_updating (`make serve` passes this flag then)")
     parser.add_argument("--chat-template", help="a Jinja chat template file, instead of the tokenizer's own")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="render the chat_template a request may send (vLLM's flag; a template is code that "
@@ -131,7 +136,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                         tuple(args.api_key) or tuple(filter(None, [os.environ.get(API_KEY_ENV)])),
                         args.request_priority, args.tool_call_parser if args.enable_auto_tool_choice else None,
                         args.reasoning_parser, args.enable_prompt_tokens_details,
-                        args.triton_metrics_url or f"http://{triton_host}:8002/metrics", args.hf_overrides)
+                        args.triton_metrics_url or f"http://{triton_host}:8002/metrics", args.hf_overrides,
+                        args.allow_runtime_lora_updating or allowed_by_environment(os.environ))
     return settings, args
 
 

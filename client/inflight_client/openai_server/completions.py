@@ -25,10 +25,10 @@ from .triton import Prompt
 
 
 async def create_completion(body: CompletionRequest, ctx: Context, request_id: str, large: bool):
-    lora_name = ctx.models.check(body.model)
+    adapter = ctx.models.check(body.model)
     generate = beam_search.generator(body, ctx) if body.use_beam_search else ctx.triton.generate
     constraint = single(request_constraints(body), ctx.disable_any_whitespace)
-    sampling = completion_sampling(body, ctx.completion_max_tokens, constraint, lora_name, ctx.sampling_defaults)
+    sampling = completion_sampling(body, ctx.completion_max_tokens, constraint, adapter, ctx.sampling_defaults)
     sent, echoes = await ctx.offload(large, _prompts, body, ctx)
     prompts = [prompt.ids for prompt in sent]
     echoed = None               # with echo and logprobs: (prompt i, its prompt_logprobs) -> positions

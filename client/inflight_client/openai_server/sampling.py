@@ -1,7 +1,7 @@
 """OpenAI request -> the `llm` model's `sampling_parameters` JSON (vLLM's SamplingParams names).
 
-One function per request kind: a LoRA adapter becomes `"lora_name"` from the served model id the
-request named (models.py), and the request's output constraint (`response_format`, `guided_*`,
+One function per request kind: a LoRA adapter becomes `"lora_name"` (and `"lora_path"`) from the
+served model id the request named (models.py), and the request's output constraint (`response_format`, `guided_*`,
 `tool_choice`; structured.py) becomes `"structured_outputs"`.
 """
 from __future__ import annotations
@@ -19,16 +19,14 @@ PASSED = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "seed", "stop"
           "spaces_between_special_tokens", "stream_interval")
 
 
-def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None, lora_name: str | None,
+def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None, adapter: dict | None,
             defaults: dict | None) -> dict:
-    params = {"max_tokens": max_tokens}
+    params = {"max_tokens": max_tokens, **(adapter or {})}
     if constraint is not None:      # as JSON text: the vLLM backend json.loads this key (`llm` takes either)
         try:
             params["structured_outputs"] = json.dumps(constraint.structured_outputs)
         except RecursionError:      # the body parsed, but its schema wrapped in the constraint is too deep
             raise APIError(400, f"'{constraint.source}' is nested too deeply", constraint.source) from None
-    if lora_name is not None:
-        params["lora_name"] = lora_name
     for name in PASSED:
         value = getattr(body, name)
         if value is None and defaults:      # the checkpoint's generation_config.json (generation_config.py)
@@ -47,11 +45,11 @@ def _common(body: SamplingFields, max_tokens: int, constraint: Constraint | None
 
 
 def completion_sampling(body: CompletionRequest, default_max_tokens: int, constraint: Constraint | None,
-                        lora_name: str | None = None, defaults: dict | None = None) -> dict:
+                        adapter: dict | None = None, defaults: dict | None = None) -> dict:
     """`defaults`: the sampling defaults of the checkpoint (generation_config.py), for the fields
     the request leaves out (its max_tokens goes with a chat's only)."""
     max_tokens = default_max_tokens if body.max_tokens is None else body.max_tokens or 1    # 0: echo only
-    params = _common(body, max_tokens, constraint, lora_name, defaults)
+    params = _common(body, max_tokens, constraint, adapter, defaults)
     if body.logprobs is not None:
         params["logprobs"] = body.logprobs
     if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
@@ -62,9 +60,9 @@ def completion_sampling(body: CompletionRequest, default_max_tokens: int, constr
 
 
 def chat_sampling(body: ChatCompletionRequest, default_max_tokens: int, constraint: Constraint | None,
-                  lora_name: str | None = None, defaults: dict | None = None) -> dict:
+                  adapter: dict | None = None, defaults: dict | None = None) -> dict:
     max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), default_max_tokens)
-    params = _common(body, max_tokens, constraint, lora_name, defaults)
+    params = _common(body, max_tokens, constraint, adapter, defaults)
     if body.logprobs:
         params["logprobs"] = body.top_logprobs or 0
     return params

@@ -538,6 +538,21 @@ class DetokenizeRequest(Body):
     tokens: list[Int]
 
 
+# vLLM's runtime LoRA routes (lora_updates.py)
+
+class LoadLoRAAdapterRequest(Body):
+    UNSERVED = {"is_3d_lora_weight": " (3D, mixture-of-experts LoRA weights: inflight serves dense models)"}
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
+
+
+class UnloadLoRAAdapterRequest(Body):
+    lora_name: str
+    lora_int_id: Int | None = None          # vLLM's, unused there too: the name says which
+
+
 # POST /v1/responses (responses.py): OpenAI's Responses request, with vLLM 0.32's extra fields
 
 class InputText(Body):

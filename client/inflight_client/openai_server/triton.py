@@ -256,18 +256,18 @@ class TritonLLM:
                 yield parse_event(event)
 
     async def embed(self, prompt_ids: list[int], pooling: dict, priority: str | int | None,
-                    cache_salt: str | None = None, lora_name: str | None = None) -> list[float]:
+                    cache_salt: str | None = None, adapter: dict | None = None) -> list[float]:
         """One prompt's embedding: the vLLM backend's `embedding_request` (what Triton's OpenAI
         frontend sends), answered where `llm`'s engine runs as an embedding model; with
-        inflight's inputs, and its lora_name, where asked."""
+        inflight's inputs, and its adapter keys (models.py), where asked."""
         def payload() -> dict:
             request = {"input": prompt_ids, "pooling_params": pooling}
-            if lora_name is not None:
+            if adapter:
                 if not self._takes("queue_heartbeat"):
-                    raise APIError(400, f"'model' {lora_name!r} is a LoRA adapter: Triton's model '{self.model}' "
-                                   "has the vLLM backend's tensors, whose embedding_request runs the base model",
-                                   "model")
-                request["lora_name"] = lora_name
+                    raise APIError(400, f"'model' {adapter['lora_name']!r} is a LoRA adapter: Triton's model "
+                                   f"'{self.model}' has the vLLM backend's tensors, whose embedding_request runs the "
+                                   "base model", "model")
+                request.update(adapter)
             inputs = {"embedding_request": json.dumps(request), "stream": True}
             if self.inputs and "queue_heartbeat" in self.inputs:   # inflight's: Triton sees a client leave the queue
                 inputs["queue_heartbeat"] = True
