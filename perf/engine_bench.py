@@ -22,6 +22,8 @@
    ratio per round, then the median. Then one more inflight round timed call by call: the
    seconds in the linears and the attention kernels bound what any engine running the same GEMMs
    over the same KV cache could reach, printed as a ratio to vLLM-CPU's median.
+   --shape runs it on a random checkpoint of a real model's shapes instead (Llama-3.2-1B,
+   Qwen2.5-0.5B; bf16 files built once), --vllm-requests sets the requests a round.
 6. On a CPU with AMX-BF16: the offline run of 5. in bf16, inflight alone, with its attention on
    the AMX tiles and on the vector code (cpu_kernels' switch), rounds interleaved.
 7. On a CPU with AMX-BF16: decode-heavy bf16 runs of 1, 4, 16 and 32 sequences (prompts
@@ -63,6 +65,21 @@ from perf.quiet import wait_quiet  # noqa: E402
 BENCH_MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
                    tie_word_embeddings=True, initializer_range=0.02)
+# 5.'s --shape: random checkpoints of real models' shapes (their configs' sizes; bf16 files), to see
+# how the comparison holds where the matmuls are most of a step
+SHAPES = {
+    "bench-30m": ("llama", BENCH_MODEL),
+    "llama-3.2-1b": ("llama", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.02)),
+    "qwen2.5-0.5b": ("qwen2", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, initializer_range=0.02)),
+}
 
 
 def make_scheduler(max_seqs: int, num_blocks: int, budget: int = 8192) -> Scheduler:
@@ -141,10 +158,17 @@ def kv_utilization(n: int, max_seqs: int) -> dict:
     return {"paged": live_sum / alloc_sum, "reserve_prompt_plus_max_tokens": live_sum / reserved_sum}
 
 
-def build_bench_model() -> str:
-    path = os.path.join(REPO, "perf", "results", "bench-llama-30m")
+def build_bench_model(shape: str = "bench-30m") -> str:
+    if shape == "bench-30m":
+        path = os.path.join(REPO, "perf", "results", "bench-llama-30m")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            make_random_checkpoint(path, "llama", seed=0, **BENCH_MODEL)
+        return path
+    path = os.path.join(REPO, "perf", "results", f"shape-{shape}")
     if not os.path.exists(os.path.join(path, "config.json")):
-        make_random_checkpoint(path, "llama", seed=0, **BENCH_MODEL)
+        arch, config = SHAPES[shape]
+        print(f"building a random checkpoint of {shape}'s shapes in {path}", flush=True)
+        make_random_checkpoint(path, arch, seed=0, dtype=torch.bfloat16, **config)
     return path
 
 
@@ -411,8 +435,10 @@ def vs_vllm_engine(model_dir: str, dtype: str, **config) -> LLMEngine:
 
 
 def vs_vllm(python: str, model_dir: str, dtypes: list[str], rounds: int, threads: int,
-            compile_: bool = False) -> dict:
+            compile_: bool = False, requests: int = VS_VLLM["requests"]) -> dict:
     """Per dtype: both engines loaded once, then rounds of fresh prompts, interleaved."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
     results = {}
     for dtype in dtypes:
         engine = vs_vllm_engine(model_dir, dtype)
@@ -420,7 +446,7 @@ def vs_vllm(python: str, model_dir: str, dtypes: list[str], rounds: int, threads
         runs = {"inflight": [], "vllm": []}
         try:
             for r in range(rounds):
-                items = workloads.uniform(VS_VLLM["requests"], BENCH_MODEL["vocab_size"], seed=100 + r)
+                items = workloads.uniform(requests, vocab_size, seed=100 + r)
                 order = ("inflight", "vllm") if r % 2 == 0 else ("vllm", "inflight")
                 for name in order:
                     wait_quiet([os.getpid()])          # vLLM's subprocess and inflight's threads idle
@@ -438,7 +464,7 @@ def vs_vllm(python: str, model_dir: str, dtypes: list[str], rounds: int, threads
                           "ratio": statistics.median(ratios), "ratios": ratios, "runs": runs}
         wait_quiet([os.getpid()])
         split = results[dtype]["split"] = time_split(engine, workloads.uniform(
-            VS_VLLM["requests"], BENCH_MODEL["vocab_size"], seed=100 + rounds))
+            requests, vocab_size, seed=100 + rounds))
         ceiling = split["generated_tokens"] / (split["linears_s"] + split["attention_s"])
         results[dtype]["ceiling_ratio"] = ceiling / results[dtype]["vllm_tokens_per_s"]
         print(f"  {dtype:9s} one more inflight round, timed call by call (not in the medians): {split['seconds']:.1f} s"
@@ -526,6 +552,10 @@ def main() -> None:
                         help="which parts to run (vllm only with --vs-vllm, amx and small only on a CPU with "
                              "AMX-BF16)")
     parser.add_argument("--profile", action="store_true", help="print the top ops of a bf16 decode step at 64")
+    parser.add_argument("--shape", choices=list(SHAPES), default="bench-30m",
+                        help="5.'s model: the ~30M bench model (the issue's) or a random checkpoint of a real "
+                             "model's shapes (built once into perf/results/)")
+    parser.add_argument("--vllm-requests", type=int, default=VS_VLLM["requests"], help="5.'s requests a round")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     if args.quick:
@@ -591,12 +621,14 @@ def main() -> None:
 
     if "vllm" in sections and args.vs_vllm:
         dtypes = args.dtypes.split(",")
-        print(f"\n5. inflight vs vLLM-CPU, offline, {VS_VLLM['requests']} requests, prompts U(32,512), outputs "
+        shape_dir = build_bench_model(args.shape)
+        print(f"\n5. inflight vs vLLM-CPU, offline, {args.shape} ({shape_dir}), {args.vllm_requests} requests, "
+              f"prompts U(32,512), outputs "
               f"U(16,256), max {VS_VLLM['max_num_seqs']} sequences, budget {VS_VLLM['max_num_batched_tokens']}, "
               f"{args.repeats} interleaved rounds of fresh prompts ({time.strftime('%Y-%m-%d %H:%M')}, "
               f"load average {os.getloadavg()[0]:.1f})", flush=True)
-        vs = summary["vs_vllm"] = vs_vllm(args.vs_vllm, model_dir, dtypes, args.repeats, args.threads,
-                                          args.vllm_compile)
+        vs = summary["vs_vllm"] = vs_vllm(args.vs_vllm, shape_dir, dtypes, args.repeats, args.threads,
+                                          args.vllm_compile, args.vllm_requests)
         print(f"\n   {'dtype':10s}{'inflight tok/s':>16s}{'vLLM-CPU tok/s':>16s}{'ratio (median of rounds)':>26s}")
         for dtype, r in vs.items():
             print(f"   {dtype:10s}{r['inflight_tokens_per_s']:16.1f}{r['vllm_tokens_per_s']:16.1f}{r['ratio']:24.2f}x")
