@@ -19,7 +19,9 @@ from .helpers import openai_server
 
 pytestmark = pytest.mark.server
 
-POOLING_ENGINE = {**TEST_ENGINE, "runner": "pooling", "max_model_len": 64}
+# LoRA as the shipped repository has it, and adapters loaded at runtime too
+POOLING_ENGINE = {**TEST_ENGINE, "runner": "pooling", "max_model_len": 64, "enable_lora": True,
+                  "allow_runtime_lora_updating": True}
 TEXTS = ["The assert statement", "A class definition defines a class object", "x"]
 
 
@@ -33,7 +35,7 @@ def pooling_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(pooling_server, tmp_path_factory):
     with openai_server(pooling_server.http_url, tmp_path_factory.mktemp("openai"), "--max-model-len", "64",
-                       "--lora-modules", DEMO) as api:
+                       "--lora-modules", DEMO, "--allow-runtime-lora-updating") as api:
         yield openai.OpenAI(base_url=api.base_url, api_key="unused", max_retries=0)
 
 
@@ -107,8 +109,7 @@ def test_openai_sdk_embeddings_equal_the_engines(client, engine, tokenizer):
 def test_a_lora_adapters_embeddings_are_the_engines_with_its_weights(client, pooling_server, tokenizer):
     """`model` naming an adapter (the shipped demo one, in multi_lora.json) computes the vectors
     with its weights; `llm`'s embedding_request takes its lora_name."""
-    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(**POOLING_ENGINE, enable_lora=True),
-                                       lora_modules={DEMO: DEMO_DIR})
+    engine = LLMEngine.from_pretrained(DEFAULT_MODEL, EngineConfig(**POOLING_ENGINE), lora_modules={DEMO: DEMO_DIR})
     ids = [tokenizer(text).input_ids for text in TEXTS]
     want = [out.embedding for out in engine.embed(ids, lora_name=DEMO)]
     got = client.embeddings.create(model=DEMO, input=TEXTS, encoding_format="float")
@@ -121,6 +122,15 @@ def test_a_lora_adapters_embeddings_are_the_engines_with_its_weights(client, poo
     refused = http_generate(pooling_server.http_url, "llm", {
         "embedding_request": json.dumps({"input": ids[0], "lora_name": "nope"})})
     assert "unknown 'lora_name' 'nope'" in refused["error"]
+    # the same adapter loaded at runtime under another name (the server's one-token check is an
+    # embedding on this model): the same vectors, through the SDK and embedding_request's lora_path
+    loaded = httpx.post(str(client.base_url) + "load_lora_adapter", json={"lora_name": "again", "lora_path": DEMO_DIR})
+    assert loaded.status_code == 200, loaded.text
+    again = client.embeddings.create(model="again", input=TEXTS, encoding_format="float")
+    assert all(close(d.embedding, w) for d, w in zip(again.data, want))
+    reply = http_generate(pooling_server.http_url, "llm", {
+        "embedding_request": json.dumps({"input": ids[0], "lora_name": "by-path", "lora_path": DEMO_DIR})})
+    assert close(json.loads(reply["text_output"]), want[0])
     assert pooling_server.metric("inflight_kv_blocks_used") == 0
 
 

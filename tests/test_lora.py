@@ -285,7 +285,8 @@ def test_adapters_loaded_at_runtime_match_peft(tiny_checkpoint, adapters):
               for n, name in zip(lengths, names)]
     got = [o.token_ids for o in engine.generate(prompts, params)]
     assert [i for i, (g, e) in enumerate(zip(got, expected)) if g != e] == []
-    assert engine.lora_names[0] == "qv-r8" and sorted(engine.lora_names[1:]) == ["all-linear-patterns", "ko-mlp-r4-rslora"]
+    assert engine.lora_names[0] == "qv-r8"
+    assert sorted(engine.lora_names[1:]) == ["all-linear-patterns", "ko-mlp-r4-rslora"]
     stats = engine.stats()
     assert stats["kv_blocks_used"] == 0 and stats["lora_loads"] > 0
     # once loaded, a request may name it alone, or with its path again (nothing is read again)

@@ -114,8 +114,8 @@ def test_load_and_unload_refusals_have_vllms_status(api, adapters, tmp_path):
     models = [m["id"] for m in httpx.get(api.base_url + "/models").json()["data"]]
     assert "gone" not in models and "dora" not in models
     # load_inplace: the same adapter again (nothing changed: nothing is read)
-    reloaded = route(api, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": adapters["qv"], "load_inplace": True})
-    assert reloaded.status_code == 200
+    again = {"lora_name": "qv", "lora_path": adapters["qv"], "load_inplace": True}
+    assert route(api, "/v1/load_lora_adapter", again).status_code == 200
     assert route(api, "/v1/unload_lora_adapter", {"lora_name": "qv"}).text == \
         "Success: LoRA adapter 'qv' removed successfully."
     client = openai.OpenAI(base_url=api.base_url, api_key="unused", max_retries=0)

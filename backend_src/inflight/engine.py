@@ -32,6 +32,7 @@ from .tokenizer import load_tokenizer
 
 log = logging.getLogger("inflight")
 
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at max_queue_size: the request is refused, not queued."""
 
@@ -471,7 +472,8 @@ class LLMEngine:
         if self.runner.lora is not None:
             lora = self.runner.lora       # by adapter id; reported in lora_names' order
             rows = np.fromiter(lora.ids.values(), dtype=np.int64, count=len(lora.ids))
-            stats["lora_running"], stats["lora_waiting"] = (ids[rows] for ids in scheduler.lora_requests(len(lora.keys)))
+            running, waiting = scheduler.lora_requests(len(lora.keys))
+            stats["lora_running"], stats["lora_waiting"] = running[rows], waiting[rows]
         return stats
 
     def check_invariants(self) -> None:

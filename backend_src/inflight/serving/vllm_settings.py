@@ -17,8 +17,9 @@ log = logging.getLogger("inflight")
 
 # vLLM engine arguments EngineConfig has with the same name and meaning
 ENGINE_ARGS = ("block_size", "dtype", "enable_chunked_prefill", "enable_lora", "enable_prefix_caching",
-               "enforce_eager", "gpu_memory_utilization", "max_cpu_loras", "max_lora_rank", "max_loras", "max_model_len",
-               "max_num_batched_tokens", "max_num_seqs", "reasoning_parser", "runner", "seed", "hf_overrides")
+               "enforce_eager", "gpu_memory_utilization", "max_cpu_loras", "max_lora_rank", "max_loras",
+               "max_model_len", "max_num_batched_tokens", "max_num_seqs", "reasoning_parser", "runner", "seed",
+               "hf_overrides")
 BOOLEAN_ARGS = ("enable_chunked_prefill", "enable_lora", "enable_prefix_caching", "enforce_eager",
                 "disable_log_stats")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}        # vLLM's --dtype names

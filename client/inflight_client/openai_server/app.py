@@ -34,10 +34,10 @@ from .context import LARGE_BODY_BYTES, Context
 from .embeddings import create_embedding
 from .errors import APIError
 from .generation_config import sampling_defaults
+from .lora_updates import load_lora_adapter, unload_lora_adapter
 from .metrics import VllmMetrics
 from .models import ServedModels
 from .reasoning import markers
-from .lora_updates import load_lora_adapter, unload_lora_adapter
 from .responses import create_response
 from .schemas import (ChatCompletionRequest, ClassificationRequest, CompletionRequest, DetokenizeRequest,
                       EmbeddingRequest, LoadLoRAAdapterRequest, RerankRequest, ResponsesRequest, ScoreRequest,
