@@ -165,7 +165,6 @@ def test_unknown_or_disabled_lora_name_is_refused_at_add_request(tiny_checkpoint
     ({"max_loras": 0}, "'max_loras' must be a positive integer"),
     ({"max_lora_rank": 2.5}, "'max_lora_rank' must be a positive integer"),
     ({"max_cpu_loras": 0}, "'max_cpu_loras' must be a positive integer or None"),
-    ({"allow_runtime_lora_updating": True}, "'allow_runtime_lora_updating' needs 'enable_lora'"),
     ({"allow_runtime_lora_updating": "true", "enable_lora": True}, "'allow_runtime_lora_updating' must be a boolean"),
 ])
 def test_engine_config_validates_lora_fields(values, message):
@@ -350,6 +349,8 @@ def test_runtime_adapter_refusals_name_the_field(tiny_checkpoint, adapters, tmp_
         off.add_request("e", [1, 2, 3], SamplingParams(lora_name="ko", lora_path=adapters["ko-mlp-r4-rslora"]))
     with pytest.raises(ValueError, match="'lora_path' needs 'lora_name'"):
         SamplingParams(lora_path=adapters["qv-r8"])
+    with pytest.raises(ValueError, match="'allow_runtime_lora_updating' needs 'enable_lora'"):
+        LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(allow_runtime_lora_updating=True))
     assert sorted(engine.requests) == ["b"] and not off.has_unfinished()
 
 

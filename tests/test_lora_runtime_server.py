@@ -85,6 +85,11 @@ def test_a_loaded_adapter_is_a_model_whose_text_equals_the_engines(api, triton, 
     demo = client.completions.create(model=DEMO, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
     assert demo == expected_text(engine, tokenizer, DEMO, None)
     assert wait_for_metric(triton, "inflight_kv_blocks_used", 0) == 0
+    # loaded adapters have their series too: requests (the load's one-token check, then the
+    # completions) and the queue gauges vLLM's lora_requests_info is made from
+    assert wait_for_metric(triton, "inflight_lora_requests_total", 3, lora_name="qv") == 3
+    assert wait_for_metric(triton, "inflight_lora_requests_total", 2, lora_name="mlp") == 2
+    assert 'inflight_lora_requests_running{lora_name="qv"' in triton.metrics_text()
 
 
 def test_load_and_unload_refusals_have_vllms_status(api, adapters, tmp_path):

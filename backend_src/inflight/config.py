@@ -162,8 +162,6 @@ class EngineConfig:
                    f"must be a positive integer, got {getattr(self, name)!r}")
         _check(self.max_cpu_loras is None or (is_int(self.max_cpu_loras) and self.max_cpu_loras > 0), "max_cpu_loras",
                f"must be a positive integer or None, got {self.max_cpu_loras!r}")
-        _check(not self.allow_runtime_lora_updating or self.enable_lora, "allow_runtime_lora_updating",
-               "needs 'enable_lora'")
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":

@@ -81,6 +81,8 @@ class LLMEngine:
         config = config or EngineConfig()
         if lora_modules and not config.enable_lora:
             raise ValueError(f"'lora_modules' {sorted(lora_modules)} given but 'enable_lora' is false")
+        if config.allow_runtime_lora_updating and not config.enable_lora:
+            raise ValueError("'allow_runtime_lora_updating' needs 'enable_lora'")
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         hf_config = AutoConfig.from_pretrained(model_dir)
@@ -473,7 +475,7 @@ class LLMEngine:
             lora = self.runner.lora       # by adapter id; reported in lora_names' order
             rows = np.fromiter(lora.ids.values(), dtype=np.int64, count=len(lora.ids))
             running, waiting = scheduler.lora_requests(len(lora.keys))
-            stats["lora_running"], stats["lora_waiting"] = running[rows], waiting[rows]
+            stats["lora_names"], stats["lora_running"], stats["lora_waiting"] = lora.names, running[rows], waiting[rows]
         return stats
 
     def check_invariants(self) -> None:

@@ -83,7 +83,9 @@ def buckets_1_2_5(limit: int) -> list[int]:
 class EngineMetrics:
     def __init__(self, pb_utils, model_name: str, min_interval_s: float = 0.05, lora_names=(), max_loras: int = 0,
                  vllm_labels: dict | None = None, max_model_len: int = 0, labels: dict | None = None):
-        """lora_names: the adapters served (max_loras of them run at once). vllm_labels ({model,
+        """lora_names: the adapters served from the start; max_loras (0: LoRA off) of them run at
+        once, and those loaded at runtime get their series as the engine's stats first name them
+        (or as a request of theirs finishes, whichever comes first). vllm_labels ({model,
         version}): also export the vLLM backend's metrics. labels: where the model has several
         instances, this one's (model_instance, gpu), on inflight's metrics.
         Every series also carries this process's pid: Triton 2.51 counts a series' users per
@@ -110,13 +112,14 @@ class EngineMetrics:
                             for key, (desc, buckets) in HISTOGRAMS.items()}
         self._requests = self._family("inflight_requests_total", "Requests ended, by how they ended", "COUNTER")
         self._by_reason: dict[str, object] = {}
-        # one series per adapter served, made up front: a refused unknown name adds none
-        lora_families = {key: self._family(f"inflight_{key}", desc, kind) for metrics, kind in
-                         ((LORA_COUNTERS, "COUNTER"), (LORA_GAUGES, "GAUGE")) for key, desc in metrics.items()}
-        self._by_lora = {name: {key: family.Metric(labels={**self._labels, "lora_name": name})
-                                for key, family in lora_families.items()} for name in lora_names}
-        self._lora_queues = {name: dict.fromkeys(LORA_GAUGES, 0) for name in lora_names}   # as last published
-        if lora_names:      # held, as every metric here is, for as long as the model runs; set once
+        # one series per adapter the engine serves: a refused unknown name adds none
+        self._lora_families = {key: self._family(f"inflight_{key}", desc, kind) for metrics, kind in
+                               ((LORA_COUNTERS, "COUNTER"), (LORA_GAUGES, "GAUGE")) for key, desc in metrics.items()}
+        self._by_lora: dict[str, dict] = {}
+        self._lora_queues: dict[str, dict] = {}        # name -> its gauges as last published
+        for name in lora_names:
+            self._lora_series(name)
+        if max_loras:       # held, as every metric here is, for as long as the model runs; set once
             self._max_loras = self._metric("inflight_max_loras", "LoRA adapters that may run at once (max_loras)",
                                            "GAUGE")
             self._max_loras.set(max_loras)
@@ -193,15 +196,27 @@ class EngineMetrics:
             if delta:
                 metric.increment(delta)
                 self._last_counts[key] = stats[key]
-        if self._lora_queues:
-            self._publish_lora_queues(stats["lora_running"], stats["lora_waiting"])
+        if "lora_names" in stats:
+            self._publish_lora_queues(stats["lora_names"], stats["lora_running"], stats["lora_waiting"])
 
-    def _publish_lora_queues(self, running, waiting) -> None:
-        """Each adapter's running and waiting requests (arrays by adapter id, in lora_names'
-        order), only those that changed: each set is a round trip to Triton."""
-        for name, *now in zip(self._lora_queues, running, waiting):
-            published = self._lora_queues[name]
-            for key, value in zip(LORA_GAUGES, now):
+    def _lora_series(self, name: str) -> dict:
+        series = self._by_lora.get(name)
+        if series is None:
+            series = self._by_lora[name] = {key: family.Metric(labels={**self._labels, "lora_name": name})
+                                             for key, family in self._lora_families.items()}
+            self._lora_queues[name] = dict.fromkeys(LORA_GAUGES, 0)
+        return series
+
+    def _publish_lora_queues(self, names: list[str], running, waiting) -> None:
+        """Each adapter's running and waiting requests (arrays in the order of the engine's
+        lora_names), only those that changed: each set is a round trip to Triton. An adapter loaded
+        at runtime that gave its row up reads 0."""
+        now = {name: dict(zip(LORA_GAUGES, values)) for name, *values in zip(names, running, waiting)}
+        for name in names:
+            self._lora_series(name)
+        for name, published in self._lora_queues.items():
+            for key in LORA_GAUGES:
+                value = now.get(name, {}).get(key, 0)
                 if published[key] != value:
                     self._by_lora[name][key].set(int(value))
                     published[key] = value
@@ -241,7 +256,10 @@ class EngineMetrics:
         timed out or failed is counted by how it ended but in no histogram (its end-to-end time is
         the client's or the fault's, and one that never ran would read as a 0-token generation)."""
         self._by_reason_metric(reason).increment(1)
-        lora = self._by_lora.get(job.samples[0].params.lora_name)
+        params = job.samples[0].params
+        lora = self._by_lora.get(params.lora_name)
+        if lora is None and params.lora_path is not None and reason in FINISHED:
+            lora = self._lora_series(params.lora_name)      # it ran: an adapter loaded at runtime
         if lora is not None:
             lora["lora_requests_total"].increment(1)
             lora["lora_prompt_tokens_total"].increment(len(job.prompt_ids))

@@ -383,7 +383,8 @@ class LLMModel:
         vllm_labels = {"model": args["model_name"], "version": args["model_version"]} \
             if config_flag(args, "REPORT_CUSTOM_METRICS") and settings.vllm_metrics else None
         self.metrics = EngineMetrics(self.pb, args["model_name"], lora_names=engine.lora_names,
-                                     max_loras=engine.config.max_loras, vllm_labels=vllm_labels,
+                                     max_loras=engine.config.max_loras if engine.config.enable_lora else 0,
+                                     vllm_labels=vllm_labels,
                                      max_model_len=engine.max_model_len, labels=settings.labels)
         self.metrics.publish(self.metrics.snapshot(engine, force=True))      # before the loop's threads use it
         on_failure = stop_server
