@@ -9,9 +9,11 @@ or lora_alpha / sqrt(r) (`use_rslora`). Anything else (DoRA, embedding or lm_hea
 modules_to_save, LoRA biases, other variants, a rank over max_lora_rank, shapes that do not fit the
 base model) is refused with a message naming the adapter and the field or tensor.
 
-Weights (`LoraWeights`): every adapter named at start-up is stacked once on the host in per-layer
-tensors, ranks zero-padded to the largest; the step reads `max_loras` slots of the same shape on
-the device. The model keeps its fused base projections; per fused group (qkv, o, gate_up, down)
+Weights (`LoraWeights`): every adapter named at start-up is written once into a row of per-layer
+host tensors, ranks zero-padded to the largest; the step reads `max_loras` slots of the same shape
+on the device. With runtime loading (EngineConfig.allow_runtime_lora_updating), `max_cpu_loras`
+more rows take adapters a request names by path (`lookup`, `add`: the least recently named one
+no request holds gives its row up), and every module gets columns of rank max_lora_rank. The model keeps its fused base projections; per fused group (qkv, o, gate_up, down)
 the group's modules share one input, so their A matrices sit side by side in A [slots, in,
 modules x R] (one shrink serves q, k and v) and their B matrices, each scaled by its lora_alpha / r
 (or / sqrt(r)), sit block-diagonally in B [slots, modules x R, the group's output columns] (one
