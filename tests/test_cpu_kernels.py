@@ -48,7 +48,7 @@ def run(kernels, step):
 @pytest.mark.parametrize("seed", range(12))
 def test_random_mixed_steps_match_the_reference(kernels, seed, prefill_route):
     """Decodes of many lengths (1 to past several tiles of 128 keys), prefill chunks with and without
-    context, GQA groups 1/2/4/8, head dims 24/64/128, block sizes 16/32/24, strided views."""
+    context, GQA groups 1/2/4/8/3/7, head dims 24/64/128, block sizes 16/32/24, strided views."""
     rng = torch.Generator().manual_seed(300 + seed)
 
     def pick(options):
@@ -60,7 +60,7 @@ def test_random_mixed_steps_match_the_reference(kernels, seed, prefill_route):
     for _ in range(int(torch.randint(0, 3, (1,), generator=rng))):
         q_len = pick([2, 7, 33])
         cases.insert(int(torch.randint(len(cases) + 1, (1,), generator=rng)), (q_len, q_len + pick([0, 5, 70])))
-    kv_heads, group = pick([1, 2, 4]), [1, 2, 4, 8][seed % 4]
+    kv_heads, group = pick([1, 2, 4]), [1, 2, 4, 8, 3, 7][seed % 6]
     dtype = [torch.float32, torch.bfloat16][seed // 4 % 2]
     step = make_step(cases, kv_heads * group, kv_heads, [24, 64, 128][seed % 3], pick([16, 32, 24]), dtype, seed=seed,
                      strided=seed >= 6)
@@ -116,12 +116,14 @@ def test_bf16_attention_takes_the_amx_tiles_where_the_cpu_has_them(kernels):
 @pytest.mark.parametrize("attention_code, dtype", [("vector", torch.float32), ("vector", torch.bfloat16),
                                                     ("amx-tiles", torch.bfloat16)], indirect=["attention_code"])
 @pytest.mark.parametrize("group, head_dim, block_size", [(1, 64, 16), (4, 64, 32), (8, 128, 16), (16, 32, 64),
-                                                         (2, 256, 128), (4, 96, 16), (3, 64, 16), (4, 48, 16)])
+                                                         (2, 256, 128), (4, 96, 16), (3, 64, 16), (4, 48, 16),
+                                                         (7, 64, 16), (6, 128, 32), (5, 64, 16), (12, 64, 16)])
 def test_decodes_ignore_the_slots_past_each_sequence(kernels, attention_code, dtype, group, head_dim, block_size):
     """Decodes of lengths around the tiles' 16 and 32 keys, against the reference, with every slot
     past a sequence's length in its last block holding NaN (a freed block's stale values can be
-    anything): none of it reaches the output. The AMX code takes head dims of whole 32s, groups
-    dividing 16 and block sizes of whole 16s; the other shapes show the vector code beside it."""
+    anything): none of it reaches the output. The AMX code takes head dims of whole 32s, groups of
+    up to 16 (7, 6, 5, 12 and 3 padded to a power of two with heads of zero queries) and block sizes
+    of whole 16s; the other shapes show the vector code beside it."""
     lengths = [1, 2, 15, 16, 17, 31, 32, 33, 47, 64, 100, 255, 513]
     step = make_step([(1, n) for n in lengths], 2 * group, 2, head_dim, block_size, dtype, seed=group + head_dim)
     expected = reference(step)

