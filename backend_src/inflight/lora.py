@@ -186,8 +186,8 @@ def adapter_key(name: str, path: str) -> bytes:
     path = os.path.realpath(path)
     if not os.path.isdir(path):
         return b""
-    files = sorted(f for f in os.listdir(path) if f.startswith("adapter_"))
-    stamps = [(f, os.stat(os.path.join(path, f)).st_size, os.stat(os.path.join(path, f)).st_mtime_ns) for f in files]
+    stats = {f: os.stat(os.path.join(path, f)) for f in sorted(os.listdir(path)) if f.startswith("adapter_")}
+    stamps = [(f, stat.st_size, stat.st_mtime_ns) for f, stat in stats.items()]
     return hashlib.blake2b(f"{name}|{path}|{stamps}".encode(), digest_size=16).digest()
 
 
