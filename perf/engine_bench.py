@@ -159,16 +159,13 @@ def kv_utilization(n: int, max_seqs: int) -> dict:
 
 
 def build_bench_model(shape: str = "bench-30m") -> str:
-    if shape == "bench-30m":
-        path = os.path.join(REPO, "perf", "results", "bench-llama-30m")
-        if not os.path.exists(os.path.join(path, "config.json")):
-            make_random_checkpoint(path, "llama", seed=0, **BENCH_MODEL)
-        return path
-    path = os.path.join(REPO, "perf", "results", f"shape-{shape}")
+    """The bench model (a float32 file), or a random checkpoint of a real model's shapes (bf16),
+    built once into perf/results/."""
+    arch, config = SHAPES[shape]
+    bench = shape == "bench-30m"
+    path = os.path.join(REPO, "perf", "results", "bench-llama-30m" if bench else f"shape-{shape}")
     if not os.path.exists(os.path.join(path, "config.json")):
-        arch, config = SHAPES[shape]
-        print(f"building a random checkpoint of {shape}'s shapes in {path}", flush=True)
-        make_random_checkpoint(path, arch, seed=0, dtype=torch.bfloat16, **config)
+        make_random_checkpoint(path, arch, seed=0, dtype=torch.float32 if bench else torch.bfloat16, **config)
     return path
 
 

@@ -1,8 +1,8 @@
 """OpenAI request -> the `llm` model's `sampling_parameters` JSON (vLLM's SamplingParams names).
 
 One function per request kind: a LoRA adapter becomes `"lora_name"` (and `"lora_path"`) from the
-served model id the request named (models.py), and the request's output constraint (`response_format`, `guided_*`,
-`tool_choice`; structured.py) becomes `"structured_outputs"`.
+served model id the request named (models.py), and the request's output constraint
+(`response_format`, `guided_*`, `tool_choice`; structured.py) becomes `"structured_outputs"`.
 """
 from __future__ import annotations
 
