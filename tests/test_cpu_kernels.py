@@ -327,6 +327,30 @@ def test_the_wrappers_refuse_shapes_the_kernels_would_read_or_write_past(kernels
         with pytest.raises(AssertionError):
             kernels.rotary_write_kv(torch.randn(1, (2 + 2 * kv_heads) * 64), 2, kv_heads, cos, cos, k_cache, k_cache,
                                     torch.tensor([31]))
+    odd = torch.randn(1, 1, 33)       # rope turns pairs: the vector path wrote 32 of 33 values, the last one never
+    with pytest.raises(AssertionError, match="even head dim"):
+        kernels.rotary(odd, odd, odd)
+    with pytest.raises(AssertionError, match="even head dim"):
+        kernels.rotary_write_kv(torch.randn(1, 3 * 33), 1, 1, odd, odd, torch.zeros(1, 16, 1, 33),
+                                torch.zeros(1, 16, 1, 33), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("attention_code, dtype", [("vector", torch.float32), ("vector", torch.bfloat16),
+                                                    ("amx-tiles", torch.bfloat16)], indirect=["attention_code"])
+def test_a_decode_without_keys_is_left_to_the_caller(kernels, attention_code, dtype):
+    """A sequence of length 0 has no key to attend to: its output is left as it was (the AMX loop
+    read the tiles' stack arrays from index -1 for it), beside a sequence that is computed."""
+    group, dim = 4, 64
+    q = torch.randn(2, group, dim, dtype=dtype)
+    cache = torch.randn(2, 16, 1, dim, dtype=dtype)
+    out = torch.full_like(q, 7.0)
+    kernels.paged_decode_attention(q, cache, cache, out, torch.tensor([0, 1, 2], dtype=torch.int32),
+                                   torch.tensor([0, 5], dtype=torch.int32), torch.tensor([[0], [1]], dtype=torch.int32),
+                                   0.125)
+    assert torch.equal(out[0], torch.full_like(out[0], 7.0))
+    keys = cache[1, :5, 0].double()             # the second sequence's 5 keys (and values), in block 1
+    expected = torch.softmax(q[1].double() @ keys.T * 0.125, dim=-1) @ keys
+    torch.testing.assert_close(out[1].double(), expected, atol=ATOL[dtype], rtol=0)
 
 
 def test_argmax_matches_torch_with_ties_nan_and_infinities(kernels):

@@ -864,7 +864,8 @@ void decode_dispatch(const T *q, int64_t q_head_stride, const T *k_cache, const 
 // q [tokens, heads, dim] and out alike (strides: token, head; the last dim contiguous);
 // caches [blocks, block_size, kv_heads, dim] with strides (block, slot, head);
 // cu_seqlens_q [num_seqs + 1], seq_lens [num_seqs], block_table [num_seqs, *] (row stride given).
-// Only sequences with exactly one query token are computed; the others are left to the caller.
+// Only sequences with exactly one query token and at least one key are computed; the others are left
+// to the caller (no key: the tiles' loop would start at block -1).
 template <typename T>
 void paged_decode_attention(const T *q, const int64_t *q_strides, const T *k_cache, const int64_t *k_strides,
                             const T *v_cache, const int64_t *v_strides, T *out, const int64_t *out_strides,
@@ -884,7 +885,7 @@ void paged_decode_attention(const T *q, const int64_t *q_strides, const T *k_cac
         const int seq = (int)(item * heads_per_item / num_kv_heads);
         const int first_head = (int)(item * heads_per_item % num_kv_heads);
         const int token = cu_seqlens_q[seq];
-        if (cu_seqlens_q[seq + 1] - token != 1) continue;
+        if (cu_seqlens_q[seq + 1] - token != 1 || seq_lens[seq] < 1) continue;
         decode_dispatch(q + token * q_strides[0], q_strides[1], k_cache, v_cache, k_strides, v_strides,
                         out + token * out_strides[0], out_strides[1], block_table + seq * block_table_stride,
                         seq_lens[seq], first_head, heads_per_item, group, dim, block_size, scale);

@@ -85,7 +85,7 @@ class CpuKernels:
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                out: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                                block_table: torch.Tensor, scale: float) -> None:
-        """out[t] for every sequence with one query token t (the others are left as they are)."""
+        """out[t] for every sequence with one query token t and a key at least (the others are left as they are)."""
         self._attention("paged_decode_attention", q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, scale)
 
     def paged_prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -138,6 +138,7 @@ class CpuKernels:
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [tokens, heads, dim] (any row/head strides), cos/sin [tokens, 1 or absent, dim]."""
         tokens, heads, dim = x.shape
+        assert dim % 2 == 0 and dim > 0, "rotary embeddings turn pairs of values: an even head dim"
         # each row's table read at its row stride, not reshaped (in every layer: reshapes cost more here)
         assert cos.shape == sin.shape and cos.numel() == tokens * dim and cos.shape[0] == tokens
         assert x.stride(-1) == 1 and cos.dtype == sin.dtype == x.dtype and cos.stride() == sin.stride()
@@ -156,6 +157,7 @@ class CpuKernels:
         caches at each token's slot (tokens past len(slot_mapping), or at slot -1, write none).
         cos/sin as for rotary."""
         tokens, dim = qkv.shape[0], k_cache.shape[-1]
+        assert dim % 2 == 0 and dim > 0, "rotary embeddings turn pairs of values: an even head dim"
         assert qkv.stride(-1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * dim
         assert cos.shape == sin.shape and cos.numel() == tokens * dim and cos.shape[0] == tokens
         assert cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype == qkv.dtype and cos.stride() == sin.stride()
