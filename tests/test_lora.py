@@ -330,6 +330,29 @@ def test_runtime_adapters_take_turns_in_max_cpu_loras_rows(tiny_checkpoint, adap
     assert engine.stats()["kv_blocks_used"] == 0
 
 
+def test_an_adapter_read_again_takes_its_own_row(tiny_checkpoint, adapters, tmp_path):
+    """Files changed under a loaded name: the new weights replace the old ones in their row, and the
+    other runtime adapter stays loaded (it was the least recently named one, and was forgotten)."""
+    engine = runtime_engine(tiny_checkpoint, {}, max_cpu_loras=2)
+    lora, prompt = engine.runner.lora, list(range(3, 3 + 40))
+    moving = tmp_path / "moving"
+    shutil.copytree(adapters["qv-r8"], moving, copy_function=shutil.copy)
+
+    def run(name, path):
+        return engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0, lora_name=name,
+                                                        lora_path=path))[0].token_ids
+
+    run("m", str(moving))
+    ko = run("ko", adapters["ko-mlp-r4-rslora"])
+    run("m", str(moving))                                   # "ko" is now the least recently named
+    rows = dict(lora.ids)
+    shutil.rmtree(moving)
+    shutil.copytree(adapters["ko-mlp-r4-rslora"], moving, copy_function=shutil.copy)
+    assert run("m", str(moving)) == ko                      # the new files
+    assert lora.ids == rows and sorted(engine.lora_names) == ["ko", "m"]
+    assert lora.lookup("ko", adapters["ko-mlp-r4-rslora"]) == rows["ko"]      # still loaded: not read again
+
+
 def test_runtime_adapter_refusals_name_the_field(tiny_checkpoint, adapters, tmp_path):
     static = {"qv-r8": adapters["qv-r8"]}
     engine = runtime_engine(tiny_checkpoint, static)

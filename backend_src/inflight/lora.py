@@ -385,12 +385,16 @@ class LoraWeights:
         return row
 
     def add(self, adapter: LoraAdapter, held: set[int]) -> int:
-        """Put a runtime adapter into a free row, or the row of the least recently used one that no
-        request in `held` (adapter ids) holds; a row an older adapter of that name held is kept
-        until its requests end, as the new one takes the name. Returns its id."""
+        """Put a runtime adapter into the row of an older adapter of its name, a free row, or the row of
+        the least recently used one, where no request in `held` (adapter ids) holds that row; a row the
+        older adapter of that name held is kept until its requests end, as the new one takes the
+        name. Returns its id."""
         taken = set(self.recent.values()) | held
         free = [row for row in range(self.num_static, len(self.keys)) if row not in taken]
-        if not free:
+        own = self.recent.get(adapter.name)          # the name's row before its files changed
+        if own is not None and own not in held:
+            free = [own]                             # replaced in place: no other adapter is forgotten for it
+        elif not free:
             name = next((n for n, row in self.recent.items() if row not in held), None)
             if name is None:
                 raise LoraError(f"'lora_path': LoRA adapter {adapter.name!r} cannot be loaded: requests hold all "
