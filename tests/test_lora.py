@@ -377,6 +377,57 @@ def test_runtime_adapter_refusals_name_the_field(tiny_checkpoint, adapters, tmp_
     assert sorted(engine.requests) == ["b"] and not off.has_unfinished()
 
 
+def test_an_adapter_that_will_not_read_is_the_requests_error_and_read_weights_serve_on(tiny_checkpoint, adapters,
+                                                                                        tmp_path):
+    """Whatever reading an adapter raises is a ValueError naming it (the serving loop refuses the
+    request alone; anything else failed the engine and every request after it); weights read
+    before from a directory that is gone serve on, as vLLM's cache serves them; only a request
+    that is taken reads its adapter (and makes another give its row up)."""
+    engine = runtime_engine(tiny_checkpoint, {}, max_cpu_loras=1)
+    prompt = list(range(3, 3 + 40))
+
+    def run(name, path):
+        return engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0, lora_name=name,
+                                                        lora_path=str(path)))[0].token_ids
+
+    def copy(name, source):
+        shutil.copytree(source, tmp_path / name)
+        return tmp_path / name
+
+    expected = run("qv", adapters["qv-r8"])
+    linked = copy("linked", adapters["qv-r8"])          # a pruned download's link to nothing beside the files
+    os.symlink(tmp_path / "no-blob", linked / "adapter_model.safetensors.part")
+    assert run("linked", linked) == expected and run("linked", linked) == expected     # read, then looked up
+    pattern = copy("pattern", adapters["qv-r8"])
+    config = json.loads((pattern / "adapter_config.json").read_text())
+    (pattern / "adapter_config.json").write_text(json.dumps({**config, "alpha_pattern": {"(": 4}}))
+    with pytest.raises(LoraError, match=r"'alpha_pattern' key '\(' is not a regular expression"):
+        engine.add_request("pattern", prompt, SamplingParams(lora_name="pattern", lora_path=str(pattern)))
+    nested = copy("nested", adapters["qv-r8"])
+    (nested / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(LoraError, match=r"LoRA adapter 'nested' .*: cannot be read: RecursionError"):
+        engine.add_request("nested", prompt, SamplingParams(lora_name="nested", lora_path=str(nested)))
+    gone = copy("gone", adapters["ko-mlp-r4-rslora"])
+    ko = run("gone", gone)
+    shutil.rmtree(gone)
+    assert run("gone", gone) == ko                      # the directory was removed: the read weights serve on
+    assert engine.lora_names == ["gone"]
+    with pytest.raises(ValueError, match="'thinking_token_budget' needs"):   # refused: reads nothing, evicts nobody
+        engine.add_request("x", prompt, SamplingParams(lora_name="qv", lora_path=adapters["qv-r8"],
+                                                       thinking_token_budget=4))
+    assert engine.lora_names == ["gone"] and engine.stats()["kv_blocks_used"] == 0
+
+
+def test_naming_a_runtime_adapter_without_its_path_counts_as_use(tiny_checkpoint, adapters):
+    engine = runtime_engine(tiny_checkpoint, {}, max_cpu_loras=2, max_loras=2)
+    for name in ("qv", "ko"):
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=1, lora_name=name,
+                                                    lora_path=adapters["qv-r8" if name == "qv" else "ko-mlp-r4-rslora"]))
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=1, lora_name="qv"))     # by name: qv is now the recent one
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=1, lora_name="all", lora_path=adapters["all-linear-patterns"]))
+    assert sorted(engine.lora_names) == ["all", "qv"]
+
+
 def test_adapter_switch_is_checked(tiny_checkpoint, adapters, tmp_path):
     with pytest.raises(ValueError, match=r"'lora_modules' \['qv-r8'\] given but 'enable_lora' is false"):
         LLMEngine.from_pretrained(tiny_checkpoint, EngineConfig(), lora_modules={"qv-r8": adapters["qv-r8"]})

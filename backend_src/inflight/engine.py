@@ -132,7 +132,6 @@ class LLMEngine:
         # (the pool holds a whole max_model_len sequence: the runner refuses a smaller one at load)
         priority = parse_priority(priority)
         salt = self._salt_key(cache_salt)
-        lora_id, lora_key = self._lora_adapter(params.lora_name, params.lora_path)
         if params.thinking_token_budget is not None and (self.reasoning is None or self.reasoning.end_id is None):
             why = "which is not set" if self.reasoning is None else "and the tokenizer has none (no reply reasons)"
             raise ValueError(f"'thinking_token_budget' needs the engine's reasoning_parser (the model's reasoning "
@@ -141,6 +140,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             compiled = grammar if grammar is not None else self.structured.compile(params.structured_outputs)
             matcher = self.structured.new_matcher(compiled)
+        # the adapter after every other check: a refused request reads none, and makes no other give its row up
+        lora_id, lora_key = self._lora_adapter(params.lora_name, params.lora_path)
         self._make_room(priority, room_for)     # last: nothing below refuses it once another gave up its place
         generator = None
         if params.seed is not None:
@@ -224,7 +225,7 @@ class LLMEngine:
         if lora is None:
             raise ValueError(f"'lora_name' {lora_name!r}: LoRA is not enabled on this model ('enable_lora' is false)")
         if lora_path is None:
-            adapter_id = lora.ids.get(lora_name)
+            adapter_id = lora.named(lora_name)
             if adapter_id is None:
                 raise ValueError(f"unknown 'lora_name' {lora_name!r}; known: {lora.names}")
         else:
@@ -233,14 +234,23 @@ class LLMEngine:
 
     def _runtime_adapter(self, lora, lora_name: str, lora_path: str) -> int:
         """The id of the adapter loaded from lora_path under lora_name, reading it now (on the engine's
-        thread: the steps wait for it) where it is not loaded, or its files changed since."""
+        thread: the steps wait for it) where it is not loaded, or its files changed since. Weights
+        read earlier from that directory serve on where it can no longer be read (deleted, or half
+        written by a training run), as vLLM's adapter cache serves them without looking again."""
         adapter_id = lora.lookup(lora_name, lora_path)
         if adapter_id is not None:
             return adapter_id
         if not self.config.allow_runtime_lora_updating:
             raise ValueError(f"'lora_path' {lora_path!r}: loading LoRA adapters at runtime is off "
                              "('allow_runtime_lora_updating' is false)")
-        adapter = load_adapter(lora_name, lora_path, self.runner.spec, self.config.max_lora_rank)
+        try:
+            adapter = load_adapter(lora_name, lora_path, self.runner.spec, self.config.max_lora_rank)
+        except ValueError as exc:
+            adapter_id = lora.loaded(lora_name, lora_path)
+            if adapter_id is None:
+                raise
+            log.warning("inflight: %s; the weights read from it before serve on", exc)
+            return adapter_id
         adapter_id = lora.add(adapter, held={r.lora_id for r in self.requests.values()})
         log.info("inflight: loaded LoRA adapter %r from %s", lora_name, lora_path)
         return adapter_id

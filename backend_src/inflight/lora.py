@@ -115,7 +115,18 @@ def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
 
 
 def load_adapter(name: str, path: str, spec: ModelSpec, max_rank: int) -> LoraAdapter:
-    """Read and check one PEFT LoRA adapter directory; weights stay in their saved dtype on CPU."""
+    """Read and check one PEFT LoRA adapter directory; weights stay in their saved dtype on CPU.
+    Whatever goes wrong is a LoraError naming the adapter: at runtime it is the request's error, and
+    must never reach the engine as a fault of its own."""
+    try:
+        return _read_adapter(name, path, spec, max_rank)
+    except LoraError:
+        raise
+    except Exception as exc:        # a file that will not read, JSON nested past Python's limit, ...
+        raise LoraError(f"LoRA adapter {name!r} ({path}): cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+def _read_adapter(name: str, path: str, spec: ModelSpec, max_rank: int) -> LoraAdapter:
     if not isinstance(name, str) or not name:
         raise LoraError(f"LoRA adapter names must be non-empty strings, got {name!r}")
     if not isinstance(path, str) or not os.path.isdir(path):
@@ -184,11 +195,20 @@ def adapter_key(name: str, path: str) -> bytes:
     """An adapter's identity in prefix-cache hashes: its name, directory and files' sizes and
     modification times (an adapter trained again in place is another adapter)."""
     path = os.path.realpath(path)
-    if not os.path.isdir(path):
+    try:
+        files = sorted(f for f in os.listdir(path) if f.startswith("adapter_"))
+    except OSError:                 # no directory (any more), or none this process may read
         return b""
-    stats = {f: os.stat(os.path.join(path, f)) for f in sorted(os.listdir(path)) if f.startswith("adapter_")}
-    stamps = [(f, stat.st_size, stat.st_mtime_ns) for f, stat in stats.items()]
-    return hashlib.blake2b(f"{name}|{path}|{stamps}".encode(), digest_size=16).digest()
+    return hashlib.blake2b(f"{name}|{path}|{[_stamp(path, f) for f in files]}".encode(), digest_size=16).digest()
+
+
+def _stamp(path: str, file: str) -> tuple:
+    """A file's size and modification time; a link to nothing (a pruned download) has none."""
+    try:
+        stat = os.stat(os.path.join(path, file))
+    except OSError:
+        return file, None
+    return file, stat.st_size, stat.st_mtime_ns
 
 
 def _check_config(config: dict, fail) -> None:
@@ -209,6 +229,11 @@ def _check_config(config: dict, fail) -> None:
     for name in ("rank_pattern", "alpha_pattern"):
         if not isinstance(config.get(name) or {}, dict):
             fail(f"'{name}' must be a JSON object")
+        for pattern in config.get(name) or {}:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                fail(f"'{name}' key {pattern!r} is not a regular expression: {exc}")
 
 
 def _pattern_key(patterns: dict, key: str) -> str | None:
@@ -287,7 +312,7 @@ class LoraWeights:
         module gets columns of rank max_rank (without them, only the adapters' modules and ranks)."""
         self.ids = {adapter.name: i for i, adapter in enumerate(adapters)}
         self.keys = [adapter.key for adapter in adapters] + [b""] * runtime_rows
-        self.static_paths = [os.path.realpath(adapter.path) for adapter in adapters]
+        self.paths = [os.path.realpath(adapter.path) for adapter in adapters] + [""] * runtime_rows
         self.num_static = len(adapters)
         self.recent: dict[str, int] = {}         # runtime adapters' names -> rows, least recently named first
         num_rows = len(adapters) + runtime_rows
@@ -365,24 +390,38 @@ class LoraWeights:
                         weights.b[row, j * rank:j * rank + r, cols] = (module.b.t().double() * module.scale).to(
                             weights.b.dtype)
         self.keys[row] = adapter.key
+        self.paths[row] = os.path.realpath(adapter.path)
 
     @property
     def names(self) -> list[str]:
         return list(self.ids)
 
+    def named(self, name: str) -> int | None:
+        """The row serving `name` (None: none does); a runtime adapter's marked used now."""
+        if name in self.recent:
+            self.recent[name] = self.recent.pop(name)
+        return self.ids.get(name)
+
     def lookup(self, name: str, path: str) -> int | None:
-        """The row of the runtime adapter `name` loaded from `path` (None: not loaded), marked used
-        now. A static adapter's name with a path is refused unless the path is its own."""
+        """The row of the runtime adapter `name` loaded from `path` as its files are now (None: not
+        loaded), marked used. A static adapter's name with a path is refused unless the path is its own."""
         row = self.ids.get(name)
         if row is not None and row < self.num_static:
-            if self.static_paths[row] != os.path.realpath(path):
-                raise LoraError(f"'lora_path': LoRA adapter {name!r} is served from {self.static_paths[row]} (named at "
+            if self.paths[row] != os.path.realpath(path):
+                raise LoraError(f"'lora_path': LoRA adapter {name!r} is served from {self.paths[row]} (named at "
                                 f"start-up), not {path}")
             return row
         if row is None or self.keys[row] != adapter_key(name, path):
             return None                  # not loaded, or loaded from another path or before its files changed
-        self.recent[name] = self.recent.pop(name)
-        return row
+        return self.named(name)
+
+    def loaded(self, name: str, path: str) -> int | None:
+        """The row of the runtime adapter `name` read earlier from `path`, whatever its files are now
+        (None: none), marked used."""
+        row = self.ids.get(name)
+        if row is None or row < self.num_static or self.paths[row] != os.path.realpath(path):
+            return None
+        return self.named(name)
 
     def add(self, adapter: LoraAdapter, held: set[int]) -> int:
         """Put a runtime adapter into the row of an older adapter of its name, a free row, or the row of
