@@ -377,12 +377,11 @@ def test_runtime_adapter_refusals_name_the_field(tiny_checkpoint, adapters, tmp_
     assert sorted(engine.requests) == ["b"] and not off.has_unfinished()
 
 
-def test_an_adapter_that_will_not_read_is_the_requests_error_and_read_weights_serve_on(tiny_checkpoint, adapters,
-                                                                                        tmp_path):
+def test_an_adapter_that_will_not_read_is_the_requests_error(tiny_checkpoint, adapters, tmp_path):
     """Whatever reading an adapter raises is a ValueError naming it (the serving loop refuses the
-    request alone; anything else failed the engine and every request after it); weights read
-    before from a directory that is gone serve on, as vLLM's cache serves them; only a request
-    that is taken reads its adapter (and makes another give its row up)."""
+    request alone; anything else failed the engine and every request after it), also for an adapter
+    loaded before whose directory is gone; only a request that is taken reads its adapter (and makes
+    another give its row up)."""
     engine = runtime_engine(tiny_checkpoint, {}, max_cpu_loras=1)
     prompt = list(range(3, 3 + 40))
 
@@ -408,9 +407,10 @@ def test_an_adapter_that_will_not_read_is_the_requests_error_and_read_weights_se
     with pytest.raises(LoraError, match=r"LoRA adapter 'nested' .*: cannot be read: RecursionError"):
         engine.add_request("nested", prompt, SamplingParams(lora_name="nested", lora_path=str(nested)))
     gone = copy("gone", adapters["ko-mlp-r4-rslora"])
-    ko = run("gone", gone)
+    run("gone", gone)
     shutil.rmtree(gone)
-    assert run("gone", gone) == ko                      # the directory was removed: the read weights serve on
+    with pytest.raises(LoraError, match=f"LoRA adapter 'gone': directory '{gone}' does not exist"):
+        run("gone", gone)
     assert engine.lora_names == ["gone"]
     with pytest.raises(ValueError, match="'thinking_token_budget' needs"):   # refused: reads nothing, evicts nobody
         engine.add_request("x", prompt, SamplingParams(lora_name="qv", lora_path=adapters["qv-r8"],

@@ -234,23 +234,14 @@ class LLMEngine:
 
     def _runtime_adapter(self, lora, lora_name: str, lora_path: str) -> int:
         """The id of the adapter loaded from lora_path under lora_name, reading it now (on the engine's
-        thread: the steps wait for it) where it is not loaded, or its files changed since. Weights
-        read earlier from that directory serve on where it can no longer be read (deleted, or half
-        written by a training run), as vLLM's adapter cache serves them without looking again."""
+        thread: the steps wait for it) where it is not loaded, or its files changed since."""
         adapter_id = lora.lookup(lora_name, lora_path)
         if adapter_id is not None:
             return adapter_id
         if not self.config.allow_runtime_lora_updating:
             raise ValueError(f"'lora_path' {lora_path!r}: loading LoRA adapters at runtime is off "
                              "('allow_runtime_lora_updating' is false)")
-        try:
-            adapter = load_adapter(lora_name, lora_path, self.runner.spec, self.config.max_lora_rank)
-        except ValueError as exc:
-            adapter_id = lora.loaded(lora_name, lora_path)
-            if adapter_id is None:
-                raise
-            log.warning("inflight: %s; the weights read from it before serve on", exc)
-            return adapter_id
+        adapter = load_adapter(lora_name, lora_path, self.runner.spec, self.config.max_lora_rank)
         adapter_id = lora.add(adapter, held={r.lora_id for r in self.requests.values()})
         log.info("inflight: loaded LoRA adapter %r from %s", lora_name, lora_path)
         return adapter_id

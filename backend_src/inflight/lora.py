@@ -415,14 +415,6 @@ class LoraWeights:
             return None                  # not loaded, or loaded from another path or before its files changed
         return self.named(name)
 
-    def loaded(self, name: str, path: str) -> int | None:
-        """The row of the runtime adapter `name` read earlier from `path`, whatever its files are now
-        (None: none), marked used."""
-        row = self.ids.get(name)
-        if row is None or row < self.num_static or self.paths[row] != os.path.realpath(path):
-            return None
-        return self.named(name)
-
     def add(self, adapter: LoraAdapter, held: set[int]) -> int:
         """Put a runtime adapter into the row of an older adapter of its name, a free row, or the row of
         the least recently used one, where no request in `held` (adapter ids) holds that row; a row the
