@@ -188,7 +188,10 @@ def _read_adapter(name: str, path: str, spec: ModelSpec, max_rank: int) -> LoraA
             fail(f"'lora_alpha' / 'alpha_pattern' for {key} must be a number, got {alpha!r}")
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         modules[(layer, module)] = LoraModule(a, b, scale)
-    return LoraAdapter(name, path, max(m.a.shape[0] for m in modules.values()), modules, adapter_key(name, path))
+    key = adapter_key(name, path)
+    if not key:                     # no key would share prefix-cache blocks with another such adapter
+        fail("the directory could not be read to the end")
+    return LoraAdapter(name, path, max(m.a.shape[0] for m in modules.values()), modules, key)
 
 
 def adapter_key(name: str, path: str) -> bytes:
@@ -312,7 +315,7 @@ class LoraWeights:
         module gets columns of rank max_rank (without them, only the adapters' modules and ranks)."""
         self.ids = {adapter.name: i for i, adapter in enumerate(adapters)}
         self.keys = [adapter.key for adapter in adapters] + [b""] * runtime_rows
-        self.paths = [os.path.realpath(adapter.path) for adapter in adapters] + [""] * runtime_rows
+        self.static_paths = [os.path.realpath(adapter.path) for adapter in adapters]
         self.num_static = len(adapters)
         self.recent: dict[str, int] = {}         # runtime adapters' names -> rows, least recently named first
         num_rows = len(adapters) + runtime_rows
@@ -390,7 +393,6 @@ class LoraWeights:
                         weights.b[row, j * rank:j * rank + r, cols] = (module.b.t().double() * module.scale).to(
                             weights.b.dtype)
         self.keys[row] = adapter.key
-        self.paths[row] = os.path.realpath(adapter.path)
 
     @property
     def names(self) -> list[str]:
@@ -407,8 +409,8 @@ class LoraWeights:
         loaded), marked used. A static adapter's name with a path is refused unless the path is its own."""
         row = self.ids.get(name)
         if row is not None and row < self.num_static:
-            if self.paths[row] != os.path.realpath(path):
-                raise LoraError(f"'lora_path': LoRA adapter {name!r} is served from {self.paths[row]} (named at "
+            if self.static_paths[row] != os.path.realpath(path):
+                raise LoraError(f"'lora_path': LoRA adapter {name!r} is served from {self.static_paths[row]} (named at "
                                 f"start-up), not {path}")
             return row
         if row is None or self.keys[row] != adapter_key(name, path):
