@@ -39,7 +39,7 @@ def vllm_openai_server(tmp_path, *args, model_dir: str = DEFAULT_MODEL, env: dic
     environment; its base URL."""
     python = os.environ.get("VLLM_PYTHON")
     if not python:
-        pytest.fail("the peer tests need VLLM_PYTHON (README: llm)")
+        pytest.fail("the peer tests need VLLM_PYTHON (README: OpenAI API)")
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     env.pop("PYTHONPATH", None)
