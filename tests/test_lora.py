@@ -418,6 +418,55 @@ def test_an_adapter_that_will_not_read_is_the_requests_error(tiny_checkpoint, ad
     assert engine.lora_names == ["gone"] and engine.stats()["kv_blocks_used"] == 0
 
 
+def test_files_that_change_while_read_are_refused_and_a_home_path_is_read(tiny_checkpoint, adapters, tmp_path,
+                                                                         monkeypatch):
+    """A training run saving new files while the adapter is read: the weights read would be filed
+    under the new files' key (every later request would run them, and cache their blocks as the new
+    ones'); refused instead, and read whole at the next request. '~' is the home directory, as in vLLM."""
+    import inflight.lora as lora_module
+    engine = runtime_engine(tiny_checkpoint, {})
+    prompt = list(range(3, 3 + 40))
+    moving = tmp_path / "moving"
+    shutil.copytree(adapters["qv-r8"], moving)
+    read = lora_module._read_tensors
+
+    def read_then_save(path, fail):
+        tensors = read(path, fail)
+        shutil.rmtree(moving)
+        shutil.copytree(adapters["ko-mlp-r4-rslora"], moving)       # the next checkpoint lands meanwhile
+        return tensors
+
+    monkeypatch.setattr(lora_module, "_read_tensors", read_then_save)
+    with pytest.raises(LoraError, match="its files changed, or went away, while they were read: load it again"):
+        engine.add_request("a", prompt, SamplingParams(lora_name="m", lora_path=str(moving)))
+    monkeypatch.setattr(lora_module, "_read_tensors", read)
+    params = dict(max_tokens=6, temperature=0)
+    expected = engine.generate([prompt], SamplingParams(**params, lora_name="ko",
+                                                        lora_path=adapters["ko-mlp-r4-rslora"]))[0].token_ids
+    assert engine.generate([prompt], SamplingParams(**params, lora_name="m", lora_path=str(moving)))[0].token_ids \
+        == expected
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert engine.generate([prompt], SamplingParams(**params, lora_name="home", lora_path="~/moving"))[0].token_ids \
+        == expected
+
+
+def test_an_adapters_requests_count_under_its_name_while_old_weights_run_on(tiny_checkpoint, adapters, tmp_path):
+    """Files changed while a request runs: the new request reads them into another row, the old one
+    runs on in its own; both are the name's running requests (vLLM's lora_requests_info counts by name)."""
+    engine = runtime_engine(tiny_checkpoint, {}, max_cpu_loras=2, max_loras=2)
+    moving = tmp_path / "moving"
+    shutil.copytree(adapters["qv-r8"], moving, copy_function=shutil.copy)
+    engine.add_request("old", list(range(3, 20)), SamplingParams(max_tokens=30, lora_name="m", lora_path=str(moving)))
+    engine.step()
+    shutil.rmtree(moving)
+    shutil.copytree(adapters["ko-mlp-r4-rslora"], moving, copy_function=shutil.copy)
+    engine.add_request("new", list(range(3, 20)), SamplingParams(max_tokens=30, lora_name="m", lora_path=str(moving)))
+    engine.step()
+    stats = engine.stats()
+    assert stats["lora_names"] == ["m"] and stats["lora_running"].tolist() == [2]
+    assert stats["lora_waiting"].tolist() == [0]
+
+
 def test_naming_a_runtime_adapter_without_its_path_counts_as_use(tiny_checkpoint, adapters):
     engine = runtime_engine(tiny_checkpoint, {}, max_cpu_loras=2, max_loras=2)
     for name in ("qv", "ko"):

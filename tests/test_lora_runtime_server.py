@@ -107,6 +107,9 @@ def test_load_and_unload_refusals_have_vllms_status(api, adapters, tmp_path):
          "'is_3d_lora_weight' is not supported"),
     ]
     route(api, "/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": adapters["qv"]})
+    (tmp_path / "empty").mkdir()            # no adapter_config.json: vLLM's PEFT helper finds no adapter there
+    cases.append(({"lora_name": "empty", "lora_path": str(tmp_path / "empty")}, 404,
+                  f"Loading lora empty failed: No adapter found for {tmp_path}/empty"))
     (tmp_path / "dora").mkdir()
     (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "use_dora": True}))
     cases.append(({"lora_name": "dora", "lora_path": str(tmp_path / "dora")}, 400,

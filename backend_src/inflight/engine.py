@@ -228,8 +228,8 @@ class LLMEngine:
             adapter_id = lora.named(lora_name)
             if adapter_id is None:
                 raise ValueError(f"unknown 'lora_name' {lora_name!r}; known: {lora.names}")
-        else:
-            adapter_id = self._runtime_adapter(lora, lora_name, lora_path)
+        else:       # '~' read as the user's home, as vLLM reads an adapter's path
+            adapter_id = self._runtime_adapter(lora, lora_name, os.path.expanduser(lora_path))
         return adapter_id, b"|lora:" + lora.keys[adapter_id]
 
     def _runtime_adapter(self, lora, lora_name: str, lora_path: str) -> int:
@@ -473,10 +473,17 @@ class LLMEngine:
             "lora_loads": 0 if self.runner.lora is None else self.runner.lora.num_loads,
         }
         if self.runner.lora is not None:
-            lora = self.runner.lora       # by adapter id; reported in lora_names' order
-            rows = np.fromiter(lora.ids.values(), dtype=np.int64, count=len(lora.ids))
+            # by adapter id, summed by name in lora_names' order: an older adapter of a name (its files
+            # changed) runs on in a row of its own until its requests end
+            lora = self.runner.lora
             running, waiting = scheduler.lora_requests(len(lora.keys))
-            stats["lora_names"], stats["lora_running"], stats["lora_waiting"] = lora.names, running[rows], waiting[rows]
+            position = {name: i for i, name in enumerate(lora.names)}
+            owner = np.array([position.get(name, -1) for name in lora.row_names], dtype=np.int64)
+            named = owner >= 0
+            stats["lora_names"] = lora.names
+            stats["lora_running"], stats["lora_waiting"] = (
+                np.bincount(owner[named], counts[named], minlength=len(position)).astype(np.int64)
+                for counts in (running, waiting))
         return stats
 
     def check_invariants(self) -> None:

@@ -136,6 +136,8 @@ def _read_adapter(name: str, path: str, spec: ModelSpec, max_rank: int) -> LoraA
     def fail(message: str):
         raise LoraError(f"{where}: {message}")
 
+    identity = adapter_key(name, path)     # taken before the files are read: a run saving new ones meanwhile shows
+
     config_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_path):
         fail("no adapter_config.json in the directory")
@@ -188,10 +190,9 @@ def _read_adapter(name: str, path: str, spec: ModelSpec, max_rank: int) -> LoraA
             fail(f"'lora_alpha' / 'alpha_pattern' for {key} must be a number, got {alpha!r}")
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         modules[(layer, module)] = LoraModule(a, b, scale)
-    key = adapter_key(name, path)
-    if not key:                     # no key would share prefix-cache blocks with another such adapter
-        fail("the directory could not be read to the end")
-    return LoraAdapter(name, path, max(m.a.shape[0] for m in modules.values()), modules, key)
+    if not identity or adapter_key(name, path) != identity:     # keyless, it would share blocks with another
+        fail("its files changed, or went away, while they were read: load it again")
+    return LoraAdapter(name, path, max(m.a.shape[0] for m in modules.values()), modules, identity)
 
 
 def adapter_key(name: str, path: str) -> bytes:
@@ -316,6 +317,8 @@ class LoraWeights:
         self.ids = {adapter.name: i for i, adapter in enumerate(adapters)}
         self.keys = [adapter.key for adapter in adapters] + [b""] * runtime_rows
         self.static_paths = [os.path.realpath(adapter.path) for adapter in adapters]
+        # row -> the name it was loaded under: an older adapter of a name keeps its row while its requests run
+        self.row_names: list[str | None] = [adapter.name for adapter in adapters] + [None] * runtime_rows
         self.num_static = len(adapters)
         self.recent: dict[str, int] = {}         # runtime adapters' names -> rows, least recently named first
         num_rows = len(adapters) + runtime_rows
@@ -393,6 +396,7 @@ class LoraWeights:
                         weights.b[row, j * rank:j * rank + r, cols] = (module.b.t().double() * module.scale).to(
                             weights.b.dtype)
         self.keys[row] = adapter.key
+        self.row_names[row] = adapter.name
 
     @property
     def names(self) -> list[str]:

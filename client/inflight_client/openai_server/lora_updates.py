@@ -73,7 +73,8 @@ async def _read_in_llm(ctx: Context, adapter: dict) -> None:
                 raise
             await ctx.triton.embed([token], {}, None, None, adapter)
     except APIError as exc:
-        if "does not exist" in exc.message:          # vLLM's status and words for a directory that is not there
+        # vLLM's status and words for a directory that is not there, or holds no adapter_config.json
+        if "does not exist" in exc.message or "no adapter_config.json" in exc.message:
             raise APIError(404, f"Loading lora {adapter['lora_name']} failed: No adapter found for "
                            f"{adapter['lora_path']}", "lora_path", "NotFoundError") from None
         raise APIError(exc.status, exc.message, "lora_path", exc.code) from None
