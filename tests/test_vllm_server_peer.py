@@ -350,7 +350,8 @@ def runtime_lora(tmp_path_factory):
 
 def test_adapters_load_and_unload_at_runtime_as_in_vllms_server(runtime_lora, tmp_path):
     """The same replies, step by step: a load, the adapter listed and its greedy completion, a
-    second load refused, an unload, a second unload refused, a directory that is not there."""
+    second load refused, an unload, a second unload refused, a directory that is not there or holds no
+    adapter."""
     def both(method: str, path: str, body: dict | None = None) -> list[httpx.Response]:
         return [httpx.request(method, url + path, json=body, timeout=120) for url in runtime_lora]
 
@@ -377,3 +378,6 @@ def test_adapters_load_and_unload_at_runtime_as_in_vllms_server(runtime_lora, tm
     assert [r.status_code for r in both("POST", "/v1/completions", completion)] == [404, 404]
     same(both("POST", "/v1/load_lora_adapter", {"lora_name": "gone", "lora_path": str(tmp_path / "gone")}),
          "a directory that is not there")
+    (tmp_path / "empty").mkdir()
+    replies = both("POST", "/v1/load_lora_adapter", {"lora_name": "empty", "lora_path": str(tmp_path / "empty")})
+    assert [r.status_code for r in replies] == [404, 404], [r.text for r in replies]     # no adapter_config.json
