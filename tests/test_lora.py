@@ -469,11 +469,11 @@ def test_an_adapters_requests_count_under_its_name_while_old_weights_run_on(tiny
 
 def test_naming_a_runtime_adapter_without_its_path_counts_as_use(tiny_checkpoint, adapters):
     engine = runtime_engine(tiny_checkpoint, {}, max_cpu_loras=2, max_loras=2)
+    paths = {"qv": adapters["qv-r8"], "ko": adapters["ko-mlp-r4-rslora"], "all": adapters["all-linear-patterns"]}
     for name in ("qv", "ko"):
-        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=1, lora_name=name,
-                                                    lora_path=adapters["qv-r8" if name == "qv" else "ko-mlp-r4-rslora"]))
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=1, lora_name=name, lora_path=paths[name]))
     engine.generate([[5, 6, 7]], SamplingParams(max_tokens=1, lora_name="qv"))     # by name: qv is now the recent one
-    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=1, lora_name="all", lora_path=adapters["all-linear-patterns"]))
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=1, lora_name="all", lora_path=paths["all"]))   # evicts ko
     assert sorted(engine.lora_names) == ["all", "qv"]
 
 

@@ -93,8 +93,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
                              "`llm`'s max_num_seqs + max_queue_size (what `make serve` passes), one request's many "
                              "prompts never fill the engine's queue by themselves")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                        help=f"require 'Authorization: Bearer KEY' on every route but /health, /ping, /version and /metrics "
-                             f"(repeatable: any of the keys; default: ${API_KEY_ENV} if set, else no key)")
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health, /ping, /version and "
+                             f"/metrics (repeatable: any of the keys; default: ${API_KEY_ENV} if set, else no key)")
     parser.add_argument("--no-request-priority", dest="request_priority", action="store_false",
                         help="refuse a request's 'priority' other than normal (400), as vLLM's server does without "
                              "priority scheduling: clients that are not trusted cannot preempt each other")
