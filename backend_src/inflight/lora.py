@@ -13,12 +13,13 @@ Weights (`LoraWeights`): every adapter named at start-up is written once into a 
 host tensors, ranks zero-padded to the largest; the step reads `max_loras` slots of the same shape
 on the device. With runtime loading (EngineConfig.allow_runtime_lora_updating), `max_cpu_loras`
 more rows take adapters a request names by path (`lookup`, `add`: the least recently named one
-no request holds gives its row up), and every module gets columns of rank max_lora_rank. The model keeps its fused base projections; per fused group (qkv, o, gate_up, down)
-the group's modules share one input, so their A matrices sit side by side in A [slots, in,
-modules x R] (one shrink serves q, k and v) and their B matrices, each scaled by its lora_alpha / r
-(or / sqrt(r)), sit block-diagonally in B [slots, modules x R, the group's output columns] (one
-expand adds every module's term into its own columns of the fused output). Only modules some
-adapter targets get tensors.
+no request holds gives its row up), and every module gets columns of rank max_lora_rank. The
+model keeps its fused base projections; per fused group (qkv, o, gate_up, down) the group's
+modules share one input, so their A matrices sit side by side in A [slots, in, modules x R] (one
+shrink serves q, k and v) and their B matrices, each scaled by its lora_alpha / r (or / sqrt(r)),
+sit block-diagonally in B [slots, modules x R, the group's output columns] (one expand adds every
+module's term into its own columns of the fused output). Without runtime loading, only modules
+some adapter targets get tensors.
 
 Slots (vLLM's `max_loras`: the adapters one step may hold): the scheduler admits no request whose
 adapter would make more than `max_loras` distinct adapters run at once, and each step
